@@ -1,0 +1,49 @@
+"""`servprof ...` entry points. Each sub-command lives in the module of its stage;
+this file only dispatches, importing a module when its command runs."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command -> (module with add_arguments(parser) and run(args) -> int, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("servprof.demo.run_demo", "run the demo server under load, sample it, and report findings"),
+    "demo-server": ("servprof.demo.server", "serve the demo LLM (OpenAI-compatible) with servprof on"),
+    "analyze": ("servprof.report.analyze_cli", "analyse a torch.profiler / Kineto trace and report findings"),
+    "calibrate": ("servprof.detect.calibrate", "measure this device's memory bandwidth and FLOP/s"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="servprof", description="A profiler that lives inside LLM inference servers.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        command_parser = sub.add_parser(name, help=help_text, description=help_text)
+        command_parser.set_defaults(_module=module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            command_parser.set_defaults(_import_error=exc)
+            continue
+        module.add_arguments(command_parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    error = getattr(args, "_import_error", None)
+    if error is not None:
+        print(f"servprof {args.command}: unavailable ({error}); try: pip install 'servprof[demo]'", file=sys.stderr)
+        return 2
+    module = importlib.import_module(args._module)
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Phase markers: serving code tags its work so a sampled trace shows which request it was for.
+
+A phase becomes one profiler range named ``servprof:<phase>|<id>[,<id>...]`` (the
+chrome-trace export drops record-function kwargs, so the ids travel in the name).
+When no profiler is active a phase costs one global read, nothing more: the
+serving path pays nothing while servprof is not sampling.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+import torch.autograd.profiler as _autograd_profiler
+from torch._C._profiler import _RecordFunctionFast
+
+from servprof.request_context import current_request_id
+
+PHASE_PREFIX = "servprof:"
+PHASES = ("tokenize", "queue", "prefill", "decode_step", "detokenize")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def phase_event_name(name: str, request_ids: Iterable[str]) -> str:
+    return f"{PHASE_PREFIX}{name}|{','.join(request_ids)}"
+
+
+def parse_phase_event_name(event_name: str) -> tuple[str, list[str]] | None:
+    """Inverse of :func:`phase_event_name`; None for events that are not phases."""
+    if not event_name.startswith(PHASE_PREFIX):
+        return None
+    body = event_name[len(PHASE_PREFIX):]
+    name, _, ids = body.partition("|")
+    return name, [i for i in ids.split(",") if i]
+
+
+class phase:  # noqa: N801 - used like a function: `with servprof.phase("tokenize"):`
+    """Mark a part of serving one request (or a batch of requests).
+
+    ``with phase("tokenize"):`` tags the current request (from the middleware's
+    contextvar); ``phase("decode_step", request_ids=[...])`` tags a batched step.
+    Also usable as a decorator.
+    """
+
+    __slots__ = ("name", "request_id", "request_ids", "_range")
+
+    def __init__(self, name: str, request_id: str | None = None, request_ids: Iterable[str] | None = None):
+        self.name = name
+        self.request_id = request_id
+        self.request_ids = request_ids
+        self._range: _RecordFunctionFast | None = None
+
+    def __enter__(self) -> phase:
+        # _is_profiler_enabled is a plain Python global, true from every thread while
+        # any profiler runs; everything else is skipped when it is false.
+        if _autograd_profiler._is_profiler_enabled:
+            if self.request_ids is not None:
+                ids = list(self.request_ids)
+            else:
+                rid = self.request_id or current_request_id()
+                ids = [rid] if rid else []
+            # input_values must be a tuple: None aborts the process in torch 2.13.
+            self._range = _RecordFunctionFast(phase_event_name(self.name, ids), (), {})
+            self._range.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
+
+    def __call__(self, func: F) -> F:
+        name, request_id, request_ids = self.name, self.request_id, self.request_ids
+
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with phase(name, request_id, request_ids):
+                return func(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
