@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["ServprofMiddleware", "Settings", "phase", "current_request_id", "__version__"]
+__all__ = ["ServprofMiddleware", "Settings", "phase", "current_request_id", "annotate_request", "__version__"]
 
 # Imported lazily so `import servprof` stays cheap (phase and the middleware pull in torch).
 _LAZY = {
@@ -19,12 +19,13 @@ _LAZY = {
     "Settings": "servprof.settings",
     "phase": "servprof.phases",
     "current_request_id": "servprof.request_context",
+    "annotate_request": "servprof.request_context",
 }
 
 if TYPE_CHECKING:
     from servprof.middleware import ServprofMiddleware
     from servprof.phases import phase
-    from servprof.request_context import current_request_id
+    from servprof.request_context import annotate_request, current_request_id
     from servprof.settings import Settings
 
 

@@ -34,7 +34,11 @@ class RequestRecord:
     error_type: str | None = None
     sampled: bool = False
     session_id: str | None = None
-    # Filled by whoever knows them (the app through servprof's helpers, or a parser of the body).
+    # First bytes of a POST body (at most Settings.body_head_bytes), kept so observers can read
+    # OpenAI-style request fields (model, max_tokens, stream) at request end, off the chunk path.
+    request_body_head: bytes = b""
+    # Filled by serving code through servprof.request_context.annotate_request, e.g.
+    # {"gen_ai.usage.input_tokens": 12, "gen_ai.usage.output_tokens": 40}.
     attributes: dict[str, Any] = field(default_factory=dict)
 
     def elapsed_ms(self, end_perf_ns: int | None) -> float | None:
@@ -45,7 +49,8 @@ class RequestRecord:
 
 class RequestObserver(Protocol):
     def on_request_start(self, record: RequestRecord, scope: dict[str, Any]) -> Any:
-        """Called once when the request arrives; may return per-request state (e.g. a span)."""
+        """Called once when the request arrives, before the app sees the scope; may return
+        per-request state (e.g. a span). May rewrite scope["headers"] (traceparent)."""
 
     def on_request_end(self, record: RequestRecord, state: Any) -> None:
         """Called once when the response is complete, failed, or the client left."""
