@@ -1,0 +1,129 @@
+"""One Settings object for servprof, read from SERVPROF_* environment variables.
+
+`ServprofMiddleware()` with no arguments (as vLLM adds it) reads everything from the
+environment; keyword arguments override single fields. OpenTelemetry's own OTEL_*
+variables are left to the OpenTelemetry SDK and read by servprof.telemetry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENV_PREFIX = "SERVPROF_"
+
+
+class SettingsError(ValueError):
+    """A setting has a value servprof cannot use; the message names the variable."""
+
+
+def _default_service_name() -> str:
+    return os.environ.get("OTEL_SERVICE_NAME", "servprof")
+
+
+@dataclass(frozen=True)
+class Settings:
+    enabled: bool = True
+    out_dir: Path = Path("servprof-out")
+
+    # Sampling policies (combinable). 0 turns a policy off.
+    sample_every: int = 0  # every k-th request
+    sample_rate: float = 0.0  # probability per request
+    control_token: str | None = None  # enables /servprof/* and the x-servprof-sample header
+    control_prefix: str = "/servprof"
+    max_on_demand: int = 64  # largest n accepted by POST /servprof/sample
+    on_demand_min_interval_s: float = 1.0  # rate limit on POST /servprof/sample
+
+    # Session bounds: a session ends at whichever comes first.
+    requests_per_session: int = 4
+    max_session_s: float = 10.0
+    max_session_events: int = 50_000
+    max_session_steps: int = 64  # decode steps, counted from servprof.phase("decode_step")
+    record_shapes: bool = False
+    with_stack: bool = False
+    warmup: bool = True  # warm Kineto up in the background at start-up
+
+    # Trace store retention (oldest files go first).
+    trace_max_files: int = 20
+    trace_max_mb: float = 200.0
+
+    analysis: bool = True
+    analysis_timeout_s: float = 60.0
+
+    telemetry: bool = True
+    service_name: str = field(default_factory=_default_service_name)
+    capture_content: bool = False  # never put prompt/completion text anywhere unless set
+    body_head_bytes: int = 4096
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Settings from SERVPROF_<FIELD> variables, then keyword overrides."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = environ.get(ENV_PREFIX + f.name.upper())
+            if raw is not None and raw != "":
+                values[f.name] = _parse(f.name, raw, f.type)
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise SettingsError(f"unknown servprof setting(s): {', '.join(sorted(unknown))}")
+        values.update(overrides)
+        settings = cls(**values)
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        checks = [
+            (self.sample_every >= 0, "sample_every must be >= 0"),
+            (0.0 <= self.sample_rate <= 1.0, "sample_rate must be between 0 and 1"),
+            (self.requests_per_session >= 1, "requests_per_session must be >= 1"),
+            (self.max_session_s > 0, "max_session_s must be > 0"),
+            (self.max_session_events > 0, "max_session_events must be > 0"),
+            (self.max_session_steps > 0, "max_session_steps must be > 0"),
+            (self.max_on_demand >= 1, "max_on_demand must be >= 1"),
+            (self.trace_max_files >= 1, "trace_max_files must be >= 1"),
+            (self.trace_max_mb > 0, "trace_max_mb must be > 0"),
+            (self.analysis_timeout_s > 0, "analysis_timeout_s must be > 0"),
+            (self.control_prefix.startswith("/") and not self.control_prefix.endswith("/"),
+             "control_prefix must start with '/' and not end with '/'"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise SettingsError(f"servprof: {message} (set through {ENV_PREFIX}<NAME> or keyword)")
+
+    def public_dict(self) -> dict[str, Any]:
+        """Settings as shown in /servprof/status: the token is never shown."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["out_dir"] = str(self.out_dir)
+        data["control_token"] = "set" if self.control_token else None
+        return data
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _parse(name: str, raw: str, type_name: Any) -> Any:
+    var = ENV_PREFIX + name.upper()
+    type_text = str(type_name)
+    try:
+        if type_text == "bool":
+            lowered = raw.strip().lower()
+            if lowered in _TRUE:
+                return True
+            if lowered in _FALSE:
+                return False
+            raise ValueError(raw)
+        if type_text == "int":
+            return int(raw)
+        if type_text == "float":
+            return float(raw)
+        if type_text == "Path":
+            return Path(raw)
+    except ValueError:
+        raise SettingsError(f"{var}={raw!r} is not a valid {type_text}") from None
+    return raw
