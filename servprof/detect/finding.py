@@ -1,0 +1,44 @@
+"""The one result type every detector returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Severity = Literal["info", "warning", "critical"]
+KINDS = ("tokenization_stall", "decode_gap", "bandwidth_bound_decode")
+SEVERITY_ORDER = {"info": 0, "warning": 1, "critical": 2}
+
+
+@dataclass
+class Finding:
+    """A named cause of slowness, with what it cost and the evidence for it."""
+
+    kind: str
+    severity: Severity
+    cost_ms: float
+    start_us: float
+    end_us: float
+    title: str
+    request_ids: list[str] = field(default_factory=list)
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "severity": self.severity,
+            "cost_ms": round(float(self.cost_ms), 4),
+            "start_us": float(self.start_us),
+            "end_us": float(self.end_us),
+            "request_ids": list(self.request_ids),
+            "title": self.title,
+            "evidence": self.evidence,
+        }
+
+
+def severity_for(cost_ms: float, warning_ms: float, critical_ms: float) -> Severity:
+    if cost_ms >= critical_ms:
+        return "critical"
+    if cost_ms >= warning_ms:
+        return "warning"
+    return "info"

@@ -1,0 +1,119 @@
+"""The columnar trace: every timed event of one or more Kineto chrome traces as numpy columns.
+
+Strings (names, categories) are interned to integer ids once at load time, so
+selections like "all kernels" or "every event whose name starts with X" are
+vector operations over ids rather than string compares per event.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+# Categories whose events ran on a device (GPU/accelerator) rather than on the host.
+DEVICE_CATEGORIES = ("kernel", "Kernel", "gpu_memcpy", "Memcpy", "gpu_memset", "Memset", "mtia_ccp_events")
+# Host-side runtime/driver calls that launch device work and carry a correlation id.
+RUNTIME_CATEGORIES = ("cuda_runtime", "cuda_driver", "Runtime", "hip_runtime", "privateuse1_runtime")
+
+
+@dataclass
+class Trace:
+    """Events of one or more ranks; row i of every column is the same event."""
+
+    source: str
+    names: list[str]  # id -> string, shared by name_id and cat_id
+    name_id: np.ndarray  # int32
+    cat_id: np.ndarray  # int32
+    ph: np.ndarray  # uint8: ord of the chrome-trace phase letter
+    pid: np.ndarray  # int64 (non-integer pids are interned: -(id+2))
+    tid: np.ndarray  # int64 (same rule)
+    ts: np.ndarray  # float64, µs as written by Kineto
+    dur: np.ndarray  # float64, µs, never negative
+    stream: np.ndarray  # int64, -1 where absent
+    correlation: np.ndarray  # int64, -1 where absent
+    external_id: np.ndarray  # int64, -1 where absent
+    flow_id: np.ndarray  # int64, id of ph "s"/"f" flow events, -1 otherwise
+    rank: np.ndarray  # int32, distributedInfo.rank of the file the event came from
+    raw_args: list[Any]  # args dict per row (or None), read only where a detector needs it
+    metadata: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> top-level keys
+    thread_names: dict[tuple[int, int, int], str] = field(default_factory=dict)  # (rank, pid, tid)
+    _name_lookup: dict[str, int] = field(default_factory=dict, repr=False)
+
+    def __len__(self) -> int:
+        return int(self.ts.shape[0])
+
+    @property
+    def end(self) -> np.ndarray:
+        return self.ts + self.dur
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(int(r) for r in np.unique(self.rank))
+
+    def name(self, row: int) -> str:
+        return self.names[int(self.name_id[row])]
+
+    def cat(self, row: int) -> str:
+        return self.names[int(self.cat_id[row])]
+
+    def args(self, row: int) -> dict[str, Any]:
+        value = self.raw_args[int(row)]
+        return value if isinstance(value, dict) else {}
+
+    def string_id(self, text: str) -> int:
+        """The interned id of ``text``, or -1 when no event uses it."""
+        return self._name_lookup.get(text, -1)
+
+    def ids_matching(self, predicate: Any) -> np.ndarray:
+        """Ids of interned strings for which predicate(str) is true (one pass over the
+        distinct strings, not over the events)."""
+        return np.fromiter((i for i, s in enumerate(self.names) if predicate(s)), dtype=np.int64)
+
+    def mask_category(self, *categories: str) -> np.ndarray:
+        ids = [self.string_id(c) for c in categories]
+        return np.isin(self.cat_id, [i for i in ids if i >= 0])
+
+    def mask_name(self, predicate: Any) -> np.ndarray:
+        return np.isin(self.name_id, self.ids_matching(predicate))
+
+    def complete(self) -> np.ndarray:
+        """Rows of duration events (ph "X")."""
+        return self.ph == ord("X")
+
+    def device_mask(self) -> np.ndarray:
+        return self.complete() & self.mask_category(*DEVICE_CATEGORIES) & (self.stream >= 0)
+
+    def launch_mask(self) -> np.ndarray:
+        return self.complete() & self.mask_category(*RUNTIME_CATEGORIES) & (self.correlation >= 0)
+
+    def launch_row_for(self, device_rows: np.ndarray) -> np.ndarray:
+        """Row of the host launch that enqueued each device event (-1 when not in the trace).
+
+        Joined on (rank, correlation). A CUDA/HIP graph replay is one launch whose
+        correlation is shared by every kernel of the graph, so many rows may map to one.
+        """
+        launches = np.flatnonzero(self.launch_mask())
+        if launches.size == 0 or device_rows.size == 0:
+            return np.full(device_rows.shape, -1, dtype=np.int64)
+        # One key per (rank, correlation): rank in the high bits.
+        launch_keys = (self.rank[launches].astype(np.int64) << 40) | self.correlation[launches]
+        order = np.argsort(launch_keys, kind="stable")
+        sorted_keys = launch_keys[order]
+        wanted = (self.rank[device_rows].astype(np.int64) << 40) | self.correlation[device_rows]
+        pos = np.searchsorted(sorted_keys, wanted)
+        pos_clipped = np.minimum(pos, sorted_keys.size - 1)
+        found = (sorted_keys[pos_clipped] == wanted) & (self.correlation[device_rows] >= 0)
+        return np.where(found, launches[order[pos_clipped]], -1)
+
+    def servprof_metadata(self) -> dict[str, Any]:
+        """servprof's session metadata (top-level key ``servprof``), {} when absent."""
+        for meta in self.metadata.values():
+            value = meta.get("servprof")
+            if isinstance(value, dict):
+                return value
+        return {}
+
+    def has_device_events(self) -> bool:
+        return bool(self.device_mask().any())

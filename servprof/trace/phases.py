@@ -1,0 +1,67 @@
+"""Per-request phases recovered from servprof's phase markers in a trace."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from servprof.trace.model import Trace
+
+PHASE_PREFIX = "servprof:"  # same as servprof.phases.PHASE_PREFIX, without importing torch
+
+
+@dataclass(frozen=True)
+class PhaseEvent:
+    row: int
+    phase: str
+    request_ids: tuple[str, ...]
+    start_us: float
+    end_us: float
+    tid: int
+
+
+def phase_events(trace: Trace) -> list[PhaseEvent]:
+    """Every ``servprof:<phase>|<ids>`` range, in start order."""
+    ids = trace.ids_matching(lambda s: s.startswith(PHASE_PREFIX))
+    if ids.size == 0:
+        return []
+    # servprof.phases pulls in torch; only traces that carry phase markers pay for it.
+    from servprof.phases import parse_phase_event_name
+
+    parsed: dict[int, tuple[str, list[str]] | None] = {int(i): parse_phase_event_name(trace.names[int(i)]) for i in ids}
+    rows = np.flatnonzero(np.isin(trace.name_id, ids) & trace.complete())
+    rows = rows[np.argsort(trace.ts[rows], kind="stable")]
+    out = []
+    for row in rows:
+        parsed_name = parsed[int(trace.name_id[row])]
+        if parsed_name is None:
+            continue
+        name, request_ids = parsed_name
+        start = float(trace.ts[row])
+        out.append(PhaseEvent(int(row), name, tuple(request_ids), start, start + float(trace.dur[row]), int(trace.tid[row])))
+    return out
+
+
+def request_phases(trace: Trace) -> dict[str, list[dict[str, float | str]]]:
+    """request id -> its phases ``{"name", "start_us", "end_us"}`` in start order.
+
+    ``queue`` is inferred (end of the request's last tokenize -> start of its first
+    prefill) when the server did not mark it.
+    """
+    per_request: dict[str, list[dict[str, float | str]]] = {}
+    for event in phase_events(trace):
+        for rid in event.request_ids:
+            per_request.setdefault(rid, []).append(
+                {"name": event.phase, "start_us": event.start_us, "end_us": event.end_us}
+            )
+    for phases in per_request.values():
+        names = {p["name"] for p in phases}
+        if "queue" in names or "tokenize" not in names or "prefill" not in names:
+            continue
+        tokenize_end = max(float(p["end_us"]) for p in phases if p["name"] == "tokenize")
+        prefill_start = min(float(p["start_us"]) for p in phases if p["name"] == "prefill")
+        if prefill_start > tokenize_end:
+            phases.append({"name": "queue", "start_us": tokenize_end, "end_us": prefill_start})
+        phases.sort(key=lambda p: float(p["start_us"]))
+    return per_request
