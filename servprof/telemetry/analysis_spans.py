@@ -1,0 +1,212 @@
+"""Child spans for sampled requests, emitted after their session's analysis.
+
+The request span ended long before the trace was analysed, so the children are started
+under its kept SpanContext with explicit timestamps taken from the trace:
+  <request span>
+    tokenize / queue / prefill / detokenize     one span per phase, real start and end
+    decode                                      first step start .. last step end
+      decode_step x N                           when N <= MAX_STEP_SPANS, else step events
+    servprof.analysis                           trace file, session, finding events
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import orjson
+from opentelemetry import trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode
+
+MAX_STEP_SPANS = 32  # more decode steps than this become events on the decode span
+MAX_STEP_EVENTS = 100  # below the SDK's default limit of 128 events per span
+MAX_PHASE_SPANS = 64  # non-decode phase spans per request
+MAX_EVIDENCE_CHARS = 1024
+FINDING_EVENT = "servprof.finding"
+
+
+@dataclass(frozen=True, slots=True)
+class SampledParent:
+    span_context: SpanContext
+    start_ns: int  # wall-clock ns, as the request span was started and ended
+    end_ns: int
+
+
+class SampledParents:
+    """Request id -> the ended request span's context, for the last `capacity` sampled ones."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[str, SampledParent] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, request_id: str, parent: SampledParent) -> None:
+        with self._lock:
+            self._items[request_id] = parent
+            self._items.move_to_end(request_id)
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
+
+    def pop(self, request_id: str) -> SampledParent | None:
+        with self._lock:
+            return self._items.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+@dataclass
+class AnalysisCounts:
+    analyses: int = 0
+    spans: int = 0
+    requests: int = 0
+    orphaned_requests: int = 0  # analysed, but the request span's context was not kept
+    errors: int = 0
+
+
+class _Clock:
+    def __init__(self, result: dict[str, Any]) -> None:
+        clock = result.get("clock") or {}
+        offset = clock.get("trace_us_to_unix_ns_offset")
+        self.offset = int(offset) if isinstance(offset, int | float) else None
+
+    def unix_ns(self, ts_us: Any) -> int | None:
+        if self.offset is None or not isinstance(ts_us, int | float):
+            return None
+        return int(ts_us * 1000) + self.offset
+
+
+def _findings_for(result: dict[str, Any], request_id: str) -> list[dict[str, Any]]:
+    findings = result.get("findings") or []
+    # A finding with no request ids concerns the whole session, so every request in it.
+    return [
+        f for f in findings if isinstance(f, dict) and (not f.get("request_ids") or request_id in f["request_ids"])
+    ]
+
+
+def _finding_event_attributes(finding: dict[str, Any]) -> dict[str, Any]:
+    attributes: dict[str, Any] = {
+        "servprof.finding.kind": str(finding.get("kind", "unknown")),
+        "servprof.finding.severity": str(finding.get("severity", "info")),
+        "servprof.finding.cost_ms": float(finding.get("cost_ms") or 0.0),
+    }
+    if finding.get("title"):
+        attributes["servprof.finding.title"] = str(finding["title"])
+    if finding.get("evidence"):
+        evidence = orjson.dumps(finding["evidence"], default=str).decode()
+        attributes["servprof.finding.evidence"] = evidence[:MAX_EVIDENCE_CHARS]
+    return attributes
+
+
+class AnalysisSpanEmitter:
+    def __init__(self, tracer: trace.Tracer, parents: SampledParents) -> None:
+        self._tracer = tracer
+        self._parents = parents
+        self.counts = AnalysisCounts()
+
+    def emit(self, result: dict[str, Any], record_ids: list[str]) -> None:
+        """Spans for every analysed request whose parent context was kept."""
+        self.counts.analyses += 1
+        clock = _Clock(result)
+        requests = result.get("requests") or {}
+        request_ids = list(dict.fromkeys([*requests, *record_ids]))
+        for request_id in request_ids:
+            parent = self._parents.pop(request_id)
+            if parent is None:
+                self.counts.orphaned_requests += 1
+                continue
+            try:
+                self._emit_request(result, clock, request_id, requests.get(request_id) or {}, parent)
+                self.counts.requests += 1
+            except (TypeError, ValueError, KeyError):  # a malformed result: skip that request
+                self.counts.errors += 1
+
+    def _start(self, name: str, context: Any, start_ns: int, attributes: dict[str, Any]) -> trace.Span:
+        self.counts.spans += 1
+        return self._tracer.start_span(
+            name, context=context, kind=SpanKind.INTERNAL, start_time=start_ns, attributes=attributes
+        )
+
+    def _emit_request(
+        self,
+        result: dict[str, Any],
+        clock: _Clock,
+        request_id: str,
+        request: dict[str, Any],
+        parent: SampledParent,
+    ) -> None:
+        context = trace.set_span_in_context(NonRecordingSpan(parent.span_context))
+        timed: list[tuple[str, int, int]] = []
+        for phase in request.get("phases") or []:
+            start, end = clock.unix_ns(phase.get("start_us")), clock.unix_ns(phase.get("end_us"))
+            if start is not None and end is not None and end >= start:
+                timed.append((str(phase.get("name")), start, end))
+        timed.sort(key=lambda item: item[1])
+        steps = [item for item in timed if item[0] == "decode_step"]
+        others = [item for item in timed if item[0] != "decode_step"][:MAX_PHASE_SPANS]
+
+        # Start order follows time, so a trace view lists them as they happened.
+        decode_start = steps[0][1] if steps else None
+        emitted_decode = False
+        for name, start, end in others:
+            if decode_start is not None and not emitted_decode and decode_start < start:
+                self._emit_decode(context, steps, request_id)
+                emitted_decode = True
+            span = self._start(name, context, start, {"servprof.phase": name, "servprof.request_id": request_id})
+            span.end(end_time=end)
+        if steps and not emitted_decode:
+            self._emit_decode(context, steps, request_id)
+        self._emit_analysis(result, clock, request_id, context, parent)
+
+    def _emit_decode(self, context: Any, steps: list[tuple[str, int, int]], request_id: str) -> None:
+        durations_ms = np.array([end - start for _, start, end in steps], dtype=np.float64) / 1e6
+        gaps_ms = np.array([b[1] - a[2] for a, b in zip(steps, steps[1:], strict=False)], dtype=np.float64) / 1e6
+        attributes: dict[str, Any] = {
+            "servprof.phase": "decode",
+            "servprof.request_id": request_id,
+            "servprof.decode_steps": len(steps),
+            "servprof.decode_step_ms.mean": float(durations_ms.mean()),
+            "servprof.decode_step_ms.p50": float(np.median(durations_ms)),
+            "servprof.decode_step_ms.max": float(durations_ms.max()),
+        }
+        if gaps_ms.size:
+            attributes["servprof.decode_gap_ms.max"] = float(gaps_ms.max())
+        decode = self._start("decode", context, steps[0][1], attributes)
+        if len(steps) <= MAX_STEP_SPANS:
+            step_context = trace.set_span_in_context(decode)
+            for index, (_, start, end) in enumerate(steps):
+                span = self._start(
+                    "decode_step", step_context, start, {"servprof.phase": "decode_step", "servprof.step": index}
+                )
+                span.end(end_time=end)
+        else:
+            for index, (_, start, _end) in enumerate(steps[:MAX_STEP_EVENTS]):
+                decode.add_event(
+                    "servprof.decode_step",
+                    {"servprof.step": index, "servprof.duration_ms": float(durations_ms[index])},
+                    timestamp=start,
+                )
+            decode.set_attribute("servprof.decode_step_events_truncated", len(steps) > MAX_STEP_EVENTS)
+        decode.end(end_time=max(end for _, _, end in steps))
+
+    def _emit_analysis(
+        self, result: dict[str, Any], clock: _Clock, request_id: str, context: Any, parent: SampledParent
+    ) -> None:
+        findings = _findings_for(result, request_id)
+        attributes: dict[str, Any] = {
+            "servprof.request_id": request_id,
+            "servprof.findings": len(findings),
+        }
+        for key, attribute in (("session_id", "servprof.session_id"), ("trace_file", "servprof.trace_file")):
+            if result.get(key):
+                attributes[attribute] = str(result[key])
+        span = self._start("servprof.analysis", context, parent.start_ns, attributes)
+        for finding in findings:
+            timestamp = clock.unix_ns(finding.get("start_us")) or parent.start_ns
+            span.add_event(FINDING_EVENT, _finding_event_attributes(finding), timestamp=timestamp)
+        if result.get("error"):
+            span.set_status(Status(StatusCode.ERROR, str(result["error"])[:MAX_EVIDENCE_CHARS]))
+        span.end(end_time=max(parent.end_ns, parent.start_ns))

@@ -1,0 +1,161 @@
+"""The RequestObserver that turns request records into spans and GenAI metrics.
+
+Per request: one SERVER span started when the request arrives (so its context can be
+re-injected into the headers the app sees) and ended with an explicit end time when the
+response is complete. Nothing happens per body chunk. Sampled requests keep their span
+context until the session's analysis has been turned into child spans.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from opentelemetry import propagate, trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from servprof import __version__
+from servprof.observers import RequestRecord
+from servprof.telemetry import attributes as attrs
+from servprof.telemetry.analysis_spans import AnalysisSpanEmitter, SampledParent, SampledParents
+from servprof.telemetry.setup import Pipeline
+
+# Recommended explicit bucket boundaries from the GenAI metrics semantic conventions.
+REQUEST_DURATION_BUCKETS = [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92]
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]
+TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
+
+
+class TelemetryObserver:
+    def __init__(self, pipeline: Pipeline, capture_content: bool = False, max_sampled_parents: int = 4096) -> None:
+        self.pipeline = pipeline
+        self.capture_content = capture_content
+        self._tracer = pipeline.tracer_provider.get_tracer("servprof", __version__)
+        meter = pipeline.meter_provider.get_meter("servprof", __version__)
+        self._request_duration = meter.create_histogram(
+            "gen_ai.server.request.duration",
+            unit="s",
+            description="Generative AI server request duration such as time-to-last byte or last output token.",
+            explicit_bucket_boundaries_advisory=REQUEST_DURATION_BUCKETS,
+        )
+        self._time_to_first_token = meter.create_histogram(
+            "gen_ai.server.time_to_first_token",
+            unit="s",
+            description="Time to generate first token for successful responses.",
+            explicit_bucket_boundaries_advisory=TTFT_BUCKETS,
+        )
+        self._time_per_output_token = meter.create_histogram(
+            "gen_ai.server.time_per_output_token",
+            unit="s",
+            description="Time per output token generated after the first token for successful responses.",
+            explicit_bucket_boundaries_advisory=TPOT_BUCKETS,
+        )
+        self._propagator = propagate.get_global_textmap()
+        # Header names the propagator reads and writes (traceparent, tracestate, baggage).
+        self._propagation_headers = frozenset(name.lower().encode("latin-1") for name in self._propagator.fields)
+        self._parents = SampledParents(max_sampled_parents)
+        self._analysis = AnalysisSpanEmitter(self._tracer, self._parents)
+        self.requests_started = 0
+        self.requests_ended = 0
+
+    # -- per request -----------------------------------------------------------------
+
+    def on_request_start(self, record: RequestRecord, scope: dict[str, Any]) -> trace.Span:
+        self.requests_started += 1
+        kept: list[tuple[bytes, bytes]] = []
+        carrier: dict[str, str] = {}
+        for name, value in scope.get("headers") or ():
+            if name in self._propagation_headers:
+                carrier[name.decode("latin-1")] = value.decode("latin-1")
+            else:
+                kept.append((name, value))
+        parent_context = self._propagator.extract(carrier) if carrier else None
+        span = self._tracer.start_span(
+            record.method,
+            context=parent_context,
+            kind=SpanKind.SERVER,
+            start_time=record.arrival_ns or None,
+            attributes=attrs.start_attributes(record, scope),
+        )
+        # The app (and a server under it, like vLLM) sees this span as its parent.
+        outgoing: dict[str, str] = {}
+        self._propagator.inject(outgoing, context=trace.set_span_in_context(span, parent_context))
+        kept.extend((name.encode("latin-1"), value.encode("latin-1")) for name, value in outgoing.items())
+        scope["headers"] = kept
+        return span
+
+    def on_request_end(self, record: RequestRecord, state: Any) -> None:
+        span = state
+        if span is None:
+            return
+        self.requests_ended += 1
+        span.update_name(f"{record.method} {record.route}" if record.route else record.method)
+        attributes = attrs.end_attributes(record)
+        genai = attrs.genai_request_attributes(record.method, record.path, record.request_body_head, self.capture_content)
+        attributes.update(genai)
+        if record.attributes:
+            attributes.update(attrs.app_attributes(record.attributes, self.capture_content))
+        span.set_attributes(attributes)
+        error = attributes.get(attrs.ERROR_TYPE)
+        if error:
+            span.set_status(Status(StatusCode.ERROR, error))
+        end_perf_ns = record.end_ns or record.last_byte_ns
+        if end_perf_ns is not None and record.arrival_ns:
+            end_ns = record.arrival_ns + (end_perf_ns - record.arrival_perf_ns)
+        else:
+            end_ns = time.time_ns()
+        span.end(end_time=end_ns)
+        if genai:
+            self._record_metrics(record, attributes, end_perf_ns)
+        if record.sampled:
+            start_ns = record.arrival_ns or end_ns
+            self._parents.put(record.request_id, SampledParent(span.get_span_context(), start_ns, end_ns))
+
+    def _record_metrics(self, record: RequestRecord, attributes: dict[str, Any], end_perf_ns: int | None) -> None:
+        metric_attributes = {
+            key: attributes[key]
+            for key in (attrs.GEN_AI_OPERATION_NAME, attrs.GEN_AI_REQUEST_MODEL, attrs.ERROR_TYPE)
+            if key in attributes
+        }
+        if end_perf_ns is not None:
+            self._request_duration.record((end_perf_ns - record.arrival_perf_ns) / 1e9, metric_attributes)
+        if attrs.ERROR_TYPE in attributes or record.first_byte_ns is None:
+            return
+        # Only a streamed response shows when its first token left; a whole JSON body does not.
+        if attributes.get(attrs.GEN_AI_REQUEST_STREAM) or record.chunks > 1:
+            self._time_to_first_token.record((record.first_byte_ns - record.arrival_perf_ns) / 1e9, metric_attributes)
+            output_tokens = attributes.get(attrs.GEN_AI_USAGE_OUTPUT_TOKENS)
+            if isinstance(output_tokens, int) and output_tokens > 1 and record.last_byte_ns is not None:
+                per_token = (record.last_byte_ns - record.first_byte_ns) / 1e9 / (output_tokens - 1)
+                self._time_per_output_token.record(per_token, metric_attributes)
+
+    # -- after a session's analysis ------------------------------------------------------
+
+    def on_analysis(self, result: dict[str, Any], records: list[RequestRecord]) -> None:
+        if not isinstance(result, dict):
+            self._analysis.counts.errors += 1
+            return
+        self._analysis.emit(result, [record.request_id for record in records if record.sampled])
+
+    # -- status and lifecycle ------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        counts = self._analysis.counts
+        return {
+            **self.pipeline.status(),
+            "capture_content": self.capture_content,
+            "requests_started": self.requests_started,
+            "requests_ended": self.requests_ended,
+            "sampled_parents_kept": len(self._parents),
+            "analyses": counts.analyses,
+            "analysed_requests": counts.requests,
+            "analysis_spans": counts.spans,
+            "analysis_orphaned_requests": counts.orphaned_requests,
+            "analysis_errors": counts.errors,
+        }
+
+    def force_flush(self, timeout_millis: int = 5000) -> None:
+        self.pipeline.force_flush(timeout_millis)
+
+    def shutdown(self) -> None:
+        self.pipeline.shutdown()
