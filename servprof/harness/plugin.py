@@ -1,0 +1,238 @@
+"""Locust wiring for the harness: command-line options, per-process state, the merge of
+workers' samples on the master, and the summary at the end of a run.
+
+Imported by servprof.harness.users, so any locustfile that uses OpenAIUser gets the
+options (`locust -f FILE --help` lists them) and the summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import gevent
+from locust import events
+from locust.env import Environment
+from locust.runners import MasterRunner, WorkerRunner
+
+from servprof.harness.arrivals import ARRIVALS, ArrivalError, Pacer
+from servprof.harness.datasets import DATASET_NAMES, DatasetError, RequestSpec, load_dataset, replay_offsets
+from servprof.harness.summary import (
+    Collector,
+    SLOError,
+    parse_slo,
+    summarize,
+    summary_table,
+    write_summary_json,
+)
+
+logger = logging.getLogger("servprof.harness")
+REPORT_KEY = "servprof_harness"
+# Workers report every 3 s (locust's WORKER_REPORT_INTERVAL); wait a bit longer than that
+# after a stop from the web UI before the master summarises.
+_MASTER_SUMMARY_DELAY_S = 3.5
+# The report_to_master / worker_report events carry no environment; one process runs one.
+_process_environment: Environment | None = None
+
+
+@dataclass
+class HarnessOptions:
+    dataset: str = "synthetic"
+    dataset_path: str | None = None
+    num_requests: int = 1000
+    seed: int = 0
+    max_output_tokens: int = 0
+    arrival: str = "closed"
+    rate: float = 1.0
+    burstiness: float = 1.0
+    slo: dict[str, float] = field(default_factory=dict)
+    endpoint: str = "completions"
+    stream: bool = True
+    model: str = ""
+    ignore_eos: bool = False
+    summary_json: str | None = None
+
+    @classmethod
+    def from_parsed(cls, parsed: Any) -> HarnessOptions:
+        """Options from locust's parsed_options; SLOError on a bad --slo."""
+        defaults = cls()
+        values = {name: getattr(parsed, name, getattr(defaults, name)) for name in cls.__dataclass_fields__}
+        values["slo"] = parse_slo(getattr(parsed, "slo", None))
+        return cls(**values)
+
+    def public(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class HarnessState:
+    options: HarnessOptions
+    specs: list[RequestSpec]
+    pacer: Pacer | None  # None on the master, which sends no requests
+    collector: Collector = field(default_factory=Collector)
+    model: str | None = None
+    finished: bool = False
+
+
+def load_specs(options: HarnessOptions) -> list[RequestSpec]:
+    return load_dataset(
+        options.dataset,
+        options.dataset_path,
+        seed=options.seed,
+        num_requests=options.num_requests,
+        max_output_tokens=options.max_output_tokens or None,
+    )
+
+
+def build_state(environment: Environment) -> HarnessState:
+    """Options, dataset and pacer for this process; raises DatasetError/ArrivalError/SLOError."""
+    options = HarnessOptions.from_parsed(environment.parsed_options)
+    if options.endpoint not in ("completions", "chat"):
+        raise ArrivalError(f"--endpoint must be completions or chat, got {options.endpoint!r}")
+    runner = environment.runner
+    if isinstance(runner, MasterRunner):
+        return HarnessState(options, [], None)
+    specs = load_specs(options)
+    worker_index, worker_count = 0, 1
+    if isinstance(runner, WorkerRunner):
+        worker_index = max(runner.worker_index, 0)
+        worker_count = max(int(getattr(environment.parsed_options, "expect_workers", 1) or 1), 1)
+        if worker_index >= worker_count:
+            raise ArrivalError(
+                f"worker index {worker_index} but the master expects {worker_count} workers: "
+                "start the master with --expect-workers equal to the number of workers"
+            )
+    pacer = Pacer(
+        options.arrival,
+        rate=options.rate,
+        burstiness=options.burstiness,
+        seed=options.seed,
+        replay=replay_offsets(specs) if options.arrival == "replay" else None,
+        worker_index=worker_index,
+        worker_count=worker_count,
+    )
+    return HarnessState(options, specs, pacer)
+
+
+def harness_state(environment: Environment) -> HarnessState:
+    state = getattr(environment, "servprof_harness", None)
+    if state is None:
+        state = build_state(environment)
+        environment.servprof_harness = state  # type: ignore[attr-defined]
+    return state
+
+
+def summary_path(environment: Environment, options: HarnessOptions) -> str | None:
+    """--summary-json, else next to locust's CSVs when --csv is given."""
+    if options.summary_json:
+        return options.summary_json
+    prefix = getattr(environment.parsed_options, "csv_prefix", None)
+    return f"{prefix}_servprof_summary.json" if prefix else None
+
+
+def finish(environment: Environment, state: HarnessState | None = None) -> dict[str, Any] | None:
+    """Summarise a run once: print the table and write the JSON."""
+    state = state or getattr(environment, "servprof_harness", None)
+    if state is None or state.finished:
+        return None
+    state.finished = True
+    summary = summarize(state.collector, state.options.slo, state.options.public())
+    path = summary_path(environment, state.options)
+    if path:
+        write_summary_json(summary, path)
+    from rich.console import Console
+
+    console = Console(file=sys.stdout, width=120)
+    console.print(summary_table(summary))
+    if path:
+        console.print(f"servprof harness summary: {path}")
+    return summary
+
+
+@events.init_command_line_parser.add_listener
+def add_arguments(parser: Any) -> None:
+    group = parser.add_argument_group("servprof harness", "LLM traffic for OpenAI-compatible servers")
+    group.add_argument("--dataset", choices=DATASET_NAMES, default="synthetic", help="traffic dataset")
+    group.add_argument("--dataset-path", default=None, help="file for --dataset sharegpt|custom|trace")
+    group.add_argument("--num-requests", type=int, default=1000, help="size of the synthetic mix")
+    group.add_argument("--seed", type=int, default=0, help="seed of the synthetic mix and the arrival schedule")
+    group.add_argument("--max-output-tokens", type=int, default=0, help="cap on output tokens per request (0: none)")
+    group.add_argument("--arrival", choices=ARRIVALS, default="closed", help="arrival process (open loop unless closed)")
+    group.add_argument("--rate", type=float, default=1.0, help="mean arrivals per second (poisson, gamma)")
+    group.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 Poisson, <1 burstier")
+    group.add_argument("--slo", default="", help="goodput SLOs in ms, e.g. ttft=500,tpot=50,e2e=5000")
+    group.add_argument("--endpoint", choices=("completions", "chat"), default="completions", help="API to call")
+    group.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="stream tokens (SSE)")
+    group.add_argument("--model", default="", help="model name (default: first of GET /v1/models)")
+    group.add_argument("--ignore-eos", action="store_true", default=False, help="send ignore_eos (vLLM)")
+    group.add_argument("--summary-json", default=None, help="summary JSON path (default: next to --csv files)")
+
+
+@events.init.add_listener
+def _validate_options(environment: Environment, **_kwargs: Any) -> None:
+    # Fail fast with a clear message on the process that owns the options; workers get
+    # theirs from the master when the run starts.
+    if isinstance(environment.runner, WorkerRunner) or environment.parsed_options is None:
+        return
+    try:
+        options = HarnessOptions.from_parsed(environment.parsed_options)
+        specs = load_specs(options)
+        if options.arrival == "replay":
+            replay_offsets(specs)
+        Pacer(options.arrival, rate=options.rate, burstiness=options.burstiness)
+    except (DatasetError, ArrivalError, SLOError) as exc:
+        sys.stderr.write(f"servprof harness: {exc}\n")
+        sys.exit(2)
+
+
+@events.test_start.add_listener
+def _on_test_start(environment: Environment, **_kwargs: Any) -> None:
+    environment.servprof_harness = None  # type: ignore[attr-defined]
+    try:
+        harness_state(environment)
+    except (DatasetError, ArrivalError, SLOError) as exc:
+        logger.error("servprof harness: %s", exc)
+
+
+@events.init.add_listener
+def _remember_environment(environment: Environment, **_kwargs: Any) -> None:
+    global _process_environment
+    _process_environment = environment
+
+
+@events.report_to_master.add_listener
+def _on_report_to_master(client_id: str, data: dict[str, Any]) -> None:
+    # On a worker: send the samples taken since the last report.
+    state = getattr(_process_environment, "servprof_harness", None)
+    if state is not None:
+        data[REPORT_KEY] = state.collector.drain()
+
+
+@events.worker_report.add_listener
+def _on_worker_report(client_id: str, data: dict[str, Any]) -> None:
+    # On the master: merge a worker's samples.
+    state = getattr(_process_environment, "servprof_harness", None)
+    if state is not None and REPORT_KEY in data:
+        state.collector.merge(data[REPORT_KEY], client_id)
+
+
+@events.test_stop.add_listener
+def _on_test_stop(environment: Environment, **_kwargs: Any) -> None:
+    if isinstance(environment.runner, WorkerRunner):
+        return
+    if isinstance(environment.runner, MasterRunner):
+        # Workers' last samples are still on their way; quitting (headless) summarises
+        # sooner, this covers a stop from the web UI.
+        state = getattr(environment, "servprof_harness", None)
+        gevent.spawn_later(_MASTER_SUMMARY_DELAY_S, finish, environment, state)
+    else:
+        finish(environment)
+
+
+@events.quitting.add_listener
+def _on_quitting(environment: Environment, **_kwargs: Any) -> None:
+    if not isinstance(environment.runner, WorkerRunner):
+        finish(environment)
