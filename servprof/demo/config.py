@@ -1,0 +1,107 @@
+"""The demo server's configuration: model size, limits and the fault knobs.
+
+Every field can be set by a `servprof demo-server` flag or a SERVPROF_DEMO_* env var
+(the flag wins). The fault knobs are off by default; each one injects a known
+cause of slowness so servprof's detectors can be tested against it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+from servprof.demo.model import SIZES
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class DemoConfig:
+    size: str = "tiny"
+    device: str = "cpu"
+    dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
+    max_batch: int = 16  # KV-cache slots = largest decode batch
+    max_tokens_limit: int = 256  # largest max_tokens a request may ask for
+    context: int = 0  # positions per slot; 0 = size default
+    seed: int = 0
+    model_name: str = ""  # served name; "" = servprof-demo-<size>
+    model_path: str = ""  # a local Hugging Face causal-LM directory (optional)
+    servprof: bool = True  # put ServprofMiddleware in front when it is installed
+    step_timeline: int = 4096  # decode steps kept in the ring buffer for /demo/stats
+    # Fault knobs.
+    tokenize_on_loop: bool = False  # (a) tokenize on the event loop, not a worker thread
+    step_delay_ms: float = 0.0  # (b) synchronous host delay before every decode step
+    sync_per_step: bool = False  # (c) read sampled tokens to the host every step
+    slow_tokenizer_us_per_token: float = 0.0  # (d) extra Python CPU work per token
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model_name or f"servprof-demo-{self.size}"
+
+    @property
+    def context_length(self) -> int:
+        if self.context:
+            return self.context
+        return {"tiny": 512, "small": 2048, "1b": 4096}.get(self.size, 2048)
+
+    @property
+    def torch_dtype_name(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device.startswith("cuda") else "float32"
+
+    def validate(self) -> None:
+        problems = []
+        if self.size not in SIZES and not self.model_path:
+            problems.append(f"size must be one of {', '.join(SIZES)} (got {self.size!r})")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            problems.append(f"device must be cpu or cuda[:N] (got {self.device!r})")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            problems.append(f"dtype must be auto or one of {', '.join(DTYPES)} (got {self.dtype!r})")
+        for name in ("max_batch", "max_tokens_limit", "step_timeline"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1 (got {getattr(self, name)})")
+        if self.context < 0 or (self.context and self.context < 8):
+            problems.append(f"context must be 0 (size default) or >= 8 (got {self.context})")
+        if self.max_tokens_limit >= self.context_length:
+            problems.append(f"max_tokens_limit ({self.max_tokens_limit}) must be below the context "
+                            f"({self.context_length})")
+        if self.step_delay_ms < 0 or self.slow_tokenizer_us_per_token < 0:
+            problems.append("step_delay_ms and slow_tokenizer_us_per_token must be >= 0")
+        if problems:
+            raise ValueError("invalid demo server configuration: " + "; ".join(problems))
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides: object) -> DemoConfig:
+        """Defaults, then SERVPROF_DEMO_<FIELD> env vars, then `overrides`."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        for field in fields(cls):
+            raw = environ.get(f"SERVPROF_DEMO_{field.name.upper()}")
+            if raw is not None:
+                values[field.name] = _parse(field.name, field.type, raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)  # type: ignore[arg-type]
+
+
+def _parse(name: str, type_name: object, raw: str) -> object:
+    env = f"SERVPROF_DEMO_{name.upper()}"
+    type_name = str(type_name)
+    try:
+        if type_name == "bool":
+            lowered = raw.strip().lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError
+        if type_name == "int":
+            return int(raw)
+        if type_name == "float":
+            return float(raw)
+    except ValueError:
+        raise ValueError(f"{env}={raw!r} is not a valid {type_name}") from None
+    return raw

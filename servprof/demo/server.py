@@ -1,0 +1,84 @@
+"""`servprof demo-server`: serve the demo LLM (OpenAI-compatible) with uvicorn.
+
+    servprof demo-server --host 127.0.0.1 --port 8000 --size tiny
+    python -m servprof.demo.server --port 8000 --step-delay-ms 20
+
+Every flag has a SERVPROF_DEMO_* env var (the flag wins); see docs/readme-demo-server.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from servprof.demo.config import DTYPES, DemoConfig
+from servprof.demo.model import SIZES
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to bind (default 8000; 0 = any free port)")
+    parser.add_argument("--size", choices=list(SIZES), default=None, help="model size (default tiny)")
+    parser.add_argument("--device", default=None, help="cpu or cuda[:N] (default cpu)")
+    parser.add_argument("--dtype", choices=["auto", *DTYPES], default=None,
+                        help="weights/activations dtype (default auto: float32 on CPU, bfloat16 on CUDA)")
+    parser.add_argument("--max-batch", type=int, default=None, help="KV-cache slots = largest decode batch (16)")
+    parser.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens accepted (256)")
+    parser.add_argument("--context", type=int, default=None, help="context length (tiny 512, small 2048, 1b 4096)")
+    parser.add_argument("--seed", type=int, default=None, help="seed of the random weights (0)")
+    parser.add_argument("--model-name", default=None, help="name served in responses (servprof-demo-<size>)")
+    parser.add_argument("--no-servprof", dest="servprof", action="store_false", default=None,
+                        help="serve without ServprofMiddleware")
+    parser.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+    knobs = parser.add_argument_group("fault knobs (off by default; each injects a known cause of slowness)")
+    knobs.add_argument("--tokenize-on-loop", action="store_true", default=None,
+                       help="(a) tokenize on the event loop instead of a worker thread")
+    knobs.add_argument("--step-delay-ms", type=float, default=None, metavar="D",
+                       help="(b) busy host delay of D ms before every decode step")
+    knobs.add_argument("--sync-per-step", action="store_true", default=None,
+                       help="(c) read the sampled tokens to the host after every step (a device sync)")
+    knobs.add_argument("--slow-tokenizer-us-per-token", type=float, default=None, metavar="U",
+                       help="(d) extra Python CPU work of U microseconds per token, holding the GIL")
+
+
+CONFIG_FLAGS = ("size", "device", "dtype", "max_batch", "max_tokens_limit", "context", "seed", "model_name",
+                "servprof", "tokenize_on_loop", "step_delay_ms", "sync_per_step", "slow_tokenizer_us_per_token")
+
+
+def config_from_args(args: argparse.Namespace) -> DemoConfig:
+    return DemoConfig.from_env(**{name: getattr(args, name, None) for name in CONFIG_FLAGS})
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"servprof demo-server: {exc}", file=sys.stderr)
+        return 2
+    if not 0 <= args.port <= 65535:
+        print(f"servprof demo-server: --port must be 0..65535 (got {args.port})", file=sys.stderr)
+        return 2
+    try:
+        import uvicorn
+
+        from servprof.demo.app import create_app
+    except ImportError as exc:
+        print(f"servprof demo-server: {exc}; install with: pip install 'servprof[demo]'", file=sys.stderr)
+        return 2
+    try:
+        app = create_app(config)
+    except (ValueError, RuntimeError) as exc:  # e.g. no CUDA device, out of memory
+        print(f"servprof demo-server: cannot build the model: {exc}", file=sys.stderr)
+        return 2
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m servprof.demo.server", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
