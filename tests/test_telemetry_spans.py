@@ -1,0 +1,199 @@
+"""The request span and GenAI metrics, through a real app on a loopback uvicorn server.
+
+Spans go to the SDK's in-memory exporter through servprof's real batch processor; metrics
+to the SDK's in-memory reader."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from _telemetry_helpers import ObserverProbe, chat_body, make_app, serve
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+from servprof.settings import Settings
+from servprof.telemetry import create_observer
+from servprof.telemetry.attributes import genai_request_attributes
+from servprof.telemetry.observer import REQUEST_DURATION_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS
+
+
+class Stack:
+    def __init__(self, tmp_path: Path, capture_content: bool = False) -> None:
+        self.exporter = InMemorySpanExporter()
+        self.reader = InMemoryMetricReader()
+        settings = Settings(out_dir=tmp_path, capture_content=capture_content)
+        self.observer = create_observer(settings, environ={}, span_exporter=self.exporter, metric_reader=self.reader)
+        self.probe = ObserverProbe(make_app(), self.observer)
+
+    def spans(self) -> list[Any]:
+        self.probe.wait_records(self.probe.requests_seen)
+        self.observer.force_flush()
+        return list(self.exporter.get_finished_spans())
+
+    def histograms(self) -> dict[str, Any]:
+        self.probe.wait_records(self.probe.requests_seen)
+        data = self.reader.get_metrics_data()
+        found: dict[str, Any] = {}
+        for resource_metrics in data.resource_metrics if data else []:
+            for scope_metrics in resource_metrics.scope_metrics:
+                for metric in scope_metrics.metrics:
+                    found[metric.name] = metric.data.data_points
+        return found
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    built = Stack(tmp_path)
+    with serve(built.probe) as url:
+        built.url = url
+        yield built
+    built.observer.shutdown()
+
+
+def _stream_chat(client: httpx.Client, url: str, body: bytes, headers: dict[str, str] | None = None) -> int:
+    events = 0
+    with client.stream("POST", url + "/v1/chat/completions", content=body, headers=headers) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            events += line.startswith("data: ")
+    return events
+
+
+def test_one_server_span_per_request_named_by_route(stack: Stack) -> None:
+    with httpx.Client() as client:
+        assert client.get(stack.url + "/hello", headers={"user-agent": "probe/1"}).status_code == 200
+        assert client.get(stack.url + "/items/42").status_code == 200
+        assert client.get(stack.url + "/no/such/path").status_code == 404
+    spans = stack.spans()
+    assert [s.name for s in spans] == ["GET /hello", "GET /items/{item_id}", "GET"]
+    hello, item, missing = spans
+    assert all(s.kind is SpanKind.SERVER and s.parent is None for s in spans)
+    assert hello.attributes["http.request.method"] == "GET"
+    assert hello.attributes["url.path"] == "/hello"
+    assert hello.attributes["url.scheme"] == "http"
+    assert hello.attributes["http.route"] == "/hello"
+    assert hello.attributes["http.response.status_code"] == 200
+    assert hello.attributes["client.address"] == "127.0.0.1"
+    assert hello.attributes["user_agent.original"] == "probe/1"
+    assert hello.attributes["servprof.request_id"] == stack.probe.records[0].request_id
+    assert hello.attributes["servprof.sampled"] is False
+    assert "gen_ai.operation.name" not in hello.attributes
+    # The raw path of a templated route stays in url.path only.
+    assert item.attributes["http.route"] == "/items/{item_id}" and item.attributes["url.path"] == "/items/42"
+    assert "http.route" not in missing.attributes and missing.attributes["http.response.status_code"] == 404
+    # 4xx is the client's error: a server span leaves its status unset.
+    assert missing.status.status_code is StatusCode.UNSET
+    # Explicit times: the span covers the record's measured interval.
+    record = stack.probe.records[0]
+    assert hello.start_time == record.arrival_ns
+    assert hello.end_time - hello.start_time == record.end_ns - record.arrival_perf_ns
+
+
+def test_streamed_completion_is_one_span_with_genai_and_servprof_attributes(stack: Stack) -> None:
+    prompt = "a secret prompt that must not leave the server"
+    with httpx.Client() as client:
+        events = _stream_chat(client, stack.url, chat_body(prompt, max_tokens=12))
+    spans = stack.spans()
+    assert len(spans) == 1, "one span per request, never one per chunk"
+    span = spans[0]
+    record = stack.probe.records[0]
+    assert span.name == "POST /v1/chat/completions"
+    attributes = dict(span.attributes)
+    assert attributes["gen_ai.operation.name"] == "chat"
+    assert attributes["gen_ai.request.model"] == "tiny-lm"
+    assert attributes["gen_ai.request.max_tokens"] == 12
+    assert attributes["gen_ai.request.temperature"] == 0.5
+    assert attributes["gen_ai.request.stream"] is True
+    assert attributes["gen_ai.usage.input_tokens"] == len(prompt.encode())
+    assert attributes["gen_ai.usage.output_tokens"] == 12
+    assert events == 13  # 12 tokens and [DONE]
+    assert attributes["servprof.chunks"] == record.chunks >= events
+    assert 0 < attributes["servprof.ttft_ms"] <= (span.end_time - span.start_time) / 1e6
+    assert not any(prompt in str(value) for value in attributes.values())
+
+
+def test_capture_content_opt_in_records_the_prompt(tmp_path: Path) -> None:
+    built = Stack(tmp_path, capture_content=True)
+    with serve(built.probe) as url, httpx.Client() as client:
+        assert client.post(url + "/v1/chat/completions", content=chat_body("tell me", stream=False)).status_code == 200
+    (span,) = built.spans()
+    messages = orjson.loads(span.attributes["gen_ai.input.messages"])
+    assert messages == [{"role": "user", "parts": [{"type": "text", "content": "tell me"}]}]
+    built.observer.shutdown()
+
+
+def test_server_errors_set_error_status_and_type(stack: Stack) -> None:
+    # uvicorn closes the connection after an app exception: a fresh client per request.
+    with httpx.Client() as client:
+        assert client.get(stack.url + "/fail").status_code == 500
+    with httpx.Client() as client:
+        assert client.get(stack.url + "/unavailable").status_code == 503
+        assert client.get(stack.url + "/hello").status_code == 200
+    failed, unavailable, ok = stack.spans()
+    assert failed.status.status_code is StatusCode.ERROR
+    assert failed.attributes["error.type"] == "RuntimeError"
+    assert failed.attributes["http.response.status_code"] == 500
+    assert unavailable.status.status_code is StatusCode.ERROR
+    assert unavailable.attributes["error.type"] == "503"
+    assert ok.status.status_code is StatusCode.UNSET and "error.type" not in ok.attributes
+
+
+def test_traceparent_is_continued_and_reinjected_for_the_app(stack: Stack) -> None:
+    incoming_trace, incoming_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    with httpx.Client() as client:
+        seen = client.get(
+            stack.url + "/headers", headers={"traceparent": f"00-{incoming_trace}-{incoming_span}-01"}
+        ).json()["traceparent"]
+        unparented = client.get(stack.url + "/headers").json()["traceparent"]
+    first, second = stack.spans()
+    assert format(first.context.trace_id, "032x") == incoming_trace
+    assert format(first.parent.span_id, "016x") == incoming_span and first.parent.is_remote
+    # What the app saw names servprof's span as the parent, so a downstream span nests under it.
+    assert seen == f"00-{incoming_trace}-{first.context.span_id:016x}-{first.context.trace_flags:02x}"
+    assert unparented == f"00-{second.context.trace_id:032x}-{second.context.span_id:016x}-{second.context.trace_flags:02x}"
+    assert first.context.trace_flags.sampled and second.context.trace_flags.sampled
+    assert second.parent is None
+
+
+def test_genai_metrics_with_recommended_buckets(stack: Stack) -> None:
+    with httpx.Client() as client:
+        for _ in range(3):
+            _stream_chat(client, stack.url, chat_body(max_tokens=5))
+        assert client.post(stack.url + "/v1/chat/completions", content=chat_body(stream=False)).status_code == 200
+        assert client.get(stack.url + "/hello").status_code == 200  # not a GenAI request: no metrics
+    histograms = stack.histograms()
+    (duration,) = histograms["gen_ai.server.request.duration"]
+    (ttft,) = histograms["gen_ai.server.time_to_first_token"]
+    (tpot,) = histograms["gen_ai.server.time_per_output_token"]
+    assert duration.count == 4
+    assert ttft.count == 3 and tpot.count == 3  # only streams show when their first token left
+    assert list(duration.explicit_bounds) == REQUEST_DURATION_BUCKETS
+    assert list(ttft.explicit_bounds) == TTFT_BUCKETS
+    assert list(tpot.explicit_bounds) == TPOT_BUCKETS
+    assert dict(duration.attributes) == {"gen_ai.operation.name": "chat", "gen_ai.request.model": "tiny-lm"}
+    spans = [s for s in stack.spans() if s.name.startswith("POST")]
+    span_seconds = sum((s.end_time - s.start_time) / 1e9 for s in spans)
+    assert duration.sum == pytest.approx(span_seconds, rel=1e-6)
+
+
+def test_truncated_body_head_reads_fields_before_the_prompt_only() -> None:
+    body = chat_body('"model": "inside-the-prompt" ' * 400, max_tokens=7)
+    head = b'{"model":"real","max_tokens":7,"temperature":0.2,' + body[body.index(b'"messages"'):][:4000]
+    attributes = genai_request_attributes("POST", "/v1/chat/completions", head)
+    assert attributes == {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.request.model": "real",
+        "gen_ai.request.max_tokens": 7,
+        "gen_ai.request.temperature": 0.2,
+    }
+    assert genai_request_attributes("POST", "/upload", b"\x00\xffnot json") == {}
+    assert genai_request_attributes("GET", "/v1/completions", b"") == {}
+    assert genai_request_attributes("POST", "/generate", b'{"prompt": "x", "max_tokens": true}') == {
+        "gen_ai.operation.name": "text_completion"
+    }
