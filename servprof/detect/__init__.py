@@ -17,6 +17,6 @@ def run_detectors(trace: Trace, requests: list[dict[str, Any]] | None = None, de
     request ids where the trace has no phase markers). ``device`` names a row of
     servprof.detect.devices (or "calibrated"); None picks one from the trace.
     """
-    findings: list[Finding] = []
-    findings.sort(key=lambda f: f.cost_ms, reverse=True)
-    return findings
+    from servprof.detect.analysis import analyse
+
+    return analyse(trace, requests, device).findings

@@ -1,0 +1,49 @@
+"""One pass of every detector over a trace: findings plus the summary the reports show."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from servprof.detect.bandwidth_bound_decode import detect_bandwidth_bound
+from servprof.detect.decode_gap import detect_decode_gaps, find_gaps
+from servprof.detect.finding import Finding
+from servprof.detect.steps import Step, find_steps
+from servprof.detect.tokenization_stall import detect_tokenization_stalls
+from servprof.trace.model import Trace
+
+
+@dataclass
+class Analysis:
+    findings: list[Finding]
+    summary: dict[str, Any]
+    steps: list[Step] = field(default_factory=list)
+    gaps: list[Any] = field(default_factory=list)
+    kernels: list[dict[str, Any]] = field(default_factory=list)  # roofline points
+
+
+def analyse(trace: Trace, requests: list[dict[str, Any]] | None = None, device: str | None = None) -> Analysis:
+    steps = find_steps(trace)
+    gap_findings, gap_summary = detect_decode_gaps(trace, steps)
+    gaps, _ = find_gaps(trace, steps)
+    token_findings, token_summary = detect_tokenization_stalls(trace, steps, gaps)
+    bw_findings, bw_summary, kernels = detect_bandwidth_bound(trace, steps, device)
+    findings = sorted([*gap_findings, *token_findings, *bw_findings], key=lambda f: f.cost_ms, reverse=True)
+    summary = {
+        "source": trace.source,
+        "events": len(trace),
+        "ranks": trace.ranks,
+        "device_events": bool(trace.has_device_events()),
+        "steps": {
+            "count": len(steps),
+            "by_kind": {k: sum(1 for s in steps if s.kind == k) for k in sorted({s.kind for s in steps})},
+            "source": sorted({s.source for s in steps}),
+        },
+        "findings": {k: sum(1 for f in findings if f.kind == k) for k in
+                     ("tokenization_stall", "decode_gap", "bandwidth_bound_decode")},
+        "decode_gap": gap_summary,
+        "tokenization": token_summary,
+        "bandwidth": bw_summary,
+        "requests_given": len(requests or []),
+    }
+    return Analysis(findings, summary, steps, gaps, kernels)

@@ -1,0 +1,126 @@
+"""Model steps (decode / prefill / mixed) found in a trace, whoever wrote it.
+
+Sources, first that is present wins (per rank):
+1. servprof's own phase markers: ``servprof:decode_step|ids`` and ``servprof:prefill|ids``;
+2. vLLM's step annotation ``execute_<T>_context_<C>(...)_generation_<G>(...)``
+   (C = requests in prefill, G = requests decoding; C == 0 is a pure decode step);
+3. SGLang's ``step[DECODE bs=N]`` / ``step[EXTEND bs=N]`` annotations;
+4. ``ProfilerStep#N``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from servprof.trace.model import Trace
+from servprof.trace.phases import phase_events
+
+VLLM_STEP = re.compile(r"^execute_(\d+)_context_(\d+)\(([^)]*)\)_generation_(\d+)\(([^)]*)\)")
+# ΣN_Q, ΣN_KV, ΣN_Q², ΣN_Q·N_KV inside the parentheses: "sq32sk55086sqsq32sqsk55086"
+VLLM_SEQ_SUMS = re.compile(r"sq(\d+)sk(\d+)sqsq(\d+)sqsk(\d+)")
+SGLANG_STEP = re.compile(r"^step\[(DECODE|EXTEND|MIXED|PREFILL|IDLE)[^\]]*?(?:bs=(\d+))?\]", re.IGNORECASE)
+PROFILER_STEP = re.compile(r"^ProfilerStep\s*#\s*(\d+)")
+
+
+@dataclass
+class Step:
+    row: int
+    rank: int
+    tid: int
+    start_us: float
+    end_us: float
+    kind: str  # "decode" | "prefill" | "mixed" | "step" (unknown mix)
+    source: str  # "servprof" | "vllm" | "sglang" | "profiler_step"
+    label: str
+    request_ids: list[str] = field(default_factory=list)
+    batch: int | None = None
+    attention: dict[str, int] = field(default_factory=dict)  # vLLM sequence sums, when known
+
+    @property
+    def dur_us(self) -> float:
+        return self.end_us - self.start_us
+
+
+def _servprof_steps(trace: Trace) -> list[Step]:
+    steps = []
+    for event in phase_events(trace):
+        if event.phase not in ("decode_step", "prefill"):
+            continue
+        steps.append(
+            Step(
+                row=event.row,
+                rank=int(trace.rank[event.row]),
+                tid=event.tid,
+                start_us=event.start_us,
+                end_us=event.end_us,
+                kind="decode" if event.phase == "decode_step" else "prefill",
+                source="servprof",
+                label=event.phase,
+                request_ids=list(event.request_ids),
+                batch=len(event.request_ids) or None,
+            )
+        )
+    return steps
+
+
+def _annotation_rows(trace: Trace, pattern: re.Pattern[str]) -> np.ndarray:
+    rows = np.flatnonzero(trace.mask_name(lambda s: pattern.match(s) is not None) & trace.complete() & (trace.stream < 0))
+    # The same annotation can be mirrored on the device timeline (gpu_user_annotation): keep the host one.
+    host = ~trace.mask_category("gpu_user_annotation")[rows]
+    return rows[host]
+
+
+def _vllm_steps(trace: Trace) -> list[Step]:
+    steps = []
+    for row in _annotation_rows(trace, VLLM_STEP):
+        name = trace.name(row)
+        match = VLLM_STEP.match(name)
+        assert match is not None
+        context, generation = int(match.group(2)), int(match.group(4))
+        attention: dict[str, int] = {}
+        sums = VLLM_SEQ_SUMS.search(match.group(5))
+        if sums:
+            attention = {"decode_sum_q": int(sums.group(1)), "decode_sum_kv": int(sums.group(2))}
+        kind = "decode" if context == 0 else ("prefill" if generation == 0 else "mixed")
+        steps.append(_step_from_row(trace, row, kind, "vllm", name, batch=context + generation, attention=attention))
+    return steps
+
+
+def _sglang_steps(trace: Trace) -> list[Step]:
+    steps = []
+    for row in _annotation_rows(trace, SGLANG_STEP):
+        match = SGLANG_STEP.match(trace.name(row))
+        assert match is not None
+        mode = match.group(1).upper()
+        kind = {"DECODE": "decode", "EXTEND": "prefill", "PREFILL": "prefill", "MIXED": "mixed"}.get(mode, "step")
+        batch = int(match.group(2)) if match.group(2) else None
+        steps.append(_step_from_row(trace, row, kind, "sglang", trace.name(row), batch=batch))
+    return steps
+
+
+def _profiler_steps(trace: Trace) -> list[Step]:
+    return [_step_from_row(trace, row, "step", "profiler_step", trace.name(row)) for row in _annotation_rows(trace, PROFILER_STEP)]
+
+
+def _step_from_row(trace: Trace, row: int, kind: str, source: str, label: str, batch: int | None = None,
+                   attention: dict[str, int] | None = None) -> Step:
+    start = float(trace.ts[row])
+    return Step(int(row), int(trace.rank[row]), int(trace.tid[row]), start, start + float(trace.dur[row]), kind,
+                source, label, batch=batch, attention=attention or {})
+
+
+def find_steps(trace: Trace) -> list[Step]:
+    """All model steps, per rank from the best source present, in start order."""
+    found: list[Step] = []
+    candidates = (_servprof_steps(trace), _vllm_steps(trace), _sglang_steps(trace), _profiler_steps(trace))
+    for rank in trace.ranks:
+        for source_steps in candidates:
+            mine = [s for s in source_steps if s.rank == rank]
+            if mine:
+                found.extend(mine)
+                break
+    found.sort(key=lambda s: (s.rank, s.start_us))
+    return found

@@ -1,0 +1,119 @@
+"""Tokenization stalls: time a request spends tokenizing before its first model work.
+
+Per request (from servprof's ``tokenize`` phases, or recognised tokenizer ops and
+Python frames in traces without them): how long tokenization took, the share of
+the time to its first model step, and the harm to others: model steps of other
+requests that ran while it tokenized and took longer than usual (tokenizers that
+hold the GIL slow the engine thread down), and decode gaps it overlapped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from servprof.detect.causes import TOKENIZER_NAMES
+from servprof.detect.decode_gap import Gap
+from servprof.detect.finding import Finding
+from servprof.detect.steps import Step
+from servprof.trace.model import Trace
+from servprof.trace.phases import phase_events
+
+MIN_TOKENIZE_MS = 2.0  # below this a tokenizer call is ordinary (Rust BPE: ~0.1 ms per 100 tokens)
+
+
+def _tokenize_spans(trace: Trace) -> list[tuple[str | None, float, float, int, int]]:
+    """(request id or None, start, end, rank, tid) for every tokenization."""
+    spans: list[tuple[str | None, float, float, int, int]] = []
+    for event in phase_events(trace):
+        if event.phase == "tokenize":
+            rank = int(trace.rank[event.row])
+            for rid in event.request_ids or (None,):
+                spans.append((rid, event.start_us, event.end_us, rank, event.tid))
+    if spans:
+        return spans
+    # Foreign traces: outermost tokenizer-named ranges (python frames or ops).
+    rows = np.flatnonzero(trace.mask_name(lambda s: TOKENIZER_NAMES.search(s) is not None) & trace.complete()
+                          & (trace.stream < 0))
+    rows = rows[np.argsort(trace.ts[rows], kind="stable")]
+    covered_until: dict[tuple[int, int], float] = {}
+    for row in rows:
+        key = (int(trace.rank[row]), int(trace.tid[row]))
+        start, end = float(trace.ts[row]), float(trace.ts[row] + trace.dur[row])
+        if start < covered_until.get(key, -np.inf):
+            continue  # nested inside the previous tokenizer range
+        covered_until[key] = end
+        spans.append((None, start, end, key[0], key[1]))
+    return spans
+
+
+def detect_tokenization_stalls(trace: Trace, steps: list[Step], gaps: list[Gap]) -> tuple[list[Finding], dict[str, Any]]:
+    spans = _tokenize_spans(trace)
+    decode_durations = [s.dur_us for s in steps if s.kind == "decode"]
+    typical_step = float(np.median(decode_durations)) if decode_durations else 0.0
+    loop_tid = trace.servprof_metadata().get("event_loop_tid")
+    per_request: dict[str, dict[str, Any]] = {}
+    findings: list[Finding] = []
+    for index, (rid, start, end, rank, tid) in enumerate(spans):
+        key = rid or f"unattributed-{index}"
+        mine = [s for s in steps if s.rank == rank and rid is not None and rid in s.request_ids and s.start_us >= start]
+        first_model = min((s.start_us for s in mine), default=None)
+        entry = per_request.setdefault(key, {
+            "request_id": rid, "tokenize_ms": 0.0, "start_us": start, "end_us": end, "thread": tid,
+            "to_first_model_step_ms": None, "delayed_steps": 0, "delayed_step_ms": 0.0,
+            "delayed_request_ids": set(), "overlapping_gap_ms": 0.0,
+        })
+        entry["tokenize_ms"] += (end - start) / 1000.0
+        entry["end_us"] = max(entry["end_us"], end)
+        if first_model is not None:
+            entry["to_first_model_step_ms"] = round((first_model - entry["start_us"]) / 1000.0, 3)
+        # Other requests' steps that ran meanwhile and were slower than a typical decode step.
+        for step in steps:
+            if step.rank != rank or step.end_us <= start or step.start_us >= end or (rid and rid in step.request_ids):
+                continue
+            if step.kind == "decode" and typical_step and step.dur_us > 1.2 * typical_step:
+                entry["delayed_steps"] += 1
+                entry["delayed_step_ms"] += (step.dur_us - typical_step) / 1000.0
+                entry["delayed_request_ids"].update(step.request_ids)
+        for gap in gaps:
+            overlap = min(gap.end_us, end) - max(gap.start_us, start)
+            if gap.rank == rank and overlap > 0:
+                entry["overlapping_gap_ms"] += overlap / 1000.0
+    for entry in per_request.values():
+        entry["delayed_request_ids"] = sorted(entry["delayed_request_ids"])
+        entry["tokenize_ms"] = round(entry["tokenize_ms"], 4)
+        entry["delayed_step_ms"] = round(entry["delayed_step_ms"], 3)
+        entry["overlapping_gap_ms"] = round(entry["overlapping_gap_ms"], 3)
+        entry["on_event_loop"] = (entry["thread"] == loop_tid) if loop_tid is not None else None
+        if entry["tokenize_ms"] < MIN_TOKENIZE_MS:
+            continue
+        ttft_path = entry["to_first_model_step_ms"]
+        share = entry["tokenize_ms"] / ttft_path if ttft_path else None
+        cost = entry["tokenize_ms"] + entry["delayed_step_ms"]
+        harm = ""
+        if entry["delayed_steps"]:
+            harm = (f"; {entry['delayed_steps']} decode step(s) of other requests ran "
+                    f"{entry['delayed_step_ms']:.1f} ms slower meanwhile")
+        if entry["on_event_loop"]:
+            harm += "; it ran on the event loop, blocking every other request"
+        who = f"request {entry['request_id']}" if entry["request_id"] else "a tokenizer call"
+        findings.append(Finding(
+            kind="tokenization_stall",
+            severity="critical" if (share or 0) >= 0.5 or entry["delayed_steps"] else "warning",
+            cost_ms=cost,
+            start_us=entry["start_us"],
+            end_us=entry["end_us"],
+            title=f"{who} spent {entry['tokenize_ms']:.1f} ms tokenizing before its first model step{harm}",
+            request_ids=[r for r in [entry["request_id"], *entry["delayed_request_ids"]] if r],
+            evidence={**entry, "share_of_time_to_first_step": round(share, 4) if share is not None else None},
+        ))
+    summary = {
+        "tokenizations": len(spans),
+        "requests": len(per_request),
+        "stalled_requests": len(findings),
+        "tokenize_ms_total": round(sum(e["tokenize_ms"] for e in per_request.values()), 3),
+        "tokenize_ms_max": round(max((e["tokenize_ms"] for e in per_request.values()), default=0.0), 3),
+        "delayed_step_ms_total": round(sum(e["delayed_step_ms"] for e in per_request.values()), 3),
+    }
+    return findings, summary
