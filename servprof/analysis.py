@@ -1,0 +1,187 @@
+"""Analysis of one session's trace, in a child process, and the serving side's hand-off.
+
+The serving process never parses traces: it runs
+
+    python -m servprof.analysis <trace.json.gz> <session.json> <result.json>
+
+with a timeout (``run_analysis``, called on the capture thread). The child loads the
+trace with ``servprof.trace.load_trace`` and runs ``servprof.detect.run_detectors``;
+where those are not importable it scans the ``servprof:`` phase events itself and
+reports no findings. The result format is the one in docs/CONTRACTS.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+PHASE_PREFIX = "servprof:"  # servprof.phases.PHASE_PREFIX, kept here so the child does not import torch
+
+
+def analysis_command(trace_path: Path, session_path: Path, result_path: Path) -> list[str]:
+    """The child's command line (tests replace this to make the child crash or hang)."""
+    return [sys.executable, "-m", "servprof.analysis", str(trace_path), str(session_path), str(result_path)]
+
+
+_running: set[subprocess.Popen[bytes]] = set()  # live children, killed at process exit
+
+
+def kill_running_analyses() -> None:
+    for child in list(_running):
+        _kill_group(child)
+
+
+def failed_result(session_id: str, trace_path: Path | None, error: str) -> dict[str, Any]:
+    return {"session_id": session_id, "trace_file": str(trace_path) if trace_path else None, "error": error,
+            "requests": {}, "findings": [], "summary": {}, "clock": {}}
+
+
+def run_analysis(session_id: str, trace_path: Path, session_path: Path, result_path: Path,
+                 timeout_s: float) -> dict[str, Any]:
+    """Run the child; always returns a result dict, with ``error`` set when the child failed.
+
+    Blocking: call it from a worker thread. Each call is a fresh process, so a crashed
+    or hung analysis never poisons the next session.
+    """
+    result_path.unlink(missing_ok=True)
+    command = analysis_command(trace_path, session_path, result_path)
+    try:
+        # A new session (process group) so a kill takes any grandchildren with it.
+        child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, start_new_session=True)
+    except OSError as exc:
+        return failed_result(session_id, trace_path, f"analysis process could not start: {exc}")
+    _running.add(child)
+    try:
+        _, stderr = child.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(child)
+        child.communicate()
+        return failed_result(session_id, trace_path, f"analysis timed out after {timeout_s:g} s and was killed")
+    finally:
+        _running.discard(child)
+    if child.returncode != 0:
+        last_line = stderr.decode(errors="replace").strip().splitlines()[-1:] or [""]
+        return failed_result(session_id, trace_path,
+                             f"analysis process exited with status {child.returncode}: {last_line[0][:300]}")
+    try:
+        result = orjson.loads(result_path.read_bytes())
+    except (OSError, orjson.JSONDecodeError) as exc:
+        return failed_result(session_id, trace_path, f"analysis output unreadable: {exc}")
+    problem = _shape_problem(result, session_id)
+    if problem:
+        return failed_result(session_id, trace_path, f"analysis output invalid: {problem}")
+    return result
+
+
+def _kill_group(child: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(child.pid, 9)
+    except OSError:
+        child.kill()
+
+
+def _shape_problem(result: Any, session_id: str) -> str | None:
+    if not isinstance(result, dict):
+        return f"expected a JSON object, got {type(result).__name__}"
+    if result.get("session_id") != session_id:
+        return f"session_id {result.get('session_id')!r} is not {session_id!r}"
+    if not isinstance(result.get("requests"), dict):
+        return "'requests' is not an object"
+    if not isinstance(result.get("findings"), list):
+        return "'findings' is not a list"
+    if result.get("error") is not None and not isinstance(result["error"], str):
+        return "'error' is neither null nor a string"
+    return None
+
+
+# --- the child -----------------------------------------------------------------------------------
+
+
+def scan_phases(document: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], int]:
+    """Per-request phases from ``servprof:<phase>|<ids>`` complete events; also the event count."""
+    events = document.get("traceEvents")
+    if not isinstance(events, list):
+        raise ValueError("trace has no traceEvents list")
+    requests: dict[str, dict[str, Any]] = {}
+    for event in events:
+        name = event.get("name") if isinstance(event, dict) else None
+        if not (isinstance(name, str) and name.startswith(PHASE_PREFIX) and event.get("ph") == "X"):
+            continue
+        phase_name, _, ids = name[len(PHASE_PREFIX):].partition("|")
+        start = float(event.get("ts", 0.0))
+        entry = {"name": phase_name, "start_us": start, "end_us": start + float(event.get("dur", 0.0))}
+        for rid in ids.split(","):
+            if rid:
+                requests.setdefault(rid, {"phases": []})["phases"].append(entry)
+    for info in requests.values():
+        info["phases"].sort(key=lambda p: p["start_us"])
+    return requests, len(events)
+
+
+def _with_detectors(trace_path: Path, session: dict[str, Any]) -> tuple[dict[str, Any], list[Any], dict[str, Any]]:
+    from servprof.detect import run_detectors
+    from servprof.trace import load_trace, request_phases
+
+    trace = load_trace(trace_path)
+    requests = {rid: {"phases": phases} for rid, phases in request_phases(trace).items()}
+    findings = [f.to_dict() for f in run_detectors(trace, session.get("requests", []))]
+    base_ns = next((m.get("baseTimeNanoseconds") for m in trace.metadata.values()), None)
+    return requests, findings, {"event_count": len(trace), "detectors": "servprof.detect", "base_ns": base_ns}
+
+
+def _without_detectors(trace_path: Path, reason: str) -> tuple[dict[str, Any], list[Any], dict[str, Any]]:
+    with gzip.open(trace_path, "rb") if trace_path.name.endswith(".gz") else open(trace_path, "rb") as file:
+        document = orjson.loads(file.read())
+    if not isinstance(document, dict):
+        raise ValueError("trace is not a chrome-trace JSON object")
+    requests, event_count = scan_phases(document)
+    return requests, [], {"event_count": event_count, "detectors": f"unavailable: {reason}",
+                          "base_ns": document.get("baseTimeNanoseconds")}
+
+
+def analyse(trace_path: Path, session: dict[str, Any]) -> dict[str, Any]:
+    session_id = str(session.get("session_id", ""))
+    try:
+        requests, findings, summary = _with_detectors(trace_path, session)
+    except ImportError as exc:
+        # The detectors are another stage; until they are importable, phase timings only.
+        requests, findings, summary = _without_detectors(trace_path, str(exc))
+    base_ns = summary.pop("base_ns", None)
+    sampled = [r.get("request_id") for r in session.get("requests", [])]
+    summary.update({"sampled_request_ids": sampled, "requests_with_phases": len(requests),
+                    "stop_reason": session.get("stop_reason"), "duration_s": session.get("duration_s"),
+                    "steps": session.get("steps")})
+    clock = {"trace_us_to_unix_ns_offset": int(base_ns)} if isinstance(base_ns, (int, float)) else {}
+    return {"session_id": session_id, "trace_file": str(trace_path), "error": None, "requests": requests,
+            "findings": findings, "summary": summary, "clock": clock}
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3:
+        print("usage: python -m servprof.analysis TRACE SESSION_JSON RESULT_JSON", file=sys.stderr)
+        return 2
+    with contextlib.suppress(OSError):
+        os.nice(10)  # share the CPU with serving politely
+    trace_path, session_path, result_path = (Path(a) for a in argv)
+    try:
+        session = orjson.loads(session_path.read_bytes())
+        result = analyse(trace_path, session)
+    except Exception as exc:  # noqa: BLE001 - one clear line for the parent's status, not a traceback
+        print(f"servprof analysis failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    fd = os.open(result_path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(orjson.dumps(result, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

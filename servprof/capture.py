@@ -1,0 +1,335 @@
+"""One process-wide owner of torch.profiler: one session at a time, run on its own thread.
+
+Starting, stopping, exporting and the analysis hand-off all happen on the
+``servprof-capture`` thread; the event loop only appends records to a session under a
+short lock and waits for a sampled request's session to start (in a worker thread).
+
+Facts this follows (../shared/facts/torch-profiler-in-a-server.md): only
+``profile_all_threads`` sees the engine's threads; ``stop()`` holds the GIL ~5-9 us per
+captured event and export ~2-3 us, so every session is bounded by time, requests,
+decode steps and an estimate of captured events; a second profiler started while one
+runs can crash the process, so ``_is_profiler_enabled`` is checked first.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+import torch
+import torch.autograd.profiler as autograd_profiler
+from torch._C._profiler import _ExperimentalConfig
+from torch.profiler import ProfilerActivity, profile
+
+from servprof.analysis import kill_running_analyses, run_analysis
+from servprof.observers import RequestRecord
+from servprof.settings import Settings
+from servprof.store import StoreError, TraceStore
+
+POLL_S = 0.01  # how often the bounds of a running session are checked
+RAW_BYTES_PER_EVENT = 260  # chrome-trace JSON per CPU event, used when the analysis gave no count
+
+STARTING, CAPTURING, STOPPING, EXPORTING, ANALYSING, DONE, FAILED = (
+    "starting", "capturing", "stopping", "exporting", "analysing", "done", "failed")
+STOP_SHUTDOWN = "shutdown"
+FOREIGN_PROFILER = ("another torch profiler is active in this process; servprof does not start a second "
+                    "one (two at once can crash the process)")
+
+
+class Session:
+    """One profiler window covering one or more sampled requests."""
+
+    def __init__(self, settings: Settings, store: TraceStore, reason: str, target_requests: int,
+                 on_finished: Callable[[Session], None]):
+        self.session_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
+        self.settings = settings
+        self.store = store
+        self.reason = reason
+        self.target_requests = target_requests
+        self.on_finished = on_finished
+        self.records: list[RequestRecord] = []
+        self.open_requests = 0
+        self.state = STARTING
+        self.stop_requested: str | None = None
+        self.stop_reason: str | None = None
+        self.error: str | None = None
+        self.store_problem = False  # failed because the trace dir cannot take a trace
+        self.wall_start_ns: int | None = None
+        self.perf_start_ns: int | None = None
+        self.perf_end_ns: int | None = None
+        self.trace_path: Any = None
+        self.trace_raw_bytes = 0
+        self.result: dict[str, Any] | None = None
+        self.started = threading.Event()  # set once capturing, or failed before capturing
+        self.finished = threading.Event()
+
+    def has_room(self) -> bool:
+        return (self.state in (STARTING, CAPTURING) and self.stop_requested is None
+                and len(self.records) < self.target_requests)
+
+    def steps(self) -> int:
+        """Decode steps so far, estimated as the most body chunks any sampled request streamed."""
+        return max((r.chunks for r in self.records), default=0)
+
+    def duration_s(self) -> float | None:
+        if self.perf_start_ns is None:
+            return None
+        end = self.perf_end_ns or time.perf_counter_ns()
+        return (end - self.perf_start_ns) / 1e9
+
+    def description(self) -> dict[str, Any]:
+        """What the analysis child and /servprof/status get to know about the session."""
+        return {"session_id": self.session_id, "state": self.state, "reason": self.reason,
+                "target_requests": self.target_requests, "stop_reason": self.stop_reason, "error": self.error,
+                "wall_start_ns": self.wall_start_ns, "perf_start_ns": self.perf_start_ns,
+                "duration_s": self.duration_s(), "steps": self.steps(),
+                "trace_file": str(self.trace_path) if self.trace_path else None,
+                "requests": [_record_summary(r) for r in list(self.records)]}
+
+
+def _record_summary(record: RequestRecord) -> dict[str, Any]:
+    return {"request_id": record.request_id, "method": record.method, "path": record.path, "route": record.route,
+            "arrival_ns": record.arrival_ns, "arrival_perf_ns": record.arrival_perf_ns,
+            "first_byte_ns": record.first_byte_ns, "last_byte_ns": record.last_byte_ns, "end_ns": record.end_ns,
+            "status": record.status, "chunks": record.chunks, "bytes_sent": record.bytes_sent,
+            "disconnected": record.disconnected}
+
+
+class CaptureController:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._profiler: profile | None = None
+        self.session: Session | None = None
+        self.warm = False
+        self.warmup_wanted = False
+        self.warmup_error: str | None = None
+        self.sessions_started = 0  # profiler starts by servprof in this process (warm-up excluded)
+        self.events_per_second: float | None = None  # learned from the last finished session
+        self.events_per_step: float | None = None
+        self._atexit_registered = False
+
+    # --- called from the event loop: cheap, never blocking --------------------------------------
+
+    def ensure_running(self, warmup: bool) -> None:
+        with self._lock:
+            if warmup and not self.warm:
+                self.warmup_wanted = True
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="servprof-capture", daemon=True)
+                self._thread.start()
+            if not self._atexit_registered:
+                atexit.register(self.stop_now, "process exit", 30.0)
+                self._atexit_registered = True
+        self._wake.set()
+
+    def refusal(self) -> tuple[str, str] | None:
+        """(kind, message) when a new sampled request cannot be taken now, else None."""
+        if self.warmup_wanted and not self.warm:
+            return "warming_up", "warming up the profiler (first start takes 1-2 s)"
+        session = self.session
+        if session is not None:
+            return None if session.has_room() else ("busy", f"session {session.session_id} is {session.state}")
+        if autograd_profiler._is_profiler_enabled:
+            return "foreign_profiler", FOREIGN_PROFILER
+        return None
+
+    def admit(self, record: RequestRecord, settings: Settings, store: TraceStore, reason: str,
+              target_requests: int, on_finished: Callable[[Session], None]) -> Session | None:
+        with self._lock:
+            session = self.session
+            if session is None:
+                session = self.session = Session(settings, store, reason, target_requests, on_finished)
+            elif not session.has_room():
+                return None
+            session.records.append(record)
+            session.open_requests += 1
+        self._wake.set()
+        return session
+
+    def request_finished(self, session: Session) -> None:
+        with self._lock:
+            session.open_requests -= 1
+        self._wake.set()
+
+    # --- blocking: shutdown / exit ---------------------------------------------------------------
+
+    def stop_now(self, reason: str = STOP_SHUTDOWN, timeout_s: float = 30.0) -> Session | None:
+        """Stop the running session (trace kept, analysis skipped) and wait for its export."""
+        session = self.session
+        if session is None:
+            return None
+        if session.state in (STARTING, CAPTURING):
+            session.stop_requested = f"{STOP_SHUTDOWN}: {reason}"
+            self._wake.set()
+        else:
+            kill_running_analyses()
+        session.finished.wait(timeout_s)
+        return session
+
+    # --- the capture thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            session = self.session
+            self._wake.wait(POLL_S if session is not None and session.state == CAPTURING else None)
+            self._wake.clear()
+            if self.warmup_wanted and not self.warm:
+                self._warm_up()
+            session = self.session
+            if session is None:
+                continue
+            try:
+                if session.state == STARTING:
+                    self._start(session)
+                elif session.state == CAPTURING:
+                    why = self._stop_reason(session)
+                    if why:
+                        self._finish(session, why)
+            except Exception as exc:  # noqa: BLE001 - the capture thread must survive anything
+                self._fail(session, f"capture error: {type(exc).__name__}: {exc}")
+
+    def _new_profiler(self, settings: Settings | None) -> profile:
+        activities = [ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(ProfilerActivity.CUDA)
+        return profile(activities=activities,
+                       record_shapes=bool(settings and settings.record_shapes),
+                       with_stack=bool(settings and settings.with_stack),
+                       experimental_config=_ExperimentalConfig(profile_all_threads=True))
+
+    def _warm_up(self) -> None:
+        # Kineto's first start costs 1-2 s; pay it here, not in the first sampled request.
+        try:
+            if autograd_profiler._is_profiler_enabled:
+                self.warmup_error = FOREIGN_PROFILER
+            else:
+                warm = self._new_profiler(None)
+                warm.start()
+                warm.stop()
+        except Exception as exc:  # noqa: BLE001
+            self.warmup_error = f"warm-up failed: {exc}"
+        self.warm = True
+
+    def _start(self, session: Session) -> None:
+        problem = session.store.check_writable()
+        if problem:
+            self._fail(session, problem, store_problem=True)
+            return
+        if autograd_profiler._is_profiler_enabled:
+            self._fail(session, FOREIGN_PROFILER)
+            return
+        prof = self._new_profiler(session.settings)
+        session.wall_start_ns = time.time_ns()
+        session.perf_start_ns = time.perf_counter_ns()
+        prof.start()
+        self._profiler = prof
+        self.sessions_started += 1
+        session.state = CAPTURING
+        session.started.set()
+
+    def estimated_events(self, elapsed_s: float, steps: int) -> float:
+        by_time = (self.events_per_second or 0.0) * elapsed_s
+        by_steps = (self.events_per_step or 0.0) * steps
+        return max(by_time, by_steps)
+
+    def _stop_reason(self, session: Session) -> str | None:
+        if session.stop_requested:
+            return session.stop_requested
+        settings = session.settings
+        elapsed = (time.perf_counter_ns() - (session.perf_start_ns or 0)) / 1e9
+        steps = session.steps()
+        if len(session.records) >= session.target_requests and session.open_requests <= 0:
+            return "requests_done"
+        if elapsed >= settings.max_session_s:
+            return "max_session_s"
+        if steps >= settings.max_session_steps:
+            return "max_session_steps"
+        if self.estimated_events(elapsed, steps) >= settings.max_session_events:
+            return "max_session_events"
+        return None
+
+    def _finish(self, session: Session, why: str) -> None:
+        session.stop_reason = why
+        session.state = STOPPING
+        prof, self._profiler = self._profiler, None
+        assert prof is not None
+        metadata = {"session_id": session.session_id, "request_ids": [r.request_id for r in session.records],
+                    "wall_start_ns": session.wall_start_ns, "perf_start_ns": session.perf_start_ns,
+                    "stop_reason": why, "reason": session.reason}
+        prof.add_metadata_json("servprof", orjson.dumps(metadata).decode())
+        prof.stop()  # holds the GIL ~5-9 us per captured event: why the sessions are bounded
+        session.perf_end_ns = time.perf_counter_ns()
+        session.state = EXPORTING
+        try:
+            session.trace_path, session.trace_raw_bytes = session.store.export(prof, session.session_id)
+        except StoreError as exc:
+            self._fail(session, str(exc), store_problem=True)
+            return
+        del prof
+        session_file = session.store.write_json(session.session_id, ".session.json", session.description())
+        if why.startswith(STOP_SHUTDOWN) or not session.settings.analysis:
+            skipped = "shutdown" if why.startswith(STOP_SHUTDOWN) else "analysis is off"
+            result = {"session_id": session.session_id, "trace_file": str(session.trace_path), "error": None,
+                      "requests": {}, "findings": [], "summary": {"analysis_skipped": skipped}, "clock": {}}
+        else:
+            session.state = ANALYSING
+            result = run_analysis(session.session_id, session.trace_path, session_file,
+                                  session.store.path_for(session.session_id, ".analysis.json"),
+                                  session.settings.analysis_timeout_s)
+        self._learn(session, result)
+        session.result = result
+        session.error = result.get("error")
+        self._end(session, FAILED if session.error else DONE)
+
+    def _learn(self, session: Session, result: dict[str, Any]) -> None:
+        count = (result.get("summary") or {}).get("event_count")
+        if not isinstance(count, (int, float)) or count <= 0:
+            count = session.trace_raw_bytes / RAW_BYTES_PER_EVENT
+        duration, steps = session.duration_s(), session.steps()
+        if count > 0 and duration:
+            self.events_per_second = count / duration
+            self.events_per_step = count / steps if steps else None
+
+    def _fail(self, session: Session, error: str, store_problem: bool = False) -> None:
+        session.error = error
+        session.store_problem = store_problem
+        if self._profiler is not None:
+            prof, self._profiler = self._profiler, None
+            # Already failing: the first error is the one worth reporting.
+            with contextlib.suppress(Exception):
+                prof.stop()
+        self._end(session, FAILED)
+
+    def _end(self, session: Session, state: str) -> None:
+        session.state = state
+        if session.perf_start_ns is not None and session.perf_end_ns is None:
+            session.perf_end_ns = time.perf_counter_ns()
+        with self._lock:
+            if self.session is session:
+                self.session = None
+        session.started.set()
+        try:
+            session.on_finished(session)
+        finally:
+            session.finished.set()
+
+
+_controller: CaptureController | None = None
+_controller_lock = threading.Lock()
+
+
+def get_controller() -> CaptureController:
+    """The process-wide controller (torch.profiler is process-wide too)."""
+    global _controller
+    with _controller_lock:
+        if _controller is None:
+            _controller = CaptureController()
+        return _controller

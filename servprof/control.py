@@ -1,0 +1,105 @@
+"""Control endpoints, served by the middleware itself under ``settings.control_prefix``.
+
+    GET  /servprof/status        settings, counters, sessions, last findings, why paused
+    POST /servprof/sample?n=N    sample the next N requests (one session)
+
+Off unless a control token is configured (SERVPROF_CONTROL_TOKEN): without one these
+paths go to the app like any other. Every call needs ``Authorization: Bearer <token>``
+(compared in constant time); errors are JSON ``{"error": "..."}``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from typing import Any
+from urllib.parse import parse_qs
+
+import orjson
+from starlette.types import Receive, Scope, Send
+
+from servprof.runtime import ServprofRuntime
+
+_JSON_HEADERS = [(b"content-type", b"application/json"), (b"cache-control", b"no-store")]
+
+
+async def respond(send: Send, status: int, body: Any, extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    payload = orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS, default=str)
+    headers = _JSON_HEADERS + [(b"content-length", str(len(payload)).encode())] + (extra_headers or [])
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
+
+
+def _bearer(scope: Scope) -> bytes | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            return token.strip() if scheme.lower() == b"bearer" else None
+    return None
+
+
+def authorized(scope: Scope, token: str) -> bool:
+    presented = _bearer(scope)
+    return presented is not None and hmac.compare_digest(presented, token.encode())
+
+
+def parse_n(query_string: bytes, max_n: int) -> tuple[int | None, str | None]:
+    """(n, None) or (None, error message) for the sample endpoint's query."""
+    try:
+        query = parse_qs(query_string.decode("latin-1"), keep_blank_values=True, strict_parsing=False)
+    except ValueError:
+        return None, "query string could not be parsed"
+    unknown = set(query) - {"n"}
+    if unknown:
+        return None, f"unknown parameter(s): {', '.join(sorted(unknown))}; only n is accepted"
+    values = query.get("n", ["1"])
+    if len(values) != 1:
+        return None, "give n once"
+    raw = values[0].strip()
+    if not raw.isdigit() or len(raw) > 6:
+        return None, f"n must be a whole number from 1 to {max_n}, got {raw[:20]!r}"
+    n = int(raw)
+    if not 1 <= n <= max_n:
+        return None, f"n must be from 1 to {max_n} (SERVPROF_MAX_ON_DEMAND), got {n}"
+    return n, None
+
+
+async def handle(runtime: ServprofRuntime, scope: Scope, receive: Receive, send: Send) -> None:
+    """Answer one request whose path is under the control prefix (the token is configured)."""
+    settings = runtime.settings
+    runtime.counters["control_requests"] += 1
+    assert settings.control_token is not None
+    if not authorized(scope, settings.control_token):
+        await respond(send, 401, {"error": "missing or wrong bearer token for servprof control"},
+                      [(b"www-authenticate", b'Bearer realm="servprof"')])
+        return
+    endpoint = scope["path"][len(settings.control_prefix):]
+    method = scope["method"]
+    if endpoint == "/status":
+        if method != "GET":
+            await respond(send, 405, {"error": "use GET for status"}, [(b"allow", b"GET")])
+            return
+        await respond(send, 200, runtime.status())
+        return
+    if endpoint == "/sample":
+        if method != "POST":
+            await respond(send, 405, {"error": "use POST to order samples"}, [(b"allow", b"POST")])
+            return
+        n, error = parse_n(scope.get("query_string", b""), settings.max_on_demand)
+        if error is not None or n is None:
+            await respond(send, 400, {"error": error})
+            return
+        wait = runtime.last_order_at + settings.on_demand_min_interval_s - time.monotonic()
+        if runtime.last_order_at and wait > 0:
+            await respond(send, 429, {"error": f"one sample order per {settings.on_demand_min_interval_s:g} s; "
+                                               f"retry in {wait:.1f} s"},
+                          [(b"retry-after", str(max(1, round(wait))).encode())])
+            return
+        if not settings.enabled:
+            await respond(send, 409, {"error": "servprof is disabled (SERVPROF_ENABLED=0)"})
+            return
+        runtime.order(n)
+        await respond(send, 202, {"ordered": n, "paused": runtime.why_paused(),
+                                  "message": f"the next {n} request(s) will be sampled in one session"})
+        return
+    await respond(send, 404, {"error": f"no servprof endpoint {scope['path']}; try {settings.control_prefix}/status"})

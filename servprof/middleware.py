@@ -1,0 +1,194 @@
+"""ServprofMiddleware: a pure ASGI middleware, in the manner of Starlette's gzip and CORS.
+
+Per HTTP request a small responder object wraps ``receive`` and ``send``, fills a
+RequestRecord (O(1) work per body chunk), asks the sampler, and for a sampled request
+joins a profiler session. Unsampled requests never touch the profiler, never wait,
+and never allocate more than the record and the responder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import anyio.to_thread
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from servprof import control
+from servprof.capture import Session
+from servprof.observers import RequestRecord
+from servprof.request_context import accept_request_id, request_id_var, request_record_var
+from servprof.runtime import ServprofRuntime, create_observers
+from servprof.settings import Settings
+
+_perf_ns = time.perf_counter_ns
+_wall_ns = time.time_ns
+_TOKEN_HEADER = b"x-servprof-token"
+SHUTDOWN_WAIT_S = 30.0
+
+
+class ServprofMiddleware:
+    """``app.add_middleware(ServprofMiddleware)``; settings from SERVPROF_* unless given.
+
+    ``ServprofMiddleware(app, settings=Settings(...), sample_every=10)``: keyword
+    arguments override single settings.
+    """
+
+    def __init__(self, app: ASGIApp, settings: Settings | None = None, **overrides: Any) -> None:
+        if settings is None:
+            settings = Settings.from_env(**overrides)
+        elif overrides:
+            settings = dataclasses.replace(settings, **overrides)
+            settings.validate()
+        self.app = app
+        self.settings = settings
+        observers, problem = create_observers(settings) if settings.enabled else ([], None)
+        self.runtime = ServprofRuntime(settings, observers, problem)
+        self._enabled = settings.enabled
+        self._control_prefix = settings.control_prefix if settings.control_token else None
+        self._control_prefix_slash = f"{settings.control_prefix}/"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self._enabled:
+            if scope["type"] == "lifespan" and self._enabled:
+                receive = _shutdown_hook(receive, self.runtime)
+            await self.app(scope, receive, send)
+            return
+        if self._control_prefix is not None:
+            path = scope["path"]
+            if path.startswith(self._control_prefix_slash) or path == self._control_prefix:
+                await control.handle(self.runtime, scope, receive, send)
+                return
+        await _RequestResponder(self, scope, receive, send).run()
+
+
+def _shutdown_hook(receive: Receive, runtime: ServprofRuntime) -> Receive:
+    """Stop a running session cleanly (trace kept) when the server shuts down."""
+
+    async def lifespan_receive() -> Message:
+        message = await receive()
+        if message["type"] == "lifespan.shutdown":
+            await anyio.to_thread.run_sync(runtime.controller.stop_now, "lifespan shutdown", SHUTDOWN_WAIT_S)
+        return message
+
+    return lifespan_receive
+
+
+class _RequestResponder:
+    __slots__ = ("middleware", "scope", "_receive", "_send", "record", "request_id_bytes", "body_head_left")
+
+    def __init__(self, middleware: ServprofMiddleware, scope: Scope, receive: Receive, send: Send) -> None:
+        self.middleware = middleware
+        self.scope = scope
+        self._receive = receive
+        self._send = send
+
+    async def run(self) -> None:
+        scope = self.scope
+        middleware = self.middleware
+        runtime = middleware.runtime
+        arrival_perf = _perf_ns()
+        raw_request_id = user_agent = presented_token = None
+        sample_asked = False
+        for name, value in scope["headers"]:
+            if name == b"x-request-id":
+                raw_request_id = value
+            elif name == b"user-agent":
+                user_agent = value
+            elif name == b"x-servprof-sample":
+                sample_asked = value.strip() == b"1"
+            elif name == _TOKEN_HEADER:
+                presented_token = value
+            elif name == b"authorization" and presented_token is None and value[:7].lower() == b"bearer ":
+                presented_token = value[7:].strip()
+        request_id = accept_request_id(raw_request_id.decode("latin-1") if raw_request_id else None)
+        self.request_id_bytes = request_id.encode()
+        client = scope.get("client")
+        method = scope["method"]
+        record = self.record = RequestRecord(
+            request_id, method, scope["path"], None, scope.get("scheme", "http"),
+            client[0] if client else None, user_agent.decode("latin-1") if user_agent else None,
+            _wall_ns(), arrival_perf,
+        )
+        self.body_head_left = middleware.settings.body_head_bytes if method == "POST" else 0
+        runtime.counters["requests"] += 1
+        if sample_asked and presented_token is not None:
+            # The servprof token is for servprof only: the app never sees it.
+            scope["headers"] = [(n, v) for n, v in scope["headers"] if n != _TOKEN_HEADER]
+
+        session: Session | None = None
+        reason = runtime.sampler.decide(sample_asked, presented_token if sample_asked else None)
+        if reason is not None:
+            session = await runtime.join_session(record, reason)
+
+        observers = runtime.observers
+        states: list[Any] | None = None
+        if observers:
+            states = []
+            for observer in observers:
+                try:
+                    states.append(observer.on_request_start(record, scope))
+                except Exception:  # noqa: BLE001 - observers never break serving
+                    states.append(None)
+                    runtime.counters["observer_errors"] += 1
+
+        id_token = request_id_var.set(request_id)
+        record_token = request_record_var.set(record)
+        try:
+            await middleware.app(scope, self.receive, self.send)
+        except BaseException as exc:
+            record.error_type = type(exc).__qualname__
+            raise
+        finally:
+            record.end_ns = _perf_ns()
+            route = scope.get("route")
+            if route is not None:
+                record.route = getattr(route, "path", None)
+            if session is not None:
+                runtime.controller.request_finished(session)
+            if record.disconnected:
+                runtime.counters["disconnects"] += 1
+            if states is not None:
+                for observer, state in zip(observers, states, strict=True):
+                    try:
+                        observer.on_request_end(record, state)
+                    except Exception:  # noqa: BLE001
+                        runtime.counters["observer_errors"] += 1
+            request_record_var.reset(record_token)
+            request_id_var.reset(id_token)
+
+    async def receive(self) -> Message:
+        message = await self._receive()
+        message_type = message["type"]
+        if message_type == "http.request":
+            if self.body_head_left > 0:
+                body = message.get("body", b"")[: self.body_head_left]
+                self.record.request_body_head += body
+                self.body_head_left = self.body_head_left - len(body) if message.get("more_body") else 0
+        elif message_type == "http.disconnect":
+            self.record.disconnected = True
+        return message
+
+    async def send(self, message: Message) -> None:
+        message_type = message["type"]
+        record = self.record
+        if message_type == "http.response.body":
+            body = message.get("body")
+            if body:
+                now = _perf_ns()
+                if record.first_byte_ns is None:
+                    record.first_byte_ns = now
+                record.last_byte_ns = now
+                record.chunks += 1
+                record.bytes_sent += len(body)
+        elif message_type == "http.response.start":
+            record.status = message["status"]
+            record.response_start_ns = _perf_ns()
+            message = dict(message)
+            message["headers"] = [*message.get("headers", ()), (b"x-request-id", self.request_id_bytes)]
+        try:
+            await self._send(message)
+        except OSError:  # uvicorn's ClientDisconnected is an OSError: the client left mid-response
+            record.disconnected = True
+            raise

@@ -1,0 +1,168 @@
+"""Per-middleware state: the sampler, the trace store, counters, observers and session history.
+
+The process-wide CaptureController owns the profiler; this object decides what a
+candidate request becomes, keeps what /servprof/status shows, and hands finished
+sessions to the observers (on the capture thread, never on the event loop).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import time
+from collections import deque
+from typing import Any
+
+import anyio.to_thread
+
+from servprof.capture import CAPTURING, Session, get_controller
+from servprof.observers import RequestObserver, RequestRecord
+from servprof.sampling import REASON_ON_DEMAND, Sampler
+from servprof.settings import Settings
+from servprof.store import TraceStore
+
+PAUSE_RECHECK_S = 5.0  # how soon a paused store is tried again
+START_WAIT_S = 5.0  # the longest a sampled request waits for its session to start
+HISTORY = 10
+
+
+def create_observers(settings: Settings) -> tuple[list[RequestObserver], str | None]:
+    """Telemetry's observer when its module is there and telemetry is on; else none (and why)."""
+    if not settings.telemetry:
+        return [], None
+    try:
+        if importlib.util.find_spec("servprof.telemetry") is None:
+            return [], "servprof.telemetry is not installed"
+        observer = importlib.import_module("servprof.telemetry").create_observer(settings)
+    except Exception as exc:  # noqa: BLE001 - telemetry must never stop serving
+        return [], f"telemetry observer could not be created: {type(exc).__name__}: {exc}"
+    return ([observer] if observer is not None else []), None
+
+
+class ServprofRuntime:
+    def __init__(self, settings: Settings, observers: list[RequestObserver] | None = None,
+                 observer_problem: str | None = None):
+        self.settings = settings
+        self.sampler = Sampler(settings)
+        self.store = TraceStore(settings.out_dir, settings.trace_max_files, settings.trace_max_mb)
+        self.controller = get_controller()
+        self.observers = observers or []
+        self.observer_problem = observer_problem
+        self.counters = {"requests": 0, "sampled": 0, "skipped": 0, "observer_errors": 0, "disconnects": 0,
+                         "sessions_done": 0, "sessions_failed": 0, "control_requests": 0}
+        self.skipped_by_reason: dict[str, int] = {}
+        self.paused_reason: str | None = None
+        self._paused_until = 0.0
+        self.last_error: str | None = None
+        self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
+        self.last_result: dict[str, Any] | None = None
+        self.last_order_at = 0.0
+        if settings.enabled:
+            self.controller.ensure_running(settings.warmup)
+
+    # --- sampling --------------------------------------------------------------------------------
+
+    def order(self, n: int) -> None:
+        self.sampler.order(n)
+        self.last_order_at = time.monotonic()
+
+    def _skip(self, kind: str, reason: str) -> None:
+        self.sampler.give_back(reason)
+        self.counters["skipped"] += 1
+        self.skipped_by_reason[kind] = self.skipped_by_reason.get(kind, 0) + 1
+
+    async def join_session(self, record: RequestRecord, reason: str) -> Session | None:
+        """Put a candidate request into a session; None when it runs unsampled."""
+        if self.paused_reason is not None and time.monotonic() < self._paused_until:
+            self._skip("paused", reason)
+            return None
+        refusal = self.controller.refusal()
+        if refusal is not None:
+            self._skip(refusal[0], reason)
+            return None
+        # An order's session waits for all of the order's requests (this one and those still owed).
+        target = self.sampler.on_demand_pending + 1 if reason == REASON_ON_DEMAND else self.settings.requests_per_session
+        session = self.controller.admit(record, self.settings, self.store, reason, max(1, target),
+                                        self._session_finished)
+        if session is None:
+            self._skip("busy", reason)
+            return None
+        if not session.started.is_set():
+            # Only a sampled request waits for the profiler; the wait happens off the loop.
+            await anyio.to_thread.run_sync(session.started.wait, START_WAIT_S)
+        if session.state != CAPTURING:
+            self._skip("start_failed", reason)
+            return None
+        self.paused_reason = None
+        self.counters["sampled"] += 1
+        record.sampled = True
+        record.session_id = session.session_id
+        return session
+
+    # --- the capture thread calls these ---------------------------------------------------------
+
+    def _session_finished(self, session: Session) -> None:
+        if session.reason == REASON_ON_DEMAND:
+            self.sampler.cancel_order()  # one order, one session: what it did not fill is dropped
+        if session.store_problem:
+            self.paused_reason = session.error
+            self._paused_until = time.monotonic() + PAUSE_RECHECK_S
+        key = "sessions_failed" if session.error else "sessions_done"
+        self.counters[key] += 1
+        self.last_error = session.error or self.last_error
+        self.history.append(session.description())
+        result = session.result
+        if result is None:
+            return
+        self.last_result = result
+        for observer in self.observers:
+            try:
+                observer.on_analysis(result, list(session.records))
+            except Exception:  # noqa: BLE001 - an observer never breaks capture
+                self.counters["observer_errors"] += 1
+
+    # --- /servprof/status ------------------------------------------------------------------------
+
+    def why_paused(self) -> str | None:
+        if not self.settings.enabled:
+            return "servprof is disabled (SERVPROF_ENABLED=0)"
+        if self.paused_reason is not None:
+            return self.paused_reason
+        refusal = self.controller.refusal()
+        return refusal[1] if refusal and refusal[0] != "busy" else None
+
+    def status(self) -> dict[str, Any]:
+        controller = self.controller
+        current = controller.session
+        last = self.last_result or {}
+        return {
+            "settings": self.settings.public_dict(),
+            "counters": dict(self.counters),
+            "skipped_by_reason": dict(self.skipped_by_reason),
+            "sampler": self.sampler.status(),
+            "paused": self.why_paused(),
+            "profiler": {"warm": controller.warm, "warmup_error": controller.warmup_error,
+                         "sessions_started_in_process": controller.sessions_started,
+                         "events_per_second": controller.events_per_second,
+                         "events_per_step": controller.events_per_step},
+            "current_session": current.description() if current is not None else None,
+            "last_sessions": list(self.history),
+            "last_findings": last.get("findings", []),
+            "last_analysis": {k: last.get(k) for k in ("session_id", "error", "summary")} if last else None,
+            "last_error": self.last_error,
+            "observers": {"count": len(self.observers), "errors": self.counters["observer_errors"],
+                          "problem": self.observer_problem, "dropped_spans": self._dropped_spans()},
+        }
+
+    def _dropped_spans(self) -> int | None:
+        # Telemetry may expose `dropped_spans` (an int or a callable returning one).
+        total = None
+        for observer in self.observers:
+            value = getattr(observer, "dropped_spans", None)
+            try:
+                value = value() if callable(value) else value
+            except Exception:  # noqa: BLE001
+                value = None
+            if isinstance(value, int):
+                total = (total or 0) + value
+        return total

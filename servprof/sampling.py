@@ -1,0 +1,86 @@
+"""Which requests to sample: combinable policies, decided in O(1) per request.
+
+Policies (any one is enough):
+
+* ``header``: the request carries ``x-servprof-sample: 1`` *and* the control token,
+  either as ``x-servprof-token: <token>`` or ``Authorization: Bearer <token>``
+  (the separate header exists because an OpenAI-style API already uses Authorization
+  for its own keys). Without a configured token the header is ignored.
+* ``on_demand``: ``POST /servprof/sample?n=N`` asks for the next N requests.
+* ``every``: every k-th request (``sample_every``).
+* ``rate``: each request with probability ``sample_rate``.
+
+The sampler only says "this request is a candidate"; the capture controller may still
+refuse it (a session is busy, a foreign profiler runs, the trace dir is unwritable).
+An on-demand candidate that was refused is given back so the order is not lost.
+"""
+
+from __future__ import annotations
+
+import hmac
+import random
+
+from servprof.settings import Settings
+
+REASON_HEADER = "header"
+REASON_ON_DEMAND = "on_demand"
+REASON_EVERY = "every"
+REASON_RATE = "rate"
+
+
+class Sampler:
+    __slots__ = ("_every", "_rate", "_token", "_random", "_seen", "_on_demand", "counts")
+
+    def __init__(self, settings: Settings, rng: random.Random | None = None):
+        self._every = settings.sample_every
+        self._rate = settings.sample_rate
+        self._token = settings.control_token.encode() if settings.control_token else None
+        self._random = (rng or random.Random()).random
+        self._seen = 0
+        self._on_demand = 0  # requests still owed to the last on-demand order
+        self.counts = {REASON_HEADER: 0, REASON_ON_DEMAND: 0, REASON_EVERY: 0, REASON_RATE: 0,
+                       "header_rejected": 0}
+
+    @property
+    def on_demand_pending(self) -> int:
+        return self._on_demand
+
+    def order(self, n: int) -> None:
+        """Sample the next ``n`` requests (replaces a previous, unfinished order)."""
+        self._on_demand = n
+
+    def cancel_order(self) -> int:
+        left, self._on_demand = self._on_demand, 0
+        return left
+
+    def give_back(self, reason: str) -> None:
+        """A candidate was refused by capture; an on-demand slot stays owed to the next request."""
+        if reason == REASON_ON_DEMAND:
+            self._on_demand += 1
+            self.counts[REASON_ON_DEMAND] -= 1
+
+    def token_matches(self, presented: bytes | None) -> bool:
+        return self._token is not None and presented is not None and hmac.compare_digest(presented, self._token)
+
+    def decide(self, header_asked: bool = False, presented_token: bytes | None = None) -> str | None:
+        """The reason to sample this request, or None. Counts every call as one request."""
+        self._seen += 1
+        if header_asked:
+            if self.token_matches(presented_token):
+                self.counts[REASON_HEADER] += 1
+                return REASON_HEADER
+            self.counts["header_rejected"] += 1
+        if self._on_demand > 0:
+            self._on_demand -= 1
+            self.counts[REASON_ON_DEMAND] += 1
+            return REASON_ON_DEMAND
+        if self._every and self._seen % self._every == 0:
+            self.counts[REASON_EVERY] += 1
+            return REASON_EVERY
+        if self._rate and self._random() < self._rate:
+            self.counts[REASON_RATE] += 1
+            return REASON_RATE
+        return None
+
+    def status(self) -> dict[str, object]:
+        return {"requests_seen": self._seen, "on_demand_pending": self._on_demand, "candidates": dict(self.counts)}

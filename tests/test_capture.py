@@ -1,0 +1,209 @@
+"""Capture end to end: real uvicorn, a real torch model on an engine thread, the real profiler,
+the real analysis subprocess."""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+import torch.autograd.profiler as autograd_profiler
+from _middleware_helpers import AUTH, TOKEN, sse_post, tiny_server, wait_idle, wait_sessions
+
+from servprof import analysis
+from servprof.capture import get_controller
+
+SAMPLE = {"x-servprof-sample": "1", "x-servprof-token": TOKEN}
+
+
+def _trace_events(path: Path) -> dict:
+    with gzip.open(path, "rb") as file:
+        return orjson.loads(file.read())
+
+
+def test_sampled_requests_yield_a_trace_with_their_ids_and_phases(tmp_path: Path) -> None:
+    wait_idle()
+    started_before = get_controller().sessions_started
+    with tiny_server(tmp_path, control_token=TOKEN, requests_per_session=2) as (url, middleware, _engine), \
+            httpx.Client(timeout=30) as client:
+        ids = []
+        for i in range(2):
+            status, lines, headers = sse_post(client, url, tokens=6, headers={**SAMPLE, "x-request-id": f"req-{i}"})
+            assert status == 200 and lines[-1] == "data: [DONE]" and len(lines) == 7
+            ids.append(headers["x-request-id"])
+        assert ids == ["req-0", "req-1"]
+        (session,) = wait_sessions(middleware, 1)
+    assert get_controller().sessions_started == started_before + 1
+    assert session["stop_reason"] == "requests_done" and session["error"] is None, session
+    assert [r["request_id"] for r in session["requests"]] == ids
+    trace_path = Path(session["trace_file"])
+    assert trace_path.name.endswith(".pt.trace.json.gz") and trace_path.parent == tmp_path / "out" / "traces"
+    assert stat.S_IMODE(trace_path.stat().st_mode) == 0o600
+    document = _trace_events(trace_path)
+    meta = document["servprof"]
+    meta = orjson.loads(meta) if isinstance(meta, str) else meta
+    assert meta["session_id"] == session["session_id"] and meta["request_ids"] == ids
+    assert meta["stop_reason"] == "requests_done" and meta["wall_start_ns"] > 0
+    names = {e.get("name") for e in document["traceEvents"]}
+    for rid in ids:
+        assert f"servprof:tokenize|{rid}" in names
+        assert any(n and n.startswith("servprof:decode_step|") and rid in n for n in names)
+    # The analysis child's phase timings came back to the serving process.
+    result = middleware.runtime.last_result
+    assert result["session_id"] == session["session_id"] and result["error"] is None
+    for rid in ids:
+        phase_names = {p["name"] for p in result["requests"][rid]["phases"]}
+        assert {"tokenize", "decode_step", "detokenize"} <= phase_names
+    assert result["clock"]["trace_us_to_unix_ns_offset"] > 0
+
+
+def test_on_demand_order_makes_exactly_one_bounded_session(tmp_path: Path) -> None:
+    wait_idle()
+    started_before = get_controller().sessions_started
+    with tiny_server(tmp_path, control_token=TOKEN, requests_per_session=1, max_session_s=20) as (url, mw, _e), \
+            httpx.Client(timeout=30) as client:
+        assert client.post(url + "/servprof/sample?n=3", headers=AUTH).status_code == 202
+        for _ in range(5):
+            assert sse_post(client, url, tokens=4)[0] == 200
+        (session,) = wait_sessions(mw, 1)
+        for _ in range(3):  # the order is used up: these stay unsampled
+            assert client.get(url + "/hello").status_code == 200
+        status = client.get(url + "/servprof/status", headers=AUTH).json()
+    assert get_controller().sessions_started == started_before + 1
+    assert len(session["requests"]) == 3 and session["stop_reason"] == "requests_done"
+    assert status["counters"]["sampled"] == 3 and status["counters"]["requests"] == 8
+    assert status["sampler"]["on_demand_pending"] == 0
+    assert status["last_sessions"][0]["session_id"] == session["session_id"]
+
+
+def test_session_is_bounded_by_decode_steps(tmp_path: Path) -> None:
+    wait_idle()
+    with tiny_server(tmp_path, control_token=TOKEN, max_session_steps=5, analysis=False) as (url, mw, _e), \
+            httpx.Client(timeout=30) as client:
+        status, lines, _ = sse_post(client, url, tokens=40, headers=SAMPLE)
+        assert status == 200 and len(lines) == 41
+        (session,) = wait_sessions(mw, 1)
+    assert session["stop_reason"] == "max_session_steps"
+    assert Path(session["trace_file"]).exists()
+
+
+def test_client_disconnect_during_a_sampled_stream(tmp_path: Path) -> None:
+    wait_idle()
+    with tiny_server(tmp_path, control_token=TOKEN, analysis=False, requests_per_session=1) as (url, mw, engine), \
+            httpx.Client(timeout=30) as client:
+        with client.stream("POST", url + "/v1/generate", json={"max_tokens": 100000}, headers=SAMPLE) as response:
+            for index, _line in enumerate(response.iter_lines()):
+                if index > 3:
+                    break
+        (session,) = wait_sessions(mw, 1)
+        assert client.get(url + "/hello").status_code == 200  # serving goes on
+        engine.incoming.queue.clear()
+    assert session["requests"][0]["disconnected"] is True
+    assert session["error"] is None and Path(session["trace_file"]).exists()
+    assert mw.runtime.counters["disconnects"] >= 1
+
+
+def test_shutdown_during_a_session_stops_the_profiler_and_keeps_the_trace(tmp_path: Path) -> None:
+    wait_idle()
+    with tiny_server(tmp_path, control_token=TOKEN, requests_per_session=4, max_session_s=60) as (url, mw, _e), \
+            httpx.Client(timeout=30) as client:
+        assert sse_post(client, url, tokens=4, headers=SAMPLE)[0] == 200
+        assert get_controller().session is not None  # waiting for 3 more sampled requests
+    # Leaving the block shut uvicorn down: lifespan shutdown stopped the session.
+    (session,) = wait_sessions(mw, 1, timeout_s=5)
+    assert session["stop_reason"].startswith("shutdown")
+    assert not autograd_profiler._is_profiler_enabled
+    document = _trace_events(Path(session["trace_file"]))
+    assert any(e.get("name") == f"servprof:tokenize|{session['requests'][0]['request_id']}"
+               for e in document["traceEvents"])
+
+
+def test_unwritable_trace_dir_pauses_sampling_and_serving_goes_on(tmp_path: Path) -> None:
+    wait_idle()
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the output dir should be")
+    with tiny_server(tmp_path, control_token=TOKEN, out_dir=blocker / "out") as (url, mw, _e), \
+            httpx.Client(timeout=30) as client:
+        assert sse_post(client, url, tokens=3, headers=SAMPLE)[0] == 200
+        wait_sessions(mw, 1)
+        for _ in range(3):
+            status, lines, _ = sse_post(client, url, tokens=3, headers=SAMPLE)
+            assert status == 200 and lines[-1] == "data: [DONE]"
+        status = client.get(url + "/servprof/status", headers=AUTH).json()
+    assert "not writable" in status["paused"]
+    assert status["counters"]["sampled"] == 0 and status["skipped_by_reason"]["paused"] == 3
+    assert status["counters"]["sessions_failed"] == 1
+
+
+@pytest.mark.parametrize("fault", ["crash", "hang", "garbage"])
+def test_analysis_failure_marks_the_session_failed_and_the_next_one_works(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
+    wait_idle()
+    real_command = analysis.analysis_command
+    children = {
+        # Stand-ins for a broken analysis child: the only way to make the real one crash/hang.
+        "crash": "import os; os.abort()",
+        "hang": "import time; time.sleep(600)",
+        "garbage": "import sys; open(sys.argv[3], 'w').write('[1, 2')",
+    }
+    calls = []
+
+    def faulty_then_real(trace: Path, session: Path, result: Path) -> list[str]:
+        calls.append(trace)
+        if len(calls) == 1:
+            return [sys.executable, "-c", children[fault], str(trace), str(session), str(result)]
+        return real_command(trace, session, result)
+
+    monkeypatch.setattr(analysis, "analysis_command", faulty_then_real)
+    with tiny_server(tmp_path, control_token=TOKEN, analysis_timeout_s=2, requests_per_session=1) as (url, mw, _e), \
+            httpx.Client(timeout=30) as client:
+        assert sse_post(client, url, tokens=3, headers=SAMPLE)[0] == 200
+        wait_sessions(mw, 1)
+        # The real child needs more than 2 s here (it imports torch): give the next session room.
+        mw.runtime.settings = dataclasses.replace(mw.runtime.settings, analysis_timeout_s=60)
+        assert sse_post(client, url, tokens=3, headers=SAMPLE)[0] == 200
+        first, second = wait_sessions(mw, 2)
+    expected = {"crash": "exited with status", "hang": "timed out after 2 s", "garbage": "output unreadable"}[fault]
+    assert expected in first["error"], first["error"]
+    assert second["error"] is None and mw.runtime.last_result["error"] is None
+    assert mw.runtime.counters["sessions_failed"] == 1 and mw.runtime.counters["sessions_done"] == 1
+
+
+FOREIGN_PROFILER_SCRIPT = textwrap.dedent("""
+    import sys, httpx, torch.profiler
+    from _middleware_helpers import TOKEN, AUTH, tiny_server, sse_post
+    from pathlib import Path
+    foreign = torch.profiler.profile()
+    foreign.start()
+    with tiny_server(Path(sys.argv[1]), control_token=TOKEN) as (url, mw, _e), httpx.Client(timeout=30) as client:
+        for _ in range(3):
+            status, lines, _ = sse_post(client, url, tokens=3, headers={"x-servprof-sample": "1",
+                                                                          "x-servprof-token": TOKEN})
+            assert status == 200 and lines[-1] == "data: [DONE]", (status, lines)
+        print("STATUS", client.get(url + "/servprof/status", headers=AUTH).text)
+    foreign.stop()
+    print("SURVIVED")
+""")
+
+
+def test_foreign_profiler_active_skips_sampling_with_a_reason(tmp_path: Path) -> None:
+    # In a child process: starting a second profiler can crash the process.
+    tests_dir = Path(__file__).parent
+    env = {**os.environ, "KINETO_LOG_LEVEL": "6", "PYTHONPATH": str(tests_dir)}
+    child = subprocess.run([sys.executable, "-c", FOREIGN_PROFILER_SCRIPT, str(tmp_path)], capture_output=True,
+                           timeout=120, cwd=tests_dir, env=env)
+    stdout = child.stdout.decode()
+    assert child.returncode == 0, child.stderr.decode()[-2000:]
+    assert "SURVIVED" in stdout
+    status = orjson.loads(stdout.split("STATUS ", 1)[1].splitlines()[0])
+    assert "another torch profiler is active" in status["paused"]
+    assert status["counters"]["sampled"] == 0 and status["profiler"]["sessions_started_in_process"] == 0
+    assert status["skipped_by_reason"]["foreign_profiler"] == 3
