@@ -26,6 +26,7 @@ from servprof.harness.summary import (
     parse_slo,
     summarize,
     summary_table,
+    write_requests_jsonl,
     write_summary_json,
 )
 
@@ -54,6 +55,7 @@ class HarnessOptions:
     model: str = ""
     ignore_eos: bool = False
     summary_json: str | None = None
+    requests_jsonl: str | None = None
 
     @classmethod
     def from_parsed(cls, parsed: Any) -> HarnessOptions:
@@ -143,6 +145,8 @@ def finish(environment: Environment, state: HarnessState | None = None) -> dict[
     path = summary_path(environment, state.options)
     if path:
         write_summary_json(summary, path)
+    if state.options.requests_jsonl:
+        write_requests_jsonl(state.collector, state.options.requests_jsonl)
     from rich.console import Console
 
     console = Console(file=sys.stdout, width=120)
@@ -169,6 +173,7 @@ def add_arguments(parser: Any) -> None:
     group.add_argument("--model", default="", help="model name (default: first of GET /v1/models)")
     group.add_argument("--ignore-eos", action="store_true", default=False, help="send ignore_eos (vLLM)")
     group.add_argument("--summary-json", default=None, help="summary JSON path (default: next to --csv files)")
+    group.add_argument("--requests-jsonl", default=None, help="write one line per completed request here")
 
 
 @events.init.add_listener
@@ -180,9 +185,8 @@ def _validate_options(environment: Environment, **_kwargs: Any) -> None:
     try:
         options = HarnessOptions.from_parsed(environment.parsed_options)
         specs = load_specs(options)
-        if options.arrival == "replay":
-            replay_offsets(specs)
-        Pacer(options.arrival, rate=options.rate, burstiness=options.burstiness)
+        replay = replay_offsets(specs) if options.arrival == "replay" else None
+        Pacer(options.arrival, rate=options.rate, burstiness=options.burstiness, replay=replay)
     except (DatasetError, ArrivalError, SLOError) as exc:
         sys.stderr.write(f"servprof harness: {exc}\n")
         sys.exit(2)

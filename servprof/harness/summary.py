@@ -51,6 +51,7 @@ class Collector:
     """Samples of one process (or, on the master, of all workers merged)."""
 
     requests: list[list[float]] = field(default_factory=list)  # REQUEST_FIELDS per request
+    request_ids: list[str] = field(default_factory=list)  # parallel to requests
     itl_s: list[float] = field(default_factory=list)
     arrival_lag_s: list[float] = field(default_factory=list)  # open loop: start minus due time
     failures: int = 0
@@ -60,14 +61,16 @@ class Collector:
     _sent_lag: int = 0
     _sent_failures: int = 0
 
-    def add_request(self, row: list[float], itl_s: list[float]) -> None:
+    def add_request(self, row: list[float], itl_s: list[float], request_id: str = "") -> None:
         self.requests.append(row)
+        self.request_ids.append(request_id)
         self.itl_s.extend(itl_s)
 
     def drain(self) -> dict[str, Any]:
         """What is new since the last drain, as plain lists (locust's messages are msgpack)."""
         data = {
             "requests": self.requests[self._sent :],
+            "request_ids": self.request_ids[self._sent :],
             "itl_s": self.itl_s[self._sent_itl :],
             "arrival_lag_s": self.arrival_lag_s[self._sent_lag :],
             "failures": self.failures - self._sent_failures,
@@ -77,7 +80,9 @@ class Collector:
         return data
 
     def merge(self, data: dict[str, Any], source: str) -> None:
-        self.requests.extend([list(row) for row in data.get("requests", [])])
+        rows = [list(row) for row in data.get("requests", [])]
+        self.requests.extend(rows)
+        self.request_ids.extend(data.get("request_ids") or [""] * len(rows))
         self.itl_s.extend(data.get("itl_s", []))
         self.arrival_lag_s.extend(data.get("arrival_lag_s", []))
         self.failures += int(data.get("failures", 0))
@@ -143,6 +148,18 @@ def write_summary_json(summary: dict[str, Any], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
+    return path
+
+
+def write_requests_jsonl(collector: Collector, path: str | Path) -> Path:
+    """One JSON line per completed request: its id and its REQUEST_FIELDS (seconds)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("wb") as handle:
+        for request_id, row in zip(collector.request_ids, collector.requests, strict=True):
+            record = {"request_id": request_id, **dict(zip(REQUEST_FIELDS, row, strict=True))}
+            record = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in record.items()}
+            handle.write(orjson.dumps(record) + b"\n")
     return path
 
 

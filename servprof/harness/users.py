@@ -172,7 +172,7 @@ class OpenAIUser(HttpUser):
                 response.failure(result.error)
                 return
             response.success()
-        self.record(spec, result, send_unix)
+        self.record(spec, result, send_unix, request_id)
 
     def _read_json(self, response: Any, start: float) -> StreamResult:
         body = response.json()
@@ -185,14 +185,14 @@ class OpenAIUser(HttpUser):
             result.output_tokens = len(text.split())
         return result
 
-    def record(self, spec: RequestSpec, result: StreamResult, send_unix: float) -> None:
+    def record(self, spec: RequestSpec, result: StreamResult, send_unix: float, request_id: str = "") -> None:
         e2el = result.last_s or 0.0
         output_tokens = result.output_tokens if result.output_tokens is not None else result.chunks
         ttft = result.ttft_s
         tpot = (e2el - ttft) / (output_tokens - 1) if ttft is not None and output_tokens > 1 else math.nan
         input_tokens = result.input_tokens if result.input_tokens is not None else spec.input_tokens
         row = [send_unix, send_unix + e2el, math.nan if ttft is None else ttft, e2el, tpot, output_tokens, input_tokens]
-        self.harness.collector.add_request(row, result.itl_s)
+        self.harness.collector.add_request(row, result.itl_s, request_id)
 
         fire = self.environment.events.request.fire
 
