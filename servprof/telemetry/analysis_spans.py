@@ -4,9 +4,11 @@ The request span ended long before the trace was analysed, so the children are s
 under its kept SpanContext with explicit timestamps taken from the trace:
   <request span>
     tokenize / queue / prefill / detokenize     one span per phase, real start and end
+                                                (at most MAX_SPANS_PER_PHASE of each name)
     decode                                      first step start .. last step end
       decode_step x N                           when N <= MAX_STEP_SPANS, else step events
-    servprof.analysis                           trace file, session, finding events
+    servprof.analysis                           trace file, session, per-phase totals,
+                                                finding events
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status,
 
 MAX_STEP_SPANS = 32  # more decode steps than this become events on the decode span
 MAX_STEP_EVENTS = 100  # below the SDK's default limit of 128 events per span
-MAX_PHASE_SPANS = 64  # non-decode phase spans per request
+MAX_SPANS_PER_PHASE = 16  # e.g. detokenize once per token: the rest are only counted
 MAX_EVIDENCE_CHARS = 1024
 FINDING_EVENT = "servprof.finding"
 
@@ -146,7 +148,14 @@ class AnalysisSpanEmitter:
                 timed.append((str(phase.get("name")), start, end))
         timed.sort(key=lambda item: item[1])
         steps = [item for item in timed if item[0] == "decode_step"]
-        others = [item for item in timed if item[0] != "decode_step"][:MAX_PHASE_SPANS]
+        others: list[tuple[str, int, int]] = []
+        totals: dict[str, list[float]] = {}  # phase -> [count, total ms]
+        for name, start, end in timed:
+            total = totals.setdefault(name, [0, 0.0])
+            if name != "decode_step" and total[0] < MAX_SPANS_PER_PHASE:
+                others.append((name, start, end))
+            total[0] += 1
+            total[1] += (end - start) / 1e6
 
         # Start order follows time, so a trace view lists them as they happened.
         decode_start = steps[0][1] if steps else None
@@ -159,7 +168,7 @@ class AnalysisSpanEmitter:
             span.end(end_time=end)
         if steps and not emitted_decode:
             self._emit_decode(context, steps, request_id)
-        self._emit_analysis(result, clock, request_id, context, parent)
+        self._emit_analysis(result, clock, request_id, context, parent, totals)
 
     def _emit_decode(self, context: Any, steps: list[tuple[str, int, int]], request_id: str) -> None:
         durations_ms = np.array([end - start for _, start, end in steps], dtype=np.float64) / 1e6
@@ -193,13 +202,22 @@ class AnalysisSpanEmitter:
         decode.end(end_time=max(end for _, _, end in steps))
 
     def _emit_analysis(
-        self, result: dict[str, Any], clock: _Clock, request_id: str, context: Any, parent: SampledParent
+        self,
+        result: dict[str, Any],
+        clock: _Clock,
+        request_id: str,
+        context: Any,
+        parent: SampledParent,
+        totals: dict[str, list[float]],
     ) -> None:
         findings = _findings_for(result, request_id)
         attributes: dict[str, Any] = {
             "servprof.request_id": request_id,
             "servprof.findings": len(findings),
         }
+        for name, (count, total_ms) in totals.items():
+            attributes[f"servprof.phase.{name}.count"] = int(count)
+            attributes[f"servprof.phase.{name}.total_ms"] = total_ms
         for key, attribute in (("session_id", "servprof.session_id"), ("trace_file", "servprof.trace_file")):
             if result.get(key):
                 attributes[attribute] = str(result[key])

@@ -154,6 +154,13 @@ class TelemetryObserver:
             "analysis_errors": counts.errors,
         }
 
+    @property
+    def dropped_spans(self) -> int | None:
+        """Spans lost on the way out (failed exports and a full queue); None when the host's
+        provider exports them and servprof cannot see its losses. /servprof/status shows it."""
+        processor = self.pipeline.span_processor
+        return processor.counts.as_dict()["spans_dropped"] if processor is not None else None
+
     def force_flush(self, timeout_millis: int = 5000) -> None:
         self.pipeline.force_flush(timeout_millis)
 
