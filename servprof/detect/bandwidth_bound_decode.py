@@ -104,7 +104,7 @@ def detect_bandwidth_bound(trace: Trace, steps: list[Step], device: str | None
             continue
         points.append(_point(trace.name(row), args.get("Input Dims"), cost, time_us, spec))
     summary, grouped = _summarise(points, spec, scope, trace)
-    step_time = sum(s.dur_us for s in decode_steps) or sum(p["time_us"] for p in points)
+    step_time = sum(s.dur_us for s in decode_steps or steps) or sum(p["time_us"] for p in points)
     findings = _findings(grouped, spec, scope, decode_steps, step_time)
     return findings, summary, points
 
@@ -159,10 +159,28 @@ def _summarise(points: list[dict[str, Any]], spec: DeviceSpec, scope: str, trace
         "memory_bound_share": round(memory_time / total, 4) if total else None,
         "achieved_gbs": round(sum(p["bytes"] for p in points) / (total * 1e-6) / 1e9, 3) if total else None,
     }
-    if not points and trace.has_device_events():
-        summary["note"] = ("no decode op carries record_shapes (graph replays launch kernels without shapes), "
-                           "so bytes and FLOPs cannot be modelled; see the step's kernel times instead")
+    replay = _graph_replay_kernels(trace)
+    if replay["kernels"]:
+        summary["graph_replay"] = {**replay, "note": (
+            "kernels replayed from a CUDA/HIP graph carry no shapes (one launch, many kernels), so their "
+            "bytes and FLOPs cannot be modelled from this trace; their time is listed instead")}
+    elif not points and trace.has_device_events():
+        summary["note"] = "no decode op carries record_shapes, so bytes and FLOPs cannot be modelled"
     return summary, grouped
+
+
+def _graph_replay_kernels(trace: Trace) -> dict[str, Any]:
+    dev = np.flatnonzero(trace.device_mask())
+    launch = trace.launch_row_for(dev)
+    graph_ids = trace.ids_matching(lambda s: "GraphLaunch" in s)
+    replayed = dev[(launch >= 0) & np.isin(trace.name_id[np.maximum(launch, 0)], graph_ids)]
+    per_name: dict[str, float] = {}
+    for row in replayed:
+        per_name[trace.name(row)] = per_name.get(trace.name(row), 0.0) + float(trace.dur[row])
+    top = sorted(per_name.items(), key=lambda kv: -kv[1])[:8]
+    return {"kernels": int(replayed.size), "kernel_ms": round(float(trace.dur[replayed].sum()) / 1000, 3),
+            "launches": int(np.unique(launch[np.isin(dev, replayed)]).size),
+            "top_kernels": [{"name": n[:160], "us": round(us, 1)} for n, us in top]}
 
 
 def _findings(grouped: list[dict[str, Any]], spec: DeviceSpec, scope: str, steps: list[Step],
@@ -177,8 +195,10 @@ def _findings(grouped: list[dict[str, Any]], spec: DeviceSpec, scope: str, steps
     achieved = mem_bytes / (mem_time * 1e-6) / 1e9
     left = sum(g["left_on_table_us"] for g in slow)
     share = achieved / spec.memory_bandwidth_gbs
-    severity = "info" if not slow else ("critical" if share < 0.1 else "warning")
-    title = (f"{len(memory)} memory-bound decode op shape(s) reach {achieved:.1f} GB/s, "
+    left_share = left / step_time_us if step_time_us else 0.0
+    severity = "critical" if left_share >= 0.2 else "warning" if left_share >= 0.05 else "info"
+    what = "decode op" if steps else "op"
+    title = (f"{len(memory)} memory-bound {what} shape(s) in {scope} reach {achieved:.1f} GB/s, "
              f"{100 * share:.1f}% of {spec.name}'s {spec.memory_bandwidth_gbs:.0f} GB/s")
     if slow:
         title += f"; {len(slow)} leave {left / 1000:.2f} ms on the table"
@@ -188,7 +208,7 @@ def _findings(grouped: list[dict[str, Any]], spec: DeviceSpec, scope: str, steps
     return [Finding(
         kind="bandwidth_bound_decode", severity=severity, cost_ms=left / 1000.0, start_us=start, end_us=end,
         title=title, request_ids=sorted({r for s in steps for r in s.request_ids})[:100],
-        evidence={"device": spec.to_dict(), "scope": scope, "memory_bound_time_ms": round(mem_time / 1000, 3),
+        evidence={"device": spec.to_dict(), "scope": scope, "left_on_table_share_of_steps": round(left_share, 4), "memory_bound_time_ms": round(mem_time / 1000, 3),
                   "achieved_gbs": round(achieved, 3), "bandwidth_share": round(share, 4),
                   "ops_below_half_peak": len(slow), "top_ops": top},
     )]

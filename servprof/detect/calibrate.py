@@ -1,0 +1,91 @@
+"""`servprof calibrate`: measure this device's achievable memory bandwidth and matmul FLOP/s.
+
+Bandwidth: the best of several large tensor copies (bytes read + bytes written
+per copy). FLOP/s: the best of several square matmuls (2·n³ FLOPs each), in
+bfloat16 on CUDA and float32 on CPU. The result is saved as JSON under the cache
+directory (SERVPROF_CACHE_DIR, default ~/.cache/servprof) and used by later
+analyses with `--device calibrated`, and by default on CPU traces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from typing import Any
+
+import orjson
+
+from servprof.detect.devices import calibration_path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default=None, help="torch device to measure (default: cuda if available, else cpu)")
+    parser.add_argument("--copy-mib", type=int, default=256, help="size of the tensor copied (MiB, default 256)")
+    parser.add_argument("--matmul-n", type=int, default=0, help="matmul size n (default 8192 on GPU, 1024 on CPU)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repetitions; the best is kept (default 5)")
+    parser.add_argument("--no-save", action="store_true", help="print the result without saving it")
+
+
+def _timed_best(fn: Any, repeats: int, sync: Any) -> float:
+    fn()
+    sync()  # warm-up: allocation and first-call costs are not bandwidth
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _copy_bandwidth_gbs(torch: Any, device: Any, copy_mib: int, repeats: int, sync: Any) -> float:
+    source = torch.empty(copy_mib * 1024 * 1024 // 4, dtype=torch.float32, device=device).fill_(1.0)
+    target = torch.empty_like(source)
+    seconds = _timed_best(lambda: target.copy_(source), repeats, sync)
+    return 2 * source.numel() * 4 / seconds / 1e9  # each copy reads and writes every byte once
+
+
+def measure(device_name: str | None, copy_mib: int, matmul_n: int, repeats: int) -> dict[str, Any]:
+    import torch
+
+    device = torch.device(device_name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    on_gpu = device.type == "cuda"
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    bandwidth_gbs = _copy_bandwidth_gbs(torch, device, copy_mib, repeats, sync)
+    n = matmul_n or (8192 if on_gpu else 1024)
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    matmul_s = _timed_best(lambda: a @ b, repeats, sync)
+    tflops = 2 * n**3 / matmul_s / 1e12
+    name = torch.cuda.get_device_name(device) if on_gpu else f"CPU {platform.processor() or platform.machine()}"
+    return {
+        "name": name, "torch_device": str(device), "memory_bandwidth_gbs": round(bandwidth_gbs, 3),
+        "peak_tflops": round(tflops, 4), "matmul_dtype": str(dtype).removeprefix("torch."), "matmul_n": n,
+        "copy_mib": copy_mib, "repeats": repeats, "threads": torch.get_num_threads(), "measured_at": time.time(),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.copy_mib <= 0 or args.repeats <= 0 or args.matmul_n < 0:
+        print("servprof calibrate: --copy-mib and --repeats must be positive, --matmul-n not negative", file=sys.stderr)
+        return 2
+    try:
+        result = measure(args.device, args.copy_mib, args.matmul_n, args.repeats)
+    except (RuntimeError, ValueError) as exc:  # unknown device string, out of memory
+        print(f"servprof calibrate: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(f"{result['name']}: {result['memory_bandwidth_gbs']:.1f} GB/s copy bandwidth, "
+          f"{result['peak_tflops']:.3f} TFLOP/s {result['matmul_dtype']} matmul (n={result['matmul_n']})")
+    if not args.no_save:
+        path = calibration_path()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+        except OSError as exc:
+            print(f"servprof calibrate: cannot save to {path}: {exc.strerror}", file=sys.stderr)
+            return 2
+        print(f"saved to {path}; later analyses use it with --device calibrated (and by default on CPU traces)")
+    return 0
