@@ -104,7 +104,8 @@ def test_cli_rejects_bad_flags_with_a_clear_message():
 def test_cli_serves_on_a_free_port():
     env = {**os.environ, "SERVPROF_DEMO_MAX_BATCH": "2"}
     process = subprocess.Popen([sys.executable, "-m", "servprof.demo.server", "--port", "0", "--no-servprof",
-                                "--step-delay-ms", "1"], stderr=subprocess.PIPE, text=True, env=env)
+                                "--step-delay-ms", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True, env=env)
     try:
         url = None
         for line in process.stderr:  # uvicorn logs the port it bound
