@@ -20,7 +20,7 @@ from servprof.settings import Settings
 from servprof.telemetry.observer import TelemetryObserver
 from servprof.telemetry.setup import EXPORTER_ENV, build_pipeline
 
-__all__ = ["create_observer", "status", "TelemetryObserver", "EXPORTER_ENV"]
+__all__ = ["create_observer", "status", "shutdown", "TelemetryObserver", "EXPORTER_ENV"]
 
 # The observer created last: what status() reports on. A server makes one.
 _current: TelemetryObserver | None = None
@@ -54,3 +54,12 @@ def status() -> dict[str, Any]:
     if _current is None:
         return {"exporter": _current_exporter or "not started"}
     return _current.status()
+
+
+def shutdown() -> None:
+    """Flush and stop the current observer's exporters (a server's shutdown hook may call it;
+    servprof's providers also shut down at interpreter exit)."""
+    global _current
+    if _current is not None:
+        _current.shutdown()
+        _current = None

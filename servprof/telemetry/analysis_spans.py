@@ -82,10 +82,12 @@ class _Clock:
 
 
 def _findings_for(result: dict[str, Any], request_id: str) -> list[dict[str, Any]]:
-    findings = result.get("findings") or []
+    findings = result.get("findings")
     # A finding with no request ids concerns the whole session, so every request in it.
     return [
-        f for f in findings if isinstance(f, dict) and (not f.get("request_ids") or request_id in f["request_ids"])
+        f
+        for f in (findings if isinstance(findings, list) else [])
+        if isinstance(f, dict) and (not f.get("request_ids") or request_id in f["request_ids"])
     ]
 
 
@@ -113,7 +115,8 @@ class AnalysisSpanEmitter:
         """Spans for every analysed request whose parent context was kept."""
         self.counts.analyses += 1
         clock = _Clock(result)
-        requests = result.get("requests") or {}
+        requests = result.get("requests")
+        requests = requests if isinstance(requests, dict) else {}
         request_ids = list(dict.fromkeys([*requests, *record_ids]))
         for request_id in request_ids:
             parent = self._parents.pop(request_id)
@@ -123,7 +126,7 @@ class AnalysisSpanEmitter:
             try:
                 self._emit_request(result, clock, request_id, requests.get(request_id) or {}, parent)
                 self.counts.requests += 1
-            except (TypeError, ValueError, KeyError):  # a malformed result: skip that request
+            except (TypeError, ValueError, KeyError, AttributeError):  # a malformed result: skip that request
                 self.counts.errors += 1
 
     def _start(self, name: str, context: Any, start_ns: int, attributes: dict[str, Any]) -> trace.Span:
@@ -142,7 +145,10 @@ class AnalysisSpanEmitter:
     ) -> None:
         context = trace.set_span_in_context(NonRecordingSpan(parent.span_context))
         timed: list[tuple[str, int, int]] = []
-        for phase in request.get("phases") or []:
+        phases = request.get("phases") if isinstance(request, dict) else None
+        for phase in phases if isinstance(phases, list) else []:
+            if not isinstance(phase, dict):
+                continue
             start, end = clock.unix_ns(phase.get("start_us")), clock.unix_ns(phase.get("end_us"))
             if start is not None and end is not None and end >= start:
                 timed.append((str(phase.get("name")), start, end))
