@@ -120,46 +120,81 @@ class _Interner:
         self.strings: list[str] = []
 
     def ids(self, values: list[Any]) -> np.ndarray:
-        lookup, strings = self.lookup, self.strings
-
-        def one(value: Any) -> int:
-            key = value if isinstance(value, str) else ("" if value is None else str(value))
-            found = lookup.get(key)
-            if found is None:
-                found = lookup[key] = len(strings)
-                strings.append(key)
-            return found
-
-        return np.fromiter((one(v) for v in values), dtype=np.int32, count=len(values))
+        lookup = self.lookup
+        try:
+            # setdefault evaluates len(lookup) first, so a new string gets the next id.
+            ids = [lookup.setdefault(v, len(lookup)) for v in values]
+        except TypeError:  # an unhashable name (a list, a dict): fall back to its text
+            ids = [lookup.setdefault(v if isinstance(v, str) else str(v), len(lookup)) for v in values]
+        if len(self.strings) < len(lookup):
+            self.strings.extend(list(lookup)[len(self.strings):])  # dicts keep insertion order
+        # Non-string names (numbers, None) were interned as themselves; store their text.
+        for i in range(len(self.strings)):
+            if not isinstance(self.strings[i], str):
+                self.strings[i] = "" if self.strings[i] is None else str(self.strings[i])
+        return np.array(ids, dtype=np.int32)
 
     def process_ids(self, values: list[Any]) -> np.ndarray:
-        """pid/tid: integers stay, strings (e.g. "Spans") become negative interned ids."""
-        out = np.empty(len(values), dtype=np.int64)
-        for i, v in enumerate(values):
-            if isinstance(v, int):
-                out[i] = v
-            else:
-                out[i] = -(int(self.ids([v])[0]) + 2)
-        return out
+        """pid/tid: integers stay, anything else (e.g. "Spans") becomes a negative interned id."""
+        try:
+            return np.array(values, dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            pass
+        lookup = self.lookup
+        for v in {v for v in values if not (isinstance(v, int) and not isinstance(v, bool))}:
+            self.ids([str(v)])
+        return np.array([v if isinstance(v, int) and not isinstance(v, bool) else -(lookup[str(v)] + 2)
+                         for v in values], dtype=np.int64)
 
 
-def _columns(events: list[dict[str, Any]], rank: int, interner: _Interner) -> dict[str, Any]:
+def _int_column(values: list[Any]) -> np.ndarray:
+    """Integers with -1 for absent; odd values (strings, floats, bools) are converted one by one."""
+    try:
+        return np.array(values, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        return np.array([_int_or(v, -1) for v in values], dtype=np.int64)
+
+
+def _float_column(values: list[Any], default: float) -> np.ndarray:
+    try:
+        return np.array(values, dtype=np.float64)
+    except (TypeError, ValueError):
+        out = []
+        for v in values:
+            out.append(float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else default)
+        return np.array(out, dtype=np.float64)
+
+
+_NO_ARGS: dict[str, Any] = {}
+
+
+def _columns(events: list[Any], rank: int, interner: _Interner, file: Path) -> dict[str, Any] | None:
+    if not all(isinstance(e, dict) for e in events):
+        raise TraceError(f"{file}: an entry of 'traceEvents' is not an object")
+    nan = float("nan")
+    ts = _float_column([e.get("ts", nan) for e in events], nan)
+    phases = [e.get("ph", "") for e in events]
+    # Timed events only: metadata ("M") events and events without a usable ts are dropped.
+    keep = np.isfinite(ts) & np.array([p != "M" for p in phases], dtype=bool)
+    if not keep.all():
+        index = np.flatnonzero(keep).tolist()
+        events = [events[i] for i in index]
+        phases = [phases[i] for i in index]
+        ts = ts[keep]
     n = len(events)
-    ts = np.array([e.get("ts") for e in events], dtype=np.float64)
-    dur = np.array([e.get("dur", 0.0) or 0.0 for e in events], dtype=np.float64)
+    dur = _float_column([e.get("dur", 0.0) for e in events], 0.0)
     # µs rounding of ns clocks (and some exporters) can give a tiny negative duration.
+    np.nan_to_num(dur, copy=False, nan=0.0)
     np.maximum(dur, 0.0, out=dur)
-    args = [e.get("args") for e in events]
-    ph = np.array([ord(p[0]) if isinstance(p, str) and p else 0 for p in (e.get("ph") for e in events)], dtype=np.uint8)
-
-    def arg_int(key: str) -> np.ndarray:
-        return np.fromiter(
-            (_int_or(a.get(key), -1) if isinstance(a, dict) else -1 for a in args), dtype=np.int64, count=n
-        )
-
-    flow = ((ph == ord("s")) | (ph == ord("f")) | (ph == ord("t")))
-    flow_ids = np.fromiter((_int_or(e.get("id"), -1) for e in events), dtype=np.int64, count=n)
-    flow_ids[~flow] = -1
+    args = [e.get("args") or _NO_ARGS for e in events]
+    if not all(isinstance(a, dict) for a in args):
+        args = [a if isinstance(a, dict) else _NO_ARGS for a in args]
+    ph = np.array([ord(p[0]) if isinstance(p, str) and p else 0 for p in phases], dtype=np.uint8)
+    flow = (ph == ord("s")) | (ph == ord("f")) | (ph == ord("t"))
+    flow_ids = np.full(n, -1, dtype=np.int64)
+    if flow.any():
+        flow_rows = np.flatnonzero(flow).tolist()
+        flow_ids[flow] = _int_column([events[i].get("id", -1) for i in flow_rows])
     return {
         "name_id": interner.ids([e.get("name", "") for e in events]),
         "cat_id": interner.ids([e.get("cat", "") for e in events]),
@@ -168,13 +203,23 @@ def _columns(events: list[dict[str, Any]], rank: int, interner: _Interner) -> di
         "tid": interner.process_ids([e.get("tid", -1) for e in events]),
         "ts": ts,
         "dur": dur,
-        "stream": arg_int("stream"),
-        "correlation": arg_int("correlation"),
-        "external_id": arg_int("External id"),
+        "stream": _int_column([a.get("stream", -1) for a in args]),
+        "correlation": _int_column([a.get("correlation", -1) for a in args]),
+        "external_id": _int_column([a.get("External id", -1) for a in args]),
         "flow_id": flow_ids,
         "rank": np.full(n, rank, dtype=np.int32),
-        "raw_args": args,
+        "raw_args": [a if a is not _NO_ARGS else None for a in args],
     }
+
+
+def _thread_names(events: list[Any], rank: int) -> dict[tuple[int, int, int], str]:
+    names = {}
+    for event in events:
+        if isinstance(event, dict) and event.get("ph") == "M" and event.get("name") == "thread_name":
+            label = (event.get("args") or {}).get("name")
+            if isinstance(label, str):
+                names[(rank, _int_or(event.get("pid"), -1), _int_or(event.get("tid"), -1))] = label
+    return names
 
 
 def load_trace(
@@ -201,21 +246,8 @@ def load_trace(
         if rank in metadata:  # two files claim one rank: keep them apart
             rank = max(metadata) + 1
         metadata[rank] = document
-        timed: list[dict[str, Any]] = []
-        for event in events:
-            if not isinstance(event, dict):
-                raise TraceError(f"{file}: an entry of 'traceEvents' is not an object")
-            ts = event.get("ts")
-            if event.get("ph") == "M":
-                if event.get("name") == "thread_name":
-                    label = (event.get("args") or {}).get("name")
-                    if isinstance(label, str):
-                        key = (rank, _int_or(event.get("pid"), -1), _int_or(event.get("tid"), -1))
-                        thread_names[key] = label
-                continue
-            if isinstance(ts, (int, float)) and not isinstance(ts, bool) and math.isfinite(ts):
-                timed.append(event)
-        parts.append(_columns(timed, rank, interner))
+        thread_names.update(_thread_names(events, rank))
+        parts.append(_columns(events, rank, interner, file))
         if progress:
             progress("read", index + 1, len(files))
     if not any(len(p["ts"]) for p in parts):
