@@ -1,0 +1,198 @@
+"""The embedded OTLP-JSON-lines file (wire level) and how the exporter is chosen."""
+
+from __future__ import annotations
+
+import base64
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from _telemetry_helpers import ObserverProbe, chat_body, make_app, serve
+from google.protobuf import json_format
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from servprof import telemetry
+from servprof.settings import Settings, SettingsError
+from servprof.telemetry.otlp_file import OtlpJsonLinesSpanExporter, parse_trace_line
+from servprof.telemetry.setup import build_pipeline, choose_exporter
+
+HEX32 = re.compile(r"^[0-9a-f]{32}$")
+HEX16 = re.compile(r"^[0-9a-f]{16}$")
+
+
+def _walk_spans(line: dict[str, Any]) -> list[dict[str, Any]]:
+    return [span for rs in line["resourceSpans"] for ss in rs["scopeSpans"] for span in ss["spans"]]
+
+
+def _independent_parse(raw: dict[str, Any]) -> ExportTraceServiceRequest:
+    """The OTLP JSON mapping's ids are hex; protobuf's JSON parser wants base64 for bytes."""
+    for span in _walk_spans(raw):
+        for key in ("traceId", "spanId", "parentSpanId"):
+            if key in span:
+                span[key] = base64.b64encode(bytes.fromhex(span[key])).decode()
+    return json_format.ParseDict(raw, ExportTraceServiceRequest())
+
+
+def test_spans_file_follows_the_otlp_json_mapping(tmp_path: Path) -> None:
+    observer = telemetry.create_observer(Settings(out_dir=tmp_path, service_name="wire-test"), environ={})
+    assert telemetry.status()["exporter"] == "file"
+    probe = ObserverProbe(make_app(), observer)
+    with serve(probe) as url, httpx.Client() as client:
+        assert client.get(url + "/hello").status_code == 200
+        assert client.post(url + "/v1/chat/completions", content=chat_body(stream=True),
+                           headers={"x-sample": "1", "traceparent": f"00-{'ab' * 16}-{'cd' * 8}-01"}).status_code == 200
+        records = probe.wait_records(2)
+    sampled = records[1]
+    observer.on_analysis({"session_id": "s", "trace_file": "t.pt.trace.json.gz", "error": None,
+                          "requests": {sampled.request_id: {"phases": [
+                              {"name": "prefill", "start_us": 1.0, "end_us": 2.0}]}},
+                          "findings": [{"kind": "decode_gap", "severity": "warning", "cost_ms": 2.0,
+                                        "start_us": 1.5, "end_us": 2.0, "request_ids": [], "title": "t"}],
+                          "clock": {"trace_us_to_unix_ns_offset": sampled.arrival_ns}}, records)
+    telemetry.shutdown()  # flushes
+
+    lines = (tmp_path / "spans" / "spans.otlp.jsonl").read_bytes().splitlines()
+    assert lines
+    spans = []
+    for line in lines:
+        raw = orjson.loads(line)
+        assert set(raw) == {"resourceSpans"}
+        for span in _walk_spans(raw):
+            assert HEX32.match(span["traceId"]) and HEX16.match(span["spanId"]), span
+            assert "parentSpanId" not in span or HEX16.match(span["parentSpanId"])
+            assert isinstance(span["kind"], int)  # enums as integers
+            assert span["startTimeUnixNano"].isdigit()  # int64 as a decimal string
+            spans.append(span)
+        message = _independent_parse(orjson.loads(line))
+        assert message == parse_trace_line(line)
+        resource = {a.key: a.value.string_value for a in message.resource_spans[0].resource.attributes}
+        assert resource["service.name"] == "wire-test"
+    names = {span["name"]: span for span in spans}
+    assert set(names) == {"GET /hello", "POST /v1/chat/completions", "prefill", "servprof.analysis"}
+    request = names["POST /v1/chat/completions"]
+    assert request["traceId"] == "ab" * 16 and request["parentSpanId"] == "cd" * 8
+    assert names["prefill"]["parentSpanId"] == request["spanId"]
+    assert names["prefill"]["traceId"] == request["traceId"]
+    (event,) = names["servprof.analysis"]["events"]
+    assert event["name"] == "servprof.finding"
+    assert {a["key"]: a["value"] for a in event["attributes"]}["servprof.finding.kind"] == {"stringValue": "decode_gap"}
+
+    metrics_lines = (tmp_path / "metrics" / "metrics.otlp.jsonl").read_bytes().splitlines()
+    metrics = [m for line in metrics_lines
+               for rm in json_format.ParseDict(orjson.loads(line), ExportMetricsServiceRequest()).resource_metrics
+               for sm in rm.scope_metrics for m in sm.metrics]
+    duration = next(m for m in metrics if m.name == "gen_ai.server.request.duration")
+    assert duration.unit == "s" and duration.histogram.data_points[0].count == 1
+
+
+def test_file_rotates_and_both_halves_parse(tmp_path: Path) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    exporter = OtlpJsonLinesSpanExporter(tmp_path / "spans.otlp.jsonl", max_bytes=2000)
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("rotation")
+    for index in range(30):
+        tracer.start_span(f"span-{index}").end()
+    provider.shutdown()
+    current, older = tmp_path / "spans.otlp.jsonl", tmp_path / "spans.otlp.jsonl.1"
+    assert current.stat().st_size <= 2000 and older.stat().st_size <= 2000
+    names = [s.name for path in (older, current) for line in path.read_bytes().splitlines()
+             for rs in parse_trace_line(line).resource_spans for ss in rs.scope_spans for s in ss.spans]
+    assert names == [f"span-{index}" for index in range(30 - len(names), 30)]
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        ({}, "file"),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}, "otlp"),
+        ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://collector:4318/v1/traces"}, "otlp"),
+        ({"SERVPROF_TELEMETRY_EXPORTER": "console", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}, "console"),
+        ({"SERVPROF_TELEMETRY_EXPORTER": " OTLP "}, "otlp"),
+        ({"SERVPROF_TELEMETRY_EXPORTER": "none"}, "none"),
+    ],
+)
+def test_exporter_choice(environ: dict[str, str], expected: str) -> None:
+    assert choose_exporter(environ) == expected
+
+
+def test_otlp_protocols_and_bad_values(tmp_path: Path) -> None:
+    settings = Settings(out_dir=tmp_path)
+    grpc = build_pipeline(settings, {"SERVPROF_TELEMETRY_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+                                     "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1"})
+    http = build_pipeline(settings, {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:1/v1/traces"})
+    try:
+        assert grpc.status()["protocol"] == "grpc" and http.status()["protocol"] == "http/protobuf"
+        assert http.status()["endpoint"] == "http://127.0.0.1:1/v1/traces"
+    finally:
+        grpc.shutdown()
+        http.shutdown()
+    with pytest.raises(SettingsError, match="SERVPROF_TELEMETRY_EXPORTER='jaeger'"):
+        telemetry.create_observer(settings, environ={"SERVPROF_TELEMETRY_EXPORTER": "jaeger"})
+    with pytest.raises(SettingsError, match="OTEL_EXPORTER_OTLP_PROTOCOL='http/json'"):
+        build_pipeline(settings, {"SERVPROF_TELEMETRY_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
+    assert telemetry.create_observer(settings, environ={"SERVPROF_TELEMETRY_EXPORTER": "none"}) is None
+    assert telemetry.status() == {"exporter": "none"}
+    assert telemetry.create_observer(Settings(out_dir=tmp_path, telemetry=False), environ={}) is None
+    assert telemetry.status() == {"exporter": "disabled"}
+    assert not (tmp_path / "spans").exists()
+
+
+def _run_python(code: str, tmp_path: Path, **env: str) -> str:
+    """Global providers can be set once per process, so these run in a fresh interpreter."""
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                            timeout=120, cwd=tmp_path, env={"PATH": "/usr/bin:/bin", **env})
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+HOST_CODE = """
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from servprof import telemetry
+    from servprof.observers import RequestRecord
+    from servprof.settings import Settings
+
+    host_exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(host_exporter))
+    trace.set_tracer_provider(provider)  # as vLLM does
+    observer = telemetry.create_observer(Settings(out_dir="out"))
+    record = RequestRecord("r1", "GET", "/x", route="/x", arrival_ns=1, arrival_perf_ns=1, end_ns=2, status=200)
+    observer.on_request_end(record, observer.on_request_start(record, {"headers": []}))
+    print(telemetry.status()["exporter"], observer.dropped_spans, [s.name for s in host_exporter.get_finished_spans()])
+"""
+
+
+def test_host_tracer_provider_is_used_not_replaced(tmp_path: Path) -> None:
+    out = _run_python(HOST_CODE, tmp_path, OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:1")
+    assert out.split() == ["host", "None", "['GET", "/x']"]
+    assert not (tmp_path / "out").exists()
+
+
+CONSOLE_CODE = """
+    from servprof import telemetry
+    from servprof.observers import RequestRecord
+    from servprof.settings import Settings
+
+    observer = telemetry.create_observer(Settings(out_dir="out"))
+    record = RequestRecord("r1", "GET", "/x", route="/x", arrival_ns=1, arrival_perf_ns=1, end_ns=2, status=200)
+    observer.on_request_end(record, observer.on_request_start(record, {"headers": []}))
+    telemetry.shutdown()
+"""
+
+
+def test_console_exporter_prints_spans(tmp_path: Path) -> None:
+    out = _run_python(CONSOLE_CODE, tmp_path, SERVPROF_TELEMETRY_EXPORTER="console", OTEL_METRICS_EXPORTER="none")
+    assert '"name": "GET /x"' in out and '"servprof.request_id": "r1"' in out
