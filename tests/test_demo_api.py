@@ -6,7 +6,6 @@ import asyncio
 
 import httpx
 import pytest
-
 from _demo_helpers import get_stats, parse_sse, start_demo_server, wait_for
 
 MAX_BATCH = 16
@@ -173,3 +172,13 @@ def test_disconnect_frees_the_slot_and_the_batch_shrinks():
         assert final["batch_size"] == 0
         cancelled = [r for r in final["recent_requests"] if r["finish_reason"] == "cancelled"]
         assert len(cancelled) == 2 and all(r["output_tokens"] < 400 for r in cancelled)
+
+
+def test_disconnect_of_a_non_streamed_request_frees_the_slot():
+    with start_demo_server(size="tiny", max_batch=2, step_delay_ms=5, max_tokens_limit=400) as url:
+        payload = {"prompt": "Keep talking about maps", "max_tokens": 400}
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+            httpx.post(f"{url}/v1/completions", json=payload, timeout=httpx.Timeout(30, read=0.5))
+        stats = wait_for(lambda: (s := get_stats(url))["requests_finished"].get("cancelled") and s)
+        assert stats["free_slots"] == 2 and stats["batch_size"] == 0
+        assert stats["recent_requests"][-1]["output_tokens"] < 400

@@ -173,6 +173,7 @@ async def _generate(server: DemoServer, request: Request, *, chat: bool) -> Resp
         stream = _stream(server, engine_request, outputs, parsed, chat=chat)
         return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     pieces: list[str] = []
+    watcher = asyncio.create_task(_cancel_on_disconnect(server, request, engine_request))
     try:
         while True:
             output = await outputs.get()
@@ -180,14 +181,28 @@ async def _generate(server: DemoServer, request: Request, *, chat: bool) -> Resp
             if output.finish_reason is not None:
                 break
     finally:
+        watcher.cancel()
         if not engine_request.finished:
             server.engine.cancel(engine_request)
+    if engine_request.cancelled:
+        raise APIError("the client disconnected", status=499, code="client_disconnected")
     _annotate(server, engine_request, output.finish_reason)
     if output.finish_reason == "error":
         raise APIError("the engine failed while generating", status=500, type_="server_error")
     body = completion_body(request_id, config.served_model_name, "".join(pieces), output.finish_reason,
                            usage(len(prompt_ids), len(engine_request.output_ids)), chat=chat)
     return JSONResponse(body)
+
+
+async def _cancel_on_disconnect(server: DemoServer, request: Request, engine_request: EngineRequest) -> None:
+    # The body is read, so the next ASGI message is the client going away: free the slot
+    # then, instead of generating for nobody.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            server.engine.cancel(engine_request)
+            engine_request.deliver(Output("", 0, finish_reason="cancelled"))
+            return
 
 
 def _check_length(prompt_tokens: int, parsed: ParsedRequest, context: int) -> None:

@@ -189,7 +189,7 @@ class Engine:
                     prompt = prompt.pin_memory().to(self.device, non_blocking=True)
                 logits = self.model.prefill(request.slot, prompt)
                 self.sampler.assign(request.slot, request.params)
-                slot_index = torch.tensor([request.slot], device=self.device)
+                slot_index = self.model.slot_ids[request.slot: request.slot + 1]
                 token = self.sampler.sample(logits[None], [request.slot], slot_index)
                 self.last_token[request.slot] = token[0]
             self.stats.prefills += 1

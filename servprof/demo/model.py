@@ -190,6 +190,7 @@ class LlamaLikeModel:
         self.module = module.to(device=self.device, dtype=dtype).eval()
         self.cache = KVCache(config, slots, context, self.device, dtype)
         self.cos, self.sin = rotary_tables(config, context, self.device)
+        self.slot_ids = torch.arange(slots, device=self.device)
 
     def _run(self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, span: int,
              attn_mask: torch.Tensor | None) -> torch.Tensor:
@@ -203,7 +204,7 @@ class LlamaLikeModel:
     def prefill(self, slot: int, prompt: torch.Tensor) -> torch.Tensor:
         """Fill `slot`'s cache with `prompt` (1-D token tensor); logits of the last position."""
         length = prompt.shape[0]
-        slots = torch.tensor([slot], device=self.device)
+        slots = self.slot_ids[slot: slot + 1]  # a view of a device tensor: no host-to-device copy
         positions = torch.arange(length, device=self.device)[None]
         return self._run(prompt[None].to(self.device), slots, positions, length, None)[0]
 
