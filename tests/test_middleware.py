@@ -1,0 +1,185 @@
+"""ServprofMiddleware on real uvicorn: request records, ids, pass-through, observers, no profiler."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch.autograd.profiler as autograd_profiler
+from _middleware_helpers import TOKEN, serve, sse_post, tiny_server, wait_idle
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket
+
+from servprof.capture import get_controller
+from servprof.middleware import ServprofMiddleware
+from servprof.observers import RequestRecord
+from servprof.settings import SettingsError
+
+
+class RecordingObserver:
+    def __init__(self) -> None:
+        self.started: list[RequestRecord] = []
+        self.ended: list[RequestRecord] = []
+
+    def on_request_start(self, record: RequestRecord, scope: dict[str, Any]) -> str:
+        self.started.append(record)
+        return record.request_id
+
+    def on_request_end(self, record: RequestRecord, state: Any) -> None:
+        assert state == record.request_id
+        self.ended.append(record)
+
+    def on_analysis(self, result: dict[str, Any], records: list[RequestRecord]) -> None:
+        pass
+
+
+class BrokenObserver:
+    def on_request_start(self, record: RequestRecord, scope: dict[str, Any]) -> None:
+        raise RuntimeError("observer bug")
+
+    def on_request_end(self, record: RequestRecord, state: Any) -> None:
+        raise RuntimeError("observer bug")
+
+    def on_analysis(self, result: dict[str, Any], records: list[RequestRecord]) -> None:
+        raise RuntimeError("observer bug")
+
+
+def _wait_for(observer: RecordingObserver, count: int) -> list[RequestRecord]:
+    deadline = time.monotonic() + 10
+    while len(observer.ended) < count and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert len(observer.ended) == count
+    return observer.ended
+
+
+def test_plain_request_record_id_route_and_contextvars(tmp_path: Path) -> None:
+    seen: dict[str, Any] = {}
+    observer = RecordingObserver()
+    with tiny_server(tmp_path, seen=seen) as (url, mw, _e), httpx.Client(timeout=10) as client:
+        mw.runtime.observers.append(observer)
+        response = client.get(url + "/hello", headers={"x-request-id": "client-id.1", "user-agent": "tester/1"})
+        assert response.status_code == 200 and response.headers["x-request-id"] == "client-id.1"
+        (record,) = _wait_for(observer, 1)
+        assert seen["request_id"] == "client-id.1" and seen["record"] is record
+        unsafe = client.get(url + "/items/42", headers={"x-request-id": "bad id\u00e9,with,commas".encode()})
+        generated = unsafe.headers["x-request-id"]
+        assert "," not in generated and len(generated) == 16
+        item = _wait_for(observer, 2)[1]
+    assert (record.method, record.path, record.route, record.status) == ("GET", "/hello", "/hello", 200)
+    assert record.user_agent == "tester/1" and record.client_address == "127.0.0.1"
+    assert record.chunks == 1 and record.bytes_sent == len(response.content)
+    assert record.arrival_perf_ns <= record.response_start_ns <= record.first_byte_ns <= record.last_byte_ns
+    assert record.last_byte_ns <= record.end_ns and record.arrival_ns > 0
+    assert not record.sampled and not record.disconnected and record.error_type is None
+    assert item.request_id == generated and item.route == "/items/{item_id}" and item.path == "/items/42"
+
+
+def test_sse_stream_counts_chunks_and_keeps_the_body_head(tmp_path: Path) -> None:
+    observer = RecordingObserver()
+    with tiny_server(tmp_path, body_head_bytes=20) as (url, mw, _e), httpx.Client(timeout=10) as client:
+        mw.runtime.observers.append(observer)
+        status, lines, _ = sse_post(client, url, tokens=64)
+        (record,) = _wait_for(observer, 1)
+    assert status == 200 and len(lines) == 65
+    assert record.chunks == 65  # 64 tokens and [DONE]; the closing empty message is not a chunk
+    assert record.bytes_sent == sum(len(line) + 2 for line in lines)
+    assert record.first_byte_ns < record.last_byte_ns
+    assert record.request_body_head == b'{"prompt":"hello","m'  # the first 20 bytes, as sent
+    assert record.route == "/v1/generate"
+
+
+def test_unsampled_requests_never_start_the_profiler(tmp_path: Path) -> None:
+    wait_idle()
+    controller = get_controller()
+    before = controller.sessions_started
+    # A token is set (control on) but no policy picks these requests, and a wrong token does not count.
+    with tiny_server(tmp_path, control_token=TOKEN) as (url, mw, _e), httpx.Client(timeout=10) as client:
+        for _ in range(20):
+            assert client.get(url + "/hello").status_code == 200
+            assert sse_post(client, url, tokens=3, headers={"x-servprof-sample": "1",
+                                                            "x-servprof-token": "wrong"})[0] == 200
+            assert not autograd_profiler._is_profiler_enabled
+        counters = dict(mw.runtime.counters)
+    assert controller.sessions_started == before and controller.session is None
+    assert counters["requests"] == 40 and counters["sampled"] == 0 and counters["skipped"] == 0
+    assert mw.runtime.sampler.counts["header_rejected"] == 20
+
+
+def test_observer_errors_are_counted_and_serving_goes_on(tmp_path: Path) -> None:
+    with tiny_server(tmp_path) as (url, mw, _e), httpx.Client(timeout=10) as client:
+        mw.runtime.observers.append(BrokenObserver())
+        for _ in range(3):
+            assert client.get(url + "/hello").json() == {"hello": "world"}
+        deadline = time.monotonic() + 5
+        while mw.runtime.counters["observer_errors"] < 6 and time.monotonic() < deadline:
+            time.sleep(0.005)
+    assert mw.runtime.counters["observer_errors"] == 6
+
+
+def test_servprof_token_header_is_not_passed_to_the_app(tmp_path: Path) -> None:
+    wait_idle()
+    seen_headers: list[list[tuple[bytes, bytes]]] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            seen_headers.append(list(scope["headers"]))
+            await JSONResponse({})(scope, receive, send)
+
+    middleware = ServprofMiddleware(app, out_dir=tmp_path, telemetry=False, control_token=TOKEN, analysis=False,
+                                    requests_per_session=1)
+    with serve(middleware) as (url, _server):
+        headers = {"x-servprof-sample": "1", "x-servprof-token": TOKEN}
+        assert httpx.get(url + "/", headers=headers).status_code == 200
+        wait_idle()
+    assert all(name != b"x-servprof-token" for name, _ in seen_headers[0])
+    assert (b"x-servprof-sample", b"1") in seen_headers[0]
+    assert middleware.runtime.counters["sampled"] == 1
+
+
+def test_lifespan_and_websocket_pass_through(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    events: list[str] = []
+
+    async def lifespan(app: Starlette) -> Any:
+        events.append("startup")
+        yield
+        events.append("shutdown")
+
+    async def echo(websocket: WebSocket) -> None:
+        await websocket.accept()
+        await websocket.send_text("pong:" + await websocket.receive_text())
+        await websocket.close()
+
+    async def hello(request: Any) -> JSONResponse:
+        return JSONResponse({"ok": True})
+
+    # No arguments at all, as vLLM adds it: settings come from SERVPROF_* variables.
+    monkeypatch.setenv("SERVPROF_OUT_DIR", str(tmp_path / "env-out"))
+    monkeypatch.setenv("SERVPROF_TELEMETRY", "0")
+    monkeypatch.setenv("SERVPROF_SAMPLE_EVERY", "1000")
+    app = Starlette(routes=[Route("/", hello), WebSocketRoute("/ws", echo)], lifespan=lifespan)
+    app.add_middleware(ServprofMiddleware)
+    with serve(app) as (url, _server):
+        assert httpx.get(url + "/").json() == {"ok": True}
+        import websockets.sync.client
+
+        with websockets.sync.client.connect(url.replace("http", "ws") + "/ws") as ws:
+            ws.send("ping")
+            assert ws.recv() == "pong:ping"
+        middleware = app.middleware_stack.app  # type: ignore[union-attr]
+        while not isinstance(middleware, ServprofMiddleware):
+            middleware = middleware.app
+    assert events == ["startup", "shutdown"]
+    assert middleware.settings.sample_every == 1000 and middleware.settings.out_dir == tmp_path / "env-out"
+    assert middleware.runtime.counters["requests"] == 1  # the websocket was not an HTTP request
+
+
+def test_bad_settings_are_a_clear_error() -> None:
+    with pytest.raises(SettingsError, match="sample_rate"):
+        ServprofMiddleware(JSONResponse({}), sample_rate=2.0)
+    with pytest.raises(SettingsError, match="unknown servprof setting"):
+        ServprofMiddleware(JSONResponse({}), sample_evry=3)

@@ -1,0 +1,130 @@
+"""Sampling policies' counts over many requests, and the trace store's retention."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from servprof.sampling import Sampler
+from servprof.settings import Settings
+from servprof.store import TRACE_SUFFIX, TraceStore
+
+TOKEN = "s3cret"
+
+
+def _count(sampler: Sampler, n: int, **kwargs: object) -> dict[str | None, int]:
+    counts: dict[str | None, int] = {}
+    for _ in range(n):
+        reason = sampler.decide(**kwargs)  # type: ignore[arg-type]
+        counts[reason] = counts.get(reason, 0) + 1
+    return counts
+
+
+def test_no_policy_samples_nothing() -> None:
+    assert _count(Sampler(Settings()), 5000) == {None: 5000}
+
+
+@pytest.mark.parametrize("k", [1, 3, 7, 100])
+def test_every_kth_request(k: int) -> None:
+    sampler = Sampler(Settings(sample_every=k))
+    reasons = [sampler.decide() for _ in range(1000)]
+    picked = [i + 1 for i, r in enumerate(reasons) if r == "every"]
+    assert len(picked) == 1000 // k
+    assert all(i % k == 0 for i in picked)
+
+
+@pytest.mark.parametrize("rate", [0.01, 0.1, 0.5])
+def test_rate_is_within_binomial_bounds(rate: float) -> None:
+    n = 20000
+    sampler = Sampler(Settings(sample_rate=rate), rng=random.Random(1234))
+    hits = _count(sampler, n).get("rate", 0)
+    sigma = math.sqrt(n * rate * (1 - rate))
+    assert abs(hits - n * rate) < 5 * sigma
+
+
+def test_header_needs_the_configured_token() -> None:
+    sampler = Sampler(Settings(control_token=TOKEN))
+    assert sampler.decide(header_asked=True, presented_token=TOKEN.encode()) == "header"
+    assert sampler.decide(header_asked=True, presented_token=b"wrong") is None
+    assert sampler.decide(header_asked=True, presented_token=None) is None
+    assert sampler.decide(header_asked=False, presented_token=TOKEN.encode()) is None
+    assert sampler.counts["header"] == 1 and sampler.counts["header_rejected"] == 2
+    # Without a configured token the header is never honoured, whatever is presented.
+    untokened = Sampler(Settings())
+    assert untokened.decide(header_asked=True, presented_token=b"") is None
+    assert untokened.decide(header_asked=True, presented_token=b"anything") is None
+
+
+def test_on_demand_samples_exactly_the_next_n() -> None:
+    sampler = Sampler(Settings())
+    sampler.order(5)
+    assert _count(sampler, 100) == {"on_demand": 5, None: 95}
+    sampler.order(3)
+    sampler.order(2)  # a new order replaces the unfinished one
+    assert _count(sampler, 10) == {"on_demand": 2, None: 8}
+
+
+def test_refused_on_demand_candidate_stays_owed() -> None:
+    sampler = Sampler(Settings())
+    sampler.order(2)
+    assert sampler.decide() == "on_demand"
+    sampler.give_back("on_demand")  # capture was busy
+    assert [sampler.decide() for _ in range(3)] == ["on_demand", "on_demand", None]
+    assert sampler.counts["on_demand"] == 2
+
+
+def test_policies_combine() -> None:
+    sampler = Sampler(Settings(sample_every=10, sample_rate=0.05, control_token=TOKEN), rng=random.Random(7))
+    sampler.order(4)
+    counts = _count(sampler, 2000)
+    assert counts["on_demand"] == 4
+    # every-k counts every request seen, on-demand ones included
+    assert counts["every"] == 2000 // 10 - sum(1 for i in range(1, 5) if i % 10 == 0)
+    rate_candidates = 2000 - 4 - counts["every"]
+    assert abs(counts["rate"] - 0.05 * rate_candidates) < 5 * math.sqrt(rate_candidates * 0.05 * 0.95)
+    assert sampler.decide(header_asked=True, presented_token=TOKEN.encode()) == "header"
+    assert sum(counts.values()) == 2000 and sampler.status()["requests_seen"] == 2001
+
+
+def _fake_trace(store: TraceStore, name: str, size: int, age_s: float) -> Path:
+    path = store.traces_dir / f"{name}{TRACE_SUFFIX}"
+    path.write_bytes(b"x" * size)
+    (store.traces_dir / f"{name}.session.json").write_bytes(b"{}")
+    stamp = time.time() - age_s
+    os.utime(path, (stamp, stamp))
+    return path
+
+
+def test_retention_removes_oldest_first_by_count_and_size(tmp_path: Path) -> None:
+    store = TraceStore(tmp_path, max_files=3, max_mb=1.0)
+    assert store.check_writable() is None
+    paths = [_fake_trace(store, f"s{i}", 100_000, age_s=100 - i) for i in range(5)]
+    removed = store.enforce_retention()
+    assert removed == paths[:2]
+    assert store.traces() == paths[2:]
+    assert not (store.traces_dir / "s0.session.json").exists() and (store.traces_dir / "s4.session.json").exists()
+    big = _fake_trace(store, "s9", 900_000, age_s=0)
+    assert store.enforce_retention(keep=big) == paths[2:4]
+    assert store.traces() == [paths[4], big]
+
+
+def test_store_names_come_from_session_ids_only(tmp_path: Path) -> None:
+    store = TraceStore(tmp_path, max_files=3, max_mb=1.0)
+    with pytest.raises(ValueError):
+        store.path_for("../../etc/passwd")
+    store.check_writable()
+    path = store.write_json("abc-123", ".session.json", {"a": 1})
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_unwritable_store_says_why(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert "not writable" in (TraceStore(blocker, 3, 1.0).check_writable() or "")
+    assert "MiB free" in (TraceStore(tmp_path, 3, 1.0, min_free_mb=1e12).check_writable() or "")
