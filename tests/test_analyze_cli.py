@@ -1,0 +1,88 @@
+"""`servprof analyze`: table, JSON and HTML reports; bad input -> one line and exit 2."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+from _analyze_helpers import SHARED_TRACES, fixture
+
+from servprof.cli import main
+
+
+def test_json_and_html_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    out_json, out_html = tmp_path / "r.json", tmp_path / "r.html"
+    rc = main(["analyze", str(fixture("step_delay_20ms")), "--json", str(out_json), "--html", str(out_html)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "decode_gap" in printed and "critical" in printed
+    report = orjson.loads(out_json.read_bytes())
+    assert set(report) >= {"summary", "findings"}
+    kinds = [f["kind"] for f in report["findings"]]
+    assert "decode_gap" in kinds and "tokenization_stall" not in kinds
+    gap = next(f for f in report["findings"] if f["kind"] == "decode_gap")
+    assert set(gap) == {"kind", "severity", "cost_ms", "start_us", "end_us", "request_ids", "title", "evidence"}
+    assert report["summary"]["findings"]["decode_gap"] == 1
+    assert set(report["requests"]) == set(gap["request_ids"])
+    page = out_html.read_text()
+    assert page.startswith("<!doctype html>")
+    assert "<script" not in page and "http://" not in page.replace("http://www.w3.org/2000/svg", "")
+    assert page.count("<svg") == 3  # timeline, gap histogram, roofline
+    assert 'fill="#e45756"' in page  # the gaps are drawn on the timeline
+
+
+def test_every_public_trace_and_fixture_analyses(tmp_path: Path):
+    paths = sorted(SHARED_TRACES.glob("*.json.gz")) + sorted(fixture("clean").parent.glob("*.json.gz"))
+    if not any(p.parent == SHARED_TRACES for p in paths):
+        pytest.skip(f"public traces not found under {SHARED_TRACES}")
+    for path in paths:
+        out = tmp_path / f"{path.name}.json"
+        assert main(["analyze", str(path), "--json", str(out), "--html", str(tmp_path / "r.html")]) == 0, path
+        assert orjson.loads(out.read_bytes())["summary"]["events"] > 0
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda d: d / "missing.json", "no such file"),
+        (lambda d: _write(d / "empty.json", b""), "empty file"),
+        (lambda d: _write(d / "text.json", b"hello"), "not valid JSON"),
+        (lambda d: _write(d / "nokey.json", b'{"schemaVersion": 1}'), "no 'traceEvents'"),
+        (lambda d: _write(d / "cut.json.gz", fixture("clean").read_bytes()[:5000]), "truncated or corrupt gzip"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], make, message):
+    path = make(tmp_path)
+    assert main(["analyze", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_huge_file_and_unknown_device_and_unwritable_output(tmp_path: Path, capsys, monkeypatch):
+    monkeypatch.setenv("SERVPROF_MAX_TRACE_BYTES", "4096")
+    assert main(["analyze", str(fixture("clean"))]) == 2
+    assert "SERVPROF_MAX_TRACE_BYTES" in capsys.readouterr().err
+    monkeypatch.delenv("SERVPROF_MAX_TRACE_BYTES")
+    assert main(["analyze", str(fixture("clean")), "--device", "abacus"]) == 2
+    assert "unknown device 'abacus'" in capsys.readouterr().err
+    assert main(["analyze", str(fixture("clean")), "--json", str(tmp_path / "no" / "dir.json")]) == 2
+    assert "cannot write" in capsys.readouterr().err
+
+
+def test_command_line_process_prints_no_traceback(tmp_path: Path):
+    bad = _write(tmp_path / "bad.json.gz", b"\x1f\x8b\x08\x00garbage")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    done = subprocess.run([sys.executable, "-m", "servprof.cli", "analyze", str(bad)], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert done.stderr.startswith("servprof analyze: ") and len(done.stderr.strip().splitlines()) == 1
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path

@@ -1,0 +1,106 @@
+"""bandwidth_bound_decode: bytes and FLOPs from record_shapes, intensity against the ridge
+point, achieved GB/s, on a trace recorded here with the real torch.profiler."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from servprof.detect.analysis import analyse
+from servprof.detect.bandwidth_bound_decode import op_cost
+from servprof.detect.devices import DEVICES, match_device_properties, resolve_device
+from servprof.phases import phase
+from servprof.trace import load_trace
+
+
+def test_gemm_and_elementwise_cost_models():
+    flops, nbytes = op_cost("aten::mm", [[8, 256], [256, 512]], ["float", "float"])
+    assert flops == 2 * 8 * 256 * 512
+    assert nbytes == (8 * 256 + 256 * 512 + 8 * 512) * 4
+    # addmm: the bias is the first input; the GEMM shapes are the next two.
+    flops, nbytes = op_cost("aten::addmm", [[512], [8, 256], [256, 512], [], []],
+                            ["c10::BFloat16", "c10::BFloat16", "c10::BFloat16", "Scalar", "Scalar"])
+    assert flops == 2 * 8 * 256 * 512
+    assert nbytes == (8 * 256 + 256 * 512 + 8 * 512) * 2
+    flops, nbytes = op_cost("aten::bmm", [[4, 8, 16], [4, 16, 32]], ["float", "float"])
+    assert flops == 2 * 4 * 8 * 16 * 32 and nbytes == 4 * (8 * 16 + 16 * 32 + 8 * 32) * 4
+    flops, nbytes = op_cost("aten::mul", [[4, 1024], [4, 1024]], ["float", "float"])
+    assert flops == 4 * 1024 and nbytes == 3 * 4 * 1024 * 4
+    flops, nbytes = op_cost("aten::scaled_dot_product_attention", [[2, 8, 1, 64], [2, 8, 100, 64], [2, 8, 100, 64]],
+                            ["float", "float", "float"])
+    assert flops == 2 * 2 * 8 * 1 * 100 * (64 + 64)
+    assert nbytes == (2 * 8 * 64 + 2 * 2 * 8 * 100 * 64 + 2 * 8 * 64) * 4
+    assert op_cost("aten::mm", [[], []], ["Scalar", "Scalar"]) is None
+    assert op_cost("aten::unknown_op", [[4, 4]], ["float"]) is None
+
+
+def test_device_table_and_resolution():
+    for spec in DEVICES.values():
+        assert spec.memory_bandwidth_gbs > 0 and spec.peak_tflops > 0 and spec.source
+    assert resolve_device("mi300x", [], True) is DEVICES["mi300x"]
+    assert resolve_device("NVIDIA H100 PCIe", [], True) is DEVICES["h100-pcie"]
+    assert match_device_properties({"name": "", "computeMajor": 9, "computeMinor": 4, "numSms": 304}) == "mi300x"
+    assert match_device_properties({"name": "NVIDIA H200", "numSms": 132}) == "h200"
+    assert match_device_properties({"name": "", "computeMajor": 9, "computeMinor": 0, "numSms": 132,
+                                    "totalGlobalMem": 150e9}) == "h200"
+
+
+@pytest.fixture(scope="module")
+def decode_like_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A matrix-vector product (how decode uses weights) and a square matmul, inside a
+    servprof decode_step phase, recorded by torch.profiler with record_shapes."""
+    torch.manual_seed(0)
+    weight = torch.randn(2048, 2048)
+    token = torch.randn(1, 2048)
+    square = torch.randn(384, 384)
+    path = tmp_path_factory.mktemp("bw") / "decode.json"
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(5):
+            with phase("decode_step", request_ids=["r1", "r2"]):
+                torch.mm(token, weight)
+                torch.mm(square, square)
+    prof.export_chrome_trace(str(path))
+    return path
+
+
+def test_matvec_is_memory_bound_and_matmul_compute_bound(decode_like_trace: Path):
+    analysis = analyse(load_trace(decode_like_trace), device="cpu")
+    spec = DEVICES["cpu"]
+    points = [p for p in analysis.kernels if p["op"] == "aten::mm"]
+    assert len(points) == 10
+    matvec = [p for p in points if p["shapes"][0] == [1, 2048]]
+    square = [p for p in points if p["shapes"][0] == [384, 384]]
+    assert len(matvec) == 5 and len(square) == 5
+    for p in matvec:
+        assert p["bytes"] == (2048 + 2048 * 2048 + 2048) * 4
+        assert p["intensity"] < spec.ridge_flops_per_byte
+        assert p["bound"] == "memory"
+        # achieved GB/s is exactly bytes over the op's measured time
+        assert p["achieved_gbs"] == pytest.approx(p["bytes"] / (p["time_us"] * 1e-6) / 1e9)
+    for p in square:
+        assert p["intensity"] > spec.ridge_flops_per_byte
+        assert p["bound"] == "compute"
+    (finding,) = [f for f in analysis.findings if f.kind == "bandwidth_bound_decode"]
+    assert finding.request_ids == ["r1", "r2"]
+    assert finding.evidence["device"]["name"] == spec.name
+    top = finding.evidence["top_ops"][0]
+    assert top["op"] == "aten::mm" and top["shapes"][0] == [1, 2048] and top["calls"] == 5
+
+
+def test_calibrated_device_is_used(decode_like_trace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from servprof.detect import calibrate
+
+    monkeypatch.setenv("SERVPROF_CACHE_DIR", str(tmp_path))
+    result = calibrate.measure(None, copy_mib=16, matmul_n=256, repeats=2)
+    assert result["memory_bandwidth_gbs"] > 0 and result["peak_tflops"] > 0
+    parser = __import__("argparse").ArgumentParser()
+    calibrate.add_arguments(parser)
+    assert calibrate.run(parser.parse_args(["--copy-mib", "16", "--matmul-n", "256", "--repeats", "2"])) == 0
+    saved = (tmp_path / "calibration.json").read_bytes()
+    assert b"memory_bandwidth_gbs" in saved
+    analysis = analyse(load_trace(decode_like_trace))  # CPU trace, no --device: the calibration
+    device = analysis.summary["bandwidth"]["device"]
+    assert device["source"].startswith("measured by servprof calibrate")
+    assert analyse(load_trace(decode_like_trace), device="calibrated").summary["bandwidth"]["device"] == device
