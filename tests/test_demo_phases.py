@@ -1,0 +1,86 @@
+"""The demo server marks its phases for servprof: a real torch.profiler run around real
+requests shows tokenize, prefill, decode_step (one range per batched step, naming every
+request in the batch) and detokenize ranges tagged with the right request ids; and with
+ServprofMiddleware in front the request id comes from the middleware."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import httpx
+import orjson
+import torch
+from _demo_helpers import get_stats, start_demo_server
+from torch._C._profiler import _ExperimentalConfig
+
+from servprof.phases import parse_phase_event_name
+
+
+async def _two_concurrent_streams(url: str) -> None:
+    async with httpx.AsyncClient(timeout=60) as client:
+        await asyncio.gather(*(
+            client.post(f"{url}/v1/completions", json={"prompt": f"Notes on caching {i}", "max_tokens": 12,
+                                                       "stream": True})
+            for i in range(2)))
+
+
+def test_phases_in_a_real_profile(tmp_path: Path):
+    with start_demo_server(size="tiny", max_batch=4) as url:
+        before = get_stats(url)
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                          experimental_config=_ExperimentalConfig(profile_all_threads=True))
+        profiler.start()
+        try:
+            asyncio.run(_two_concurrent_streams(url))
+        finally:
+            profiler.stop()
+        after = get_stats(url)
+    trace_path = tmp_path / "trace.json.gz"
+    profiler.export_chrome_trace(str(trace_path))
+    events = orjson.loads(gzip.decompress(trace_path.read_bytes()))["traceEvents"]
+
+    phases: dict[str, Counter[str]] = defaultdict(Counter)
+    decode_batches: list[list[str]] = []
+    for event in events:
+        parsed = parse_phase_event_name(event.get("name", ""))
+        if parsed is None or event.get("ph") != "X":
+            continue
+        name, ids = parsed
+        if name == "decode_step":
+            decode_batches.append(ids)
+        for request_id in ids:
+            phases[name][request_id] += 1
+
+    requests = after["recent_requests"][-2:]
+    request_ids = {r["request_id"] for r in requests}
+    assert len(request_ids) == 2
+    for record in requests:
+        rid = record["request_id"]
+        assert phases["tokenize"][rid] == 1
+        assert phases["prefill"][rid] == 1
+        assert phases["detokenize"][rid] == record["output_tokens"]
+        # The prefill samples the first token; every later one comes from a decode step
+        # (an end-of-text token, rare with random weights, is sampled but not output).
+        if record["finish_reason"] == "length":
+            assert phases["decode_step"][rid] == record["output_tokens"] - 1
+        else:
+            assert phases["decode_step"][rid] >= record["output_tokens"]
+    # One range per engine step, naming the whole batch; the queue phase is inferred, not marked.
+    assert len(decode_batches) == after["decode_steps"] - before["decode_steps"]
+    assert all(set(batch) <= request_ids for batch in decode_batches)
+    assert "queue" not in phases
+
+
+def test_request_id_comes_from_the_servprof_middleware(monkeypatch, tmp_path: Path):
+    monkeypatch.setenv("SERVPROF_OUT_DIR", str(tmp_path))
+    monkeypatch.setenv("SERVPROF_TELEMETRY", "0")
+    monkeypatch.setenv("SERVPROF_WARMUP", "0")
+    with start_demo_server(size="tiny", max_batch=2, servprof=True) as url:
+        response = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 3},
+                              headers={"x-request-id": "demo-test-id-42"}, timeout=60)
+        assert response.status_code == 200
+        assert response.json()["id"] == "cmpl-demo-test-id-42"
+        assert get_stats(url)["recent_requests"][-1]["request_id"] == "demo-test-id-42"
