@@ -146,7 +146,7 @@ def test_disconnect_frees_the_slot_and_the_batch_shrinks():
     with start_demo_server(size="tiny", max_batch=4, step_delay_ms=5, max_tokens_limit=400) as url:
 
         async def main() -> None:
-            payload = {"prompt": "Keep talking about bridges", "max_tokens": 400, "stream": True}
+            payload = {"prompt": "Keep talking about bridges", "max_tokens": 400, "stream": True, "temperature": 0}
             async with (httpx.AsyncClient(timeout=60) as client,
                         client.stream("POST", f"{url}/v1/completions", json=payload) as kept):
                 kept_lines = kept.aiter_lines()
@@ -176,7 +176,7 @@ def test_disconnect_frees_the_slot_and_the_batch_shrinks():
 
 def test_disconnect_of_a_non_streamed_request_frees_the_slot():
     with start_demo_server(size="tiny", max_batch=2, step_delay_ms=5, max_tokens_limit=400) as url:
-        payload = {"prompt": "Keep talking about maps", "max_tokens": 400}
+        payload = {"prompt": "Keep talking about maps", "max_tokens": 400, "temperature": 0}
         with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
             httpx.post(f"{url}/v1/completions", json=payload, timeout=httpx.Timeout(30, read=0.5))
         stats = wait_for(lambda: (s := get_stats(url))["requests_finished"].get("cancelled") and s)

@@ -29,7 +29,7 @@ def knob_server(**knobs: object) -> Iterator[str]:
 
 
 def stream_one(url: str, prompt: str = "Notes on latency:", max_tokens: int = 20) -> None:
-    payload = {"prompt": prompt, "max_tokens": max_tokens, "stream": True}
+    payload = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0}
     response = httpx.post(f"{url}/v1/completions", json=payload, timeout=120)
     assert response.status_code == 200, response.text
     assert parse_sse(response.text)[-1] == "[DONE]"
