@@ -140,11 +140,10 @@ class _Interner:
             return np.array(values, dtype=np.int64)
         except (TypeError, ValueError, OverflowError):
             pass
-        lookup = self.lookup
-        for v in {v for v in values if not (isinstance(v, int) and not isinstance(v, bool))}:
-            self.ids([str(v)])
-        return np.array([v if isinstance(v, int) and not isinstance(v, bool) else -(lookup[str(v)] + 2)
-                         for v in values], dtype=np.int64)
+        return np.array([v if type(v) is int else self._foreign_process_id(v) for v in values], dtype=np.int64)
+
+    def _foreign_process_id(self, value: Any) -> int:
+        return -(int(self.ids([str(value)])[0]) + 2)
 
 
 def _int_column(values: list[Any]) -> np.ndarray:
@@ -169,10 +168,11 @@ _NO_ARGS: dict[str, Any] = {}
 
 
 def _columns(events: list[Any], rank: int, interner: _Interner, file: Path) -> dict[str, Any] | None:
-    if not all(isinstance(e, dict) for e in events):
-        raise TraceError(f"{file}: an entry of 'traceEvents' is not an object")
     nan = float("nan")
-    ts = _float_column([e.get("ts", nan) for e in events], nan)
+    try:
+        ts = _float_column([e.get("ts", nan) for e in events], nan)
+    except AttributeError:
+        raise TraceError(f"{file}: an entry of 'traceEvents' is not an object") from None
     phases = [e.get("ph", "") for e in events]
     # Timed events only: metadata ("M") events and events without a usable ts are dropped.
     keep = np.isfinite(ts) & np.array([p != "M" for p in phases], dtype=bool)
@@ -187,8 +187,6 @@ def _columns(events: list[Any], rank: int, interner: _Interner, file: Path) -> d
     np.nan_to_num(dur, copy=False, nan=0.0)
     np.maximum(dur, 0.0, out=dur)
     args = [e.get("args") or _NO_ARGS for e in events]
-    if not all(isinstance(a, dict) for a in args):
-        args = [a if isinstance(a, dict) else _NO_ARGS for a in args]
     ph = np.array([ord(p[0]) if isinstance(p, str) and p else 0 for p in phases], dtype=np.uint8)
     flow = (ph == ord("s")) | (ph == ord("f")) | (ph == ord("t"))
     flow_ids = np.full(n, -1, dtype=np.int64)
@@ -203,13 +201,25 @@ def _columns(events: list[Any], rank: int, interner: _Interner, file: Path) -> d
         "tid": interner.process_ids([e.get("tid", -1) for e in events]),
         "ts": ts,
         "dur": dur,
-        "stream": _int_column([a.get("stream", -1) for a in args]),
-        "correlation": _int_column([a.get("correlation", -1) for a in args]),
-        "external_id": _int_column([a.get("External id", -1) for a in args]),
+        **_arg_columns(args),
         "flow_id": flow_ids,
         "rank": np.full(n, rank, dtype=np.int32),
-        "raw_args": [a if a is not _NO_ARGS else None for a in args],
+        "raw_args": args,
     }
+
+
+def _arg_columns(args: list[Any]) -> dict[str, np.ndarray]:
+    try:
+        return {
+            "stream": _int_column([a.get("stream", -1) for a in args]),
+            "correlation": _int_column([a.get("correlation", -1) for a in args]),
+            "external_id": _int_column([a.get("External id", -1) for a in args]),
+        }
+    except AttributeError:  # an "args" that is not an object: treated as no args
+        for i, a in enumerate(args):
+            if not isinstance(a, dict):
+                args[i] = _NO_ARGS
+        return _arg_columns(args)
 
 
 def _thread_names(events: list[Any], rank: int) -> dict[tuple[int, int, int], str]:
