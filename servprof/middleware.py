@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Awaitable
+from os import urandom as _urandom
 from typing import Any
 
 import anyio.to_thread
@@ -102,7 +104,8 @@ class _RequestResponder:
                 presented_token = value
             elif name == b"authorization" and presented_token is None and value[:7].lower() == b"bearer ":
                 presented_token = value[7:].strip()
-        request_id = accept_request_id(raw_request_id.decode("latin-1") if raw_request_id else None)
+        # os.urandom is ~4x cheaper than uuid4 for the common case of no client id.
+        request_id = accept_request_id(raw_request_id.decode("latin-1")) if raw_request_id else _urandom(8).hex()
         self.request_id_bytes = request_id.encode()
         client = scope.get("client")
         method = scope["method"]
@@ -139,6 +142,8 @@ class _RequestResponder:
             await middleware.app(scope, self.receive, self.send)
         except BaseException as exc:
             record.error_type = type(exc).__qualname__
+            if isinstance(exc, OSError):  # the client left mid-response
+                record.disconnected = True
             raise
         finally:
             record.end_ns = _perf_ns()
@@ -170,25 +175,24 @@ class _RequestResponder:
             self.record.disconnected = True
         return message
 
-    async def send(self, message: Message) -> None:
+    def send(self, message: Message) -> Awaitable[None]:
+        # A plain function handing back the server's own awaitable: no extra coroutine per
+        # chunk. A failed send (uvicorn's ClientDisconnected is an OSError) surfaces in run().
         message_type = message["type"]
-        record = self.record
         if message_type == "http.response.body":
+            # The per-chunk path: counters only; the clock is read for the first and the last chunk.
+            record = self.record
             body = message.get("body")
             if body:
-                now = _perf_ns()
-                if record.first_byte_ns is None:
-                    record.first_byte_ns = now
-                record.last_byte_ns = now
                 record.chunks += 1
                 record.bytes_sent += len(body)
+                if record.first_byte_ns is None:
+                    record.first_byte_ns = _perf_ns()
+            if not message.get("more_body", False):
+                record.last_byte_ns = _perf_ns()
         elif message_type == "http.response.start":
-            record.status = message["status"]
-            record.response_start_ns = _perf_ns()
+            self.record.status = message["status"]
+            self.record.response_start_ns = _perf_ns()
             message = dict(message)
             message["headers"] = [*message.get("headers", ()), (b"x-request-id", self.request_id_bytes)]
-        try:
-            await self._send(message)
-        except OSError:  # uvicorn's ClientDisconnected is an OSError: the client left mid-response
-            record.disconnected = True
-            raise
+        return self._send(message)

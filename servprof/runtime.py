@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 import time
 from collections import deque
 from typing import Any
@@ -152,7 +153,18 @@ class ServprofRuntime:
             "last_error": self.last_error,
             "observers": {"count": len(self.observers), "errors": self.counters["observer_errors"],
                           "problem": self.observer_problem, "dropped_spans": self._dropped_spans()},
+            "telemetry": self._telemetry_status(),
         }
+
+    def _telemetry_status(self) -> dict[str, Any] | None:
+        # Telemetry's own report (exporter, span counts, dropped spans) when it is loaded.
+        telemetry = sys.modules.get("servprof.telemetry")
+        if telemetry is None or not self.observers or not hasattr(telemetry, "status"):
+            return None
+        try:
+            return telemetry.status()
+        except Exception as exc:  # noqa: BLE001 - status must answer even when telemetry cannot
+            return {"error": f"{type(exc).__name__}: {exc}"}
 
     def _dropped_spans(self) -> int | None:
         # Telemetry may expose `dropped_spans` (an int or a callable returning one).
