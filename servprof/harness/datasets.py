@@ -211,8 +211,13 @@ def load_dataset(
     seed: int = 0,
     num_requests: int = 1000,
     max_output_tokens: int | None = None,
+    max_input_tokens: int | None = None,
 ) -> list[RequestSpec]:
-    """One dataset by name (see DATASET_NAMES); `max_output_tokens` caps every request."""
+    """One dataset by name (see DATASET_NAMES).
+
+    `max_output_tokens` caps what every request asks for; `max_input_tokens` cuts every
+    prompt to that many words (its end is dropped), for models with a short context.
+    """
     if name not in DATASET_NAMES:
         raise DatasetError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASET_NAMES)}")
     if name == "synthetic":
@@ -226,6 +231,10 @@ def load_dataset(
         if max_output_tokens < 1:
             raise DatasetError(f"max_output_tokens must be >= 1, got {max_output_tokens}")
         specs = [_cap(spec, max_output_tokens) for spec in specs]
+    if max_input_tokens is not None:
+        if max_input_tokens < 1:
+            raise DatasetError(f"max_input_tokens must be >= 1, got {max_input_tokens}")
+        specs = [_cut(spec, max_input_tokens) for spec in specs]
     return specs
 
 
@@ -233,6 +242,13 @@ def _cap(spec: RequestSpec, limit: int) -> RequestSpec:
     if spec.output_tokens <= limit:
         return spec
     return RequestSpec(spec.prompt, limit, spec.input_tokens, spec.timestamp_s)
+
+
+def _cut(spec: RequestSpec, limit: int) -> RequestSpec:
+    prompt_words = spec.prompt.split()
+    if len(prompt_words) <= limit:
+        return spec
+    return RequestSpec(" ".join(prompt_words[:limit]), spec.output_tokens, limit, spec.timestamp_s)
 
 
 def replay_offsets(specs: Sequence[RequestSpec]) -> np.ndarray:

@@ -46,6 +46,7 @@ class HarnessOptions:
     num_requests: int = 1000
     seed: int = 0
     max_output_tokens: int = 0
+    max_input_tokens: int = 0
     arrival: str = "closed"
     rate: float = 1.0
     burstiness: float = 1.0
@@ -86,6 +87,7 @@ def load_specs(options: HarnessOptions) -> list[RequestSpec]:
         seed=options.seed,
         num_requests=options.num_requests,
         max_output_tokens=options.max_output_tokens or None,
+        max_input_tokens=options.max_input_tokens or None,
     )
 
 
@@ -164,6 +166,7 @@ def add_arguments(parser: Any) -> None:
     group.add_argument("--num-requests", type=int, default=1000, help="size of the synthetic mix")
     group.add_argument("--seed", type=int, default=0, help="seed of the synthetic mix and the arrival schedule")
     group.add_argument("--max-output-tokens", type=int, default=0, help="cap on output tokens per request (0: none)")
+    group.add_argument("--max-input-tokens", type=int, default=0, help="cut prompts to this many words (0: no cut)")
     group.add_argument("--arrival", choices=ARRIVALS, default="closed", help="arrival process (open loop unless closed)")
     group.add_argument("--rate", type=float, default=1.0, help="mean arrivals per second (poisson, gamma)")
     group.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 Poisson, <1 burstier")

@@ -157,7 +157,7 @@ class OpenAIUser(HttpUser):
         ) as response:
             if response.status_code != 200:
                 self.harness.collector.failures += 1
-                detail = (response.text or str(response.error or ""))[:200] if not options.stream else ""
+                detail = (response.text or str(response.error or "")).strip()[:200]
                 response.failure(f"HTTP {response.status_code} {detail}".strip())
                 return
             try:
