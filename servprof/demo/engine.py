@@ -134,11 +134,16 @@ class Engine:
                     self._iteration()
         except BaseException as exc:  # the engine must not die silently: fail what it holds
             self._error = exc
-            in_flight = (r for launch in self._pending for r in launch.requests)
-            for request in itertools.chain(self._batch, self._waiting, in_flight):
-                if not request.finished:
-                    self._finish(request, "error")
+            self._fail_outstanding()
             raise
+        self._take_incoming(block=False)
+        self._fail_outstanding()  # stopped (server shutdown): nobody waits forever
+
+    def _fail_outstanding(self) -> None:
+        in_flight = (r for launch in self._pending for r in launch.requests)
+        for request in itertools.chain(list(self._batch), self._waiting, in_flight):
+            if not request.finished:
+                self._finish(request, "error")
 
     def _iteration(self) -> None:
         self._take_incoming(block=not (self._batch or self._pending or self._waiting))

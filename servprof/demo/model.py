@@ -18,6 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# scaled_dot_product_attention takes enable_gqa from torch 2.5 on.
+_SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -102,14 +105,17 @@ class Attention(nn.Module):
         k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         keys, values = cache.write_and_read(layer, slots, positions, k, v, span)
+        gqa: dict[str, bool] = {}
         groups = self.n_heads // self.n_kv_heads
-        if groups > 1:
+        if groups > 1 and _SDPA_HAS_GQA:
+            gqa["enable_gqa"] = True  # the kernel shares each KV head across its query heads
+        elif groups > 1:  # torch < 2.5: copy the KV heads instead
             keys = keys.repeat_interleave(groups, dim=1)
             values = values.repeat_interleave(groups, dim=1)
         if attn_mask is None:  # prefill of one request: plain causal attention
-            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True)
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, **gqa)
         else:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, **gqa)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
