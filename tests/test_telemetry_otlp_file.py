@@ -130,12 +130,20 @@ def test_otlp_protocols_and_bad_values(tmp_path: Path) -> None:
     grpc = build_pipeline(settings, {"SERVPROF_TELEMETRY_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
                                      "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1"})
     http = build_pipeline(settings, {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:1/v1/traces"})
+    base = build_pipeline(settings, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318/",
+                                     "OTEL_EXPORTER_OTLP_HEADERS": "x-api-key=s3cret", "OTEL_EXPORTER_OTLP_TIMEOUT": "0.5"})
     try:
         assert grpc.status()["protocol"] == "grpc" and http.status()["protocol"] == "http/protobuf"
+        assert grpc.status()["endpoint"] == "http://127.0.0.1:1"  # gRPC takes the base as is
         assert http.status()["endpoint"] == "http://127.0.0.1:1/v1/traces"
+        assert base.status()["endpoint"] == "http://collector:4318/v1/traces"  # the signal path is added
+        assert base.status()["export_timeout_s"] == 0.5 and http.status()["export_timeout_s"] == 2.0
+        assert "s3cret" not in str(base.status())  # headers may hold credentials: never shown
     finally:
-        grpc.shutdown()
-        http.shutdown()
+        for pipeline in (grpc, http, base):
+            pipeline.shutdown()
+    with pytest.raises(SettingsError, match="OTEL_EXPORTER_OTLP_TIMEOUT='soon'"):
+        build_pipeline(settings, {"SERVPROF_TELEMETRY_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_TIMEOUT": "soon"})
     with pytest.raises(SettingsError, match="SERVPROF_TELEMETRY_EXPORTER='jaeger'"):
         telemetry.create_observer(settings, environ={"SERVPROF_TELEMETRY_EXPORTER": "jaeger"})
     with pytest.raises(SettingsError, match="OTEL_EXPORTER_OTLP_PROTOCOL='http/json'"):

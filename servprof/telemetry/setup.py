@@ -32,6 +32,7 @@ from opentelemetry.sdk.metrics.export import MetricExporter, MetricReader, Perio
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.util.re import parse_env_headers
 
 from servprof.settings import Settings, SettingsError
 from servprof.telemetry.otlp_file import OtlpJsonLinesMetricExporter, OtlpJsonLinesSpanExporter
@@ -194,10 +195,29 @@ def _protocol(environ: Mapping[str, str], signal: str) -> str:
     return protocol
 
 
-def _timeout(environ: Mapping[str, str], signal: str) -> dict[str, float]:
-    if _env(environ, f"OTEL_EXPORTER_OTLP_{signal}_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT"):
-        return {}  # the exporter reads it itself
-    return {"timeout": DEFAULT_EXPORT_TIMEOUT_S}
+def _exporter_options(environ: Mapping[str, str], signal: str, protocol: str) -> dict[str, Any]:
+    """Endpoint, headers and timeout from `environ` (passed explicitly, so a mapping other than
+    os.environ is honoured too); TLS files and compression the SDK reads from os.environ."""
+    options: dict[str, Any] = {}
+    endpoint = _env(environ, f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT")
+    base = _env(environ, "OTEL_EXPORTER_OTLP_ENDPOINT")
+    if endpoint:
+        options["endpoint"] = endpoint
+    elif base:
+        # The per-signal path is added to the generic endpoint for HTTP only (OTLP exporter spec).
+        options["endpoint"] = base if protocol == "grpc" else f"{base.rstrip('/')}/v1/{signal.lower()}"
+    headers = _env(environ, f"OTEL_EXPORTER_OTLP_{signal}_HEADERS", "OTEL_EXPORTER_OTLP_HEADERS")
+    if headers:
+        options["headers"] = parse_env_headers(headers, liberal=True)
+    timeout_name = f"OTEL_EXPORTER_OTLP_{signal}_TIMEOUT"
+    timeout = _env(environ, timeout_name, "OTEL_EXPORTER_OTLP_TIMEOUT")
+    try:
+        options["timeout"] = float(timeout) if timeout else DEFAULT_EXPORT_TIMEOUT_S
+    except ValueError:
+        raise SettingsError(f"{timeout_name} / OTEL_EXPORTER_OTLP_TIMEOUT={timeout!r} is not a number") from None
+    if options["timeout"] <= 0:
+        raise SettingsError(f"{timeout_name} / OTEL_EXPORTER_OTLP_TIMEOUT must be > 0 (got {timeout!r})")
+    return options
 
 
 def _otlp_span_exporter(environ: Mapping[str, str]) -> tuple[SpanExporter, dict[str, Any]]:
@@ -206,9 +226,11 @@ def _otlp_span_exporter(environ: Mapping[str, str]) -> tuple[SpanExporter, dict[
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     else:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    exporter = OTLPSpanExporter(**_timeout(environ, "TRACES"))
-    endpoint = _env(environ, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
-    return exporter, {"protocol": protocol, "endpoint": endpoint or "(SDK default)"}
+    options = _exporter_options(environ, "TRACES", protocol)
+    exporter = OTLPSpanExporter(**options)
+    details = {"protocol": protocol, "endpoint": options.get("endpoint", "(SDK default)"),
+               "export_timeout_s": options["timeout"]}
+    return exporter, details
 
 
 def _otlp_metric_exporter(environ: Mapping[str, str]) -> MetricExporter | None:
@@ -218,11 +240,12 @@ def _otlp_metric_exporter(environ: Mapping[str, str]) -> MetricExporter | None:
         return None
     if not _env(environ, "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
         return None
-    if _protocol(environ, "METRICS") == "grpc":
+    protocol = _protocol(environ, "METRICS")
+    if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
     else:
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-    return OTLPMetricExporter(**_timeout(environ, "METRICS"))
+    return OTLPMetricExporter(**_exporter_options(environ, "METRICS", protocol))
 
 
 def build_pipeline(
