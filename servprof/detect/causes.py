@@ -18,7 +18,9 @@ SYNC_NAMES = re.compile(
     r"cudaStreamWaitEvent|aten::nonzero$|torch\.cuda\.synchronize)"
 )
 # Tokenizer work recognisable in traces that carry no servprof phase markers.
-TOKENIZER_NAMES = re.compile(r"(tokeniz|encode_batch|apply_chat_template|PreTrainedTokenizer|\.encode\b)", re.IGNORECASE)
+# Detokenization (turning output ids back into text) is not on the path to the first token.
+TOKENIZER_NAMES = re.compile(r"((?<!de)tokeniz|encode_batch|apply_chat_template|PreTrainedTokenizer|\.encode\b)",
+                             re.IGNORECASE)
 STEP_NAMES = re.compile(r"^(ProfilerStep|execute_\d+_context|step\[|servprof:(decode_step|prefill))")
 TINY_KERNEL_US = 10.0
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from servprof.detect.analysis import Analysis, analyse
@@ -43,16 +43,25 @@ def build_report(analysis: Analysis, requests: dict[str, Any]) -> dict[str, Any]
 def run(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     try:
-        size = sum(f.stat().st_size for f in trace_files(args.path))
-        show = size >= PROGRESS_MIN_BYTES
-        progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+        files = trace_files(args.path)
+        show = sum(f.stat().st_size for f in files) >= PROGRESS_MIN_BYTES
+        progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                             console=err, transient=True) if show else None
         with progress or nullcontext():
-            task = progress.add_task(f"reading {args.path}", total=None) if progress else None
-            trace = load_trace(args.path)
-            if progress and task is not None:
+            # Three stages per file (read, parse, columns), then the detectors.
+            task = progress.add_task("reading", total=3 * len(files) + 1) if progress else None
+
+            def advance(stage: str) -> None:
+                if progress is not None and task is not None:
+                    following = {"read": "parsing JSON", "parse": "building columns", "columns": "reading"}[stage]
+                    progress.update(task, advance=1, description=following)
+
+            trace = load_trace(args.path, progress=advance)
+            if progress is not None and task is not None:
                 progress.update(task, description=f"analysing {len(trace)} events")
             analysis = analyse(trace, device=args.device)
+            if progress is not None and task is not None:
+                progress.update(task, advance=1)
             requests = {rid: {"phases": phases} for rid, phases in request_phases(trace).items()}
         report = build_report(analysis, requests)
         if args.json_out:

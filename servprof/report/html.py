@@ -100,16 +100,24 @@ def roofline_svg(analysis: Analysis) -> str:
 
     ridge = peak / bw
     left, right = 10**x_lo, 10**x_hi
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{h + 50}">',
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{h + 55}">',
              f'<polyline fill="none" stroke="#333" stroke-width="2" points="{px(left):.1f},{py(bw * left):.1f} '
              f'{px(ridge):.1f},{py(peak):.1f} {px(right):.1f},{py(peak):.1f}"/>']
+    # Decade ticks on both log axes.
+    for decade in range(math.ceil(x_lo), math.floor(x_hi) + 1):
+        parts.append(f'<line x1="{px(10.0**decade):.1f}" y1="{10 + h}" x2="{px(10.0**decade):.1f}" y2="{14 + h}" '
+                     f'stroke="#333"/><text x="{px(10.0**decade):.1f}" y="{h + 25}" font-size="10" '
+                     f'text-anchor="middle">1e{decade}</text>')
+    for decade in range(math.ceil(y_lo), math.floor(y_hi) + 1):
+        parts.append(f'<line x1="66" y1="{py(10.0**decade):.1f}" x2="70" y2="{py(10.0**decade):.1f}" stroke="#333"/>'
+                     f'<text x="62" y="{py(10.0**decade) + 3:.1f}" font-size="10" text-anchor="end">1e{decade}</text>')
     for p, xv, yv in zip(points, xs, ys, strict=True):
         color = "#e45756" if p["bound"] == "memory" and p["bandwidth_share"] < 0.5 else "#4c78a8"
         parts.append(f'<circle cx="{px(xv):.1f}" cy="{py(yv):.1f}" r="3" fill="{color}" fill-opacity="0.6">'
                      f'<title>{_esc(p["op"])} {_esc(p["shapes"])}: {p["achieved_gbs"]:.1f} GB/s, '
                      f'{xv:.2f} FLOP/B</title></circle>')
-    parts.append(f'<text x="70" y="{h + 35}" font-size="11">arithmetic intensity (FLOP/byte, log) - ridge at {ridge:.1f}; '
-                 f'roof: {_esc(device["name"])}</text>')
+    parts.append(f'<text x="70" y="{h + 42}" font-size="11">arithmetic intensity (FLOP/byte, log) - ridge at {ridge:.1f}; '
+                 f'roof: {_esc(device["name"])}; red: memory-bound under half of peak bandwidth</text>')
     parts.append('<text x="4" y="14" font-size="11">FLOP/s (log)</text></svg>')
     return "".join(parts)
 

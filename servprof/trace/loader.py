@@ -25,7 +25,7 @@ from servprof.trace.model import Trace
 DEFAULT_MAX_TRACE_BYTES = 2 * 1024**3
 TRACE_SUFFIXES = (".json", ".json.gz")
 
-ProgressCallback = Callable[[str, int, int], None]  # (stage, done, total)
+ProgressCallback = Callable[[str], None]  # called with the stage just finished: "read", "parse", "columns"
 
 
 class TraceError(ValueError):
@@ -248,9 +248,13 @@ def load_trace(
     metadata: dict[int, dict[str, Any]] = {}
     thread_names: dict[tuple[int, int, int], str] = {}
     for index, file in enumerate(files):
+        data = read_bytes(file, limit)
         if progress:
-            progress("read", index, len(files))
-        document, events = parse_document(file, read_bytes(file, limit))
+            progress("read")
+        document, events = parse_document(file, data)
+        del data
+        if progress:
+            progress("parse")
         info = document.get("distributedInfo")
         rank = _int_or(info.get("rank"), index) if isinstance(info, dict) else index
         if rank in metadata:  # two files claim one rank: keep them apart
@@ -258,8 +262,9 @@ def load_trace(
         metadata[rank] = document
         thread_names.update(_thread_names(events, rank))
         parts.append(_columns(events, rank, interner, file))
+        del events
         if progress:
-            progress("read", index + 1, len(files))
+            progress("columns")
     if not any(len(p["ts"]) for p in parts):
         raise TraceError(f"{path}: the trace holds no timed events")
     merged: dict[str, Any] = {}
