@@ -86,9 +86,11 @@ def test_slow_tokenizer_raises_tokenize_time(baseline_url):
     with knob_server(slow_tokenizer_us_per_token=us_per_token) as url:
         on_ns, tokens_on = _tokenize_ns_per_request(url, LONG_PROMPT)
     assert tokens == tokens_on > 1000
-    extra_expected_ns = tokens * us_per_token * 1000
-    # The extra work is a busy loop of exactly that length, so the rise is at least that.
-    assert on_ns - off_ns >= 0.9 * extra_expected_ns, (on_ns, off_ns, extra_expected_ns)
+    extra_ns = tokens * us_per_token * 1000
+    # The knob is a busy loop of tokens x U inside the measured tokenize time; the real
+    # tokenizer's own time (off) varies with load on shared cores, so only order is compared.
+    assert on_ns >= extra_ns, (on_ns, extra_ns)
+    assert on_ns > off_ns, (on_ns, off_ns)
 
 
 def test_tokenize_on_loop_blocks_the_event_loop(baseline_url):

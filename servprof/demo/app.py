@@ -54,11 +54,18 @@ class DemoServer:
 
     def __init__(self, config: DemoConfig):
         self.config = config
-        self.tokenizer = DemoTokenizer(slow_us_per_token=config.slow_tokenizer_us_per_token)
         dtype = getattr(torch, config.torch_dtype_name)
-        model_cfg = model_config(config.size, min_vocab=self.tokenizer.vocab_size)
-        self.model = LlamaLikeModel(model_cfg, slots=config.max_batch, context=config.context_length,
-                                    device=config.device, dtype=dtype, seed=config.seed)
+        if config.model_path:
+            from servprof.demo.hf import load_hf
+
+            self.model, self.tokenizer = load_hf(config.model_path, slots=config.max_batch,
+                                                 context=config.context_length, device=config.device, dtype=dtype,
+                                                 slow_us_per_token=config.slow_tokenizer_us_per_token)
+        else:
+            self.tokenizer = DemoTokenizer(slow_us_per_token=config.slow_tokenizer_us_per_token)
+            model_cfg = model_config(config.size, min_vocab=self.tokenizer.vocab_size)
+            self.model = LlamaLikeModel(model_cfg, slots=config.max_batch, context=config.context_length,
+                                        device=config.device, dtype=dtype, seed=config.seed)
         self.engine = Engine(self.model, self.tokenizer, step_delay_ms=config.step_delay_ms,
                              sync_per_step=config.sync_per_step, timeline_size=config.step_timeline)
         self.loop_thread_id = 0

@@ -39,12 +39,16 @@ class DemoConfig:
 
     @property
     def served_model_name(self) -> str:
-        return self.model_name or f"servprof-demo-{self.size}"
+        if self.model_name:
+            return self.model_name
+        return os.path.basename(os.path.normpath(self.model_path)) if self.model_path else f"servprof-demo-{self.size}"
 
     @property
     def context_length(self) -> int:
         if self.context:
             return self.context
+        if self.model_path:
+            return 2048
         return {"tiny": 512, "small": 2048, "1b": 4096}.get(self.size, 2048)
 
     @property

@@ -258,7 +258,7 @@ class Engine:
         if not request.first_token_ns:
             request.first_token_ns = now
         self.stats.output_tokens += 1
-        if token_id == self.tokenizer.eos_id:
+        if token_id in self.tokenizer.eos_ids:
             self._finish(request, "stop")
             return
         request.output_ids.append(token_id)

@@ -32,6 +32,8 @@ class ModelConfig:
     vocab_size: int
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
+    # Llama-3 rope scaling as (factor, low_freq_factor, high_freq_factor, original context); None = plain.
+    rope_scaling: tuple[float, float, float, int] | None = None
 
     @property
     def head_dim(self) -> int:
@@ -78,8 +80,23 @@ class RMSNorm(nn.Module):
 def rotary_tables(config: ModelConfig, context: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     half = config.head_dim // 2
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(half, device=device, dtype=torch.float32) / half))
+    if config.rope_scaling is not None:
+        inv_freq = _llama3_scaled(inv_freq, *config.rope_scaling)
     angles = torch.outer(torch.arange(context, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                   original_context: int) -> torch.Tensor:
+    # Llama 3.1+ stretches long wavelengths by `factor`, keeps short ones, and blends between.
+    wavelength = 2 * math.pi / inv_freq
+    low_freq_wavelength = original_context / low_freq_factor
+    high_freq_wavelength = original_context / high_freq_factor
+    scaled = torch.where(wavelength > low_freq_wavelength, inv_freq / factor, inv_freq)
+    smooth = (original_context / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelength >= high_freq_wavelength) & (wavelength <= low_freq_wavelength)
+    return torch.where(medium, blended, scaled)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -188,11 +205,15 @@ class LlamaLikeModel:
     """The model plus its KV cache and rotary tables; prefill and batched decode."""
 
     def __init__(self, config: ModelConfig, slots: int, context: int, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32, seed: int = 0):
+                 dtype: torch.dtype = torch.float32, seed: int = 0,
+                 state_dict: dict[str, torch.Tensor] | None = None):
         self.config, self.slots, self.context = config, slots, context
         self.device, self.dtype = torch.device(device), dtype
         module = Transformer(config)
-        module.init_random(seed)
+        if state_dict is None:
+            module.init_random(seed)
+        else:  # real weights (servprof.demo.hf), named as Transformer names them
+            module.load_state_dict(state_dict, strict=True)
         self.module = module.to(device=self.device, dtype=dtype).eval()
         self.cache = KVCache(config, slots, context, self.device, dtype)
         self.cos, self.sin = rotary_tables(config, context, self.device)

@@ -27,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", type=int, default=None, help="context length (tiny 512, small 2048, 1b 4096)")
     parser.add_argument("--seed", type=int, default=None, help="seed of the random weights (0)")
     parser.add_argument("--model-name", default=None, help="name served in responses (servprof-demo-<size>)")
+    parser.add_argument("--model-path", default=None, metavar="DIR",
+                        help="serve a local Hugging Face Llama/Mistral directory instead (needs transformers; "
+                             "never downloads)")
     parser.add_argument("--no-servprof", dest="servprof", action="store_false", default=None,
                         help="serve without ServprofMiddleware")
     parser.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
@@ -42,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 CONFIG_FLAGS = ("size", "device", "dtype", "max_batch", "max_tokens_limit", "context", "seed", "model_name",
-                "servprof", "tokenize_on_loop", "step_delay_ms", "sync_per_step", "slow_tokenizer_us_per_token")
+                "model_path", "servprof", "tokenize_on_loop", "step_delay_ms", "sync_per_step", "slow_tokenizer_us_per_token")
 
 
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
@@ -67,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         app = create_app(config)
-    except (ValueError, RuntimeError) as exc:  # e.g. no CUDA device, out of memory
+    except (ValueError, RuntimeError, OSError) as exc:  # e.g. no CUDA device, out of memory, bad --model-path
         print(f"servprof demo-server: cannot build the model: {exc}", file=sys.stderr)
         return 2
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
