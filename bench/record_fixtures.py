@@ -50,6 +50,8 @@ PROMPT = (
 
 def record(name: str, knobs: dict[str, float | bool], out_dir: Path, requests: int = 3, max_tokens: int = 8,
            stagger_s: float = 0.01) -> Path:
+    """Serve ``requests`` requests through the demo engine with ``knobs`` under the profiler;
+    returns the path of the gzipped trace written to ``out_dir``."""
     torch.manual_seed(0)
     tokenizer = DemoTokenizer(slow_us_per_token=float(knobs.get("slow_tokenizer_us_per_token", 0.0)))
     config = model_config("tiny", min_vocab=tokenizer.vocab_size)

@@ -20,7 +20,9 @@ from servprof.detect.steps import Step
 from servprof.trace.model import Trace
 from servprof.trace.phases import phase_events
 
-MIN_TOKENIZE_MS = 2.0  # below this a tokenizer call is ordinary (Rust BPE: ~0.1 ms per 100 tokens)
+# A Rust BPE tokenizer takes ~0.1-0.3 ms per 100 tokens; on a busy host a preemption can
+# stretch that to a few ms. Below 5 ms a tokenization is neither a stall nor worth fixing.
+MIN_TOKENIZE_MS = 5.0
 
 
 def _tokenize_spans(trace: Trace) -> list[tuple[str | None, float, float, int, int]]:
