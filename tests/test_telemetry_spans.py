@@ -197,3 +197,60 @@ def test_truncated_body_head_reads_fields_before_the_prompt_only() -> None:
     assert genai_request_attributes("POST", "/generate", b'{"prompt": "x", "max_tokens": true}') == {
         "gen_ai.operation.name": "text_completion"
     }
+
+
+def _direct_request(observer: Any, headers: list[tuple[bytes, bytes]]) -> tuple[Any, list[tuple[bytes, bytes]]]:
+    from servprof.observers import RequestRecord
+
+    record = RequestRecord("direct-1", "GET", "/x", route="/x", arrival_ns=1, arrival_perf_ns=1, end_ns=2, status=200)
+    scope = {"headers": list(headers)}
+    state = observer.on_request_start(record, scope)
+    observer.on_request_end(record, state)
+    return state[0], scope["headers"]
+
+
+def test_tracestate_and_baggage_pass_through(tmp_path: Path) -> None:
+    built = Stack(tmp_path)
+    incoming = [(b"host", b"h"), (b"traceparent", b"00-" + b"1" * 32 + b"-" + b"2" * 16 + b"-01"),
+                (b"tracestate", b"vendor=abc"), (b"baggage", b"tenant=42")]
+    span, headers = _direct_request(built.observer, incoming)
+    as_dict = dict(headers)
+    assert as_dict[b"tracestate"] == b"vendor=abc" and as_dict[b"baggage"] == b"tenant=42"
+    assert span.get_span_context().trace_state.get("vendor") == "abc"
+    assert as_dict[b"traceparent"].startswith(b"00-" + b"1" * 32 + b"-%016x-" % span.get_span_context().span_id)
+    assert [name for name, _ in headers].count(b"traceparent") == 1
+    built.observer.shutdown()
+
+
+def test_other_configured_propagators_are_honoured(tmp_path: Path) -> None:
+    from opentelemetry import propagate
+    from opentelemetry.propagators.textmap import DefaultSetter, TextMapPropagator
+
+    class TenantPropagator(TextMapPropagator):
+        """A non-W3C propagator, as OTEL_PROPAGATORS=b3 (for example) would install."""
+
+        def extract(self, carrier: Any, context: Any = None, getter: Any = None) -> Any:
+            return context
+
+        def inject(self, carrier: Any, context: Any = None, setter: Any = None) -> None:
+            (setter or DefaultSetter()).set(carrier, "x-tenant-trace", "seen")
+
+        @property
+        def fields(self) -> set[str]:
+            return {"x-tenant-trace"}
+
+    from opentelemetry.propagators.composite import CompositePropagator
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    previous = propagate.get_global_textmap()
+    propagate.set_global_textmap(CompositePropagator([TraceContextTextMapPropagator(), TenantPropagator()]))
+    try:
+        built = Stack(tmp_path)
+    finally:
+        propagate.set_global_textmap(previous)
+    span, headers = _direct_request(built.observer, [(b"x-tenant-trace", b"old"), (b"host", b"h")])
+    as_dict = dict(headers)
+    assert as_dict[b"x-tenant-trace"] == b"seen" and as_dict[b"host"] == b"h"
+    assert as_dict[b"traceparent"] == b"00-%032x-%016x-%02x" % (
+        span.get_span_context().trace_id, span.get_span_context().span_id, span.get_span_context().trace_flags)
+    built.observer.shutdown()

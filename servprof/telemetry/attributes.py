@@ -37,7 +37,6 @@ SERVPROF_SAMPLED = "servprof.sampled"
 SERVPROF_SESSION_ID = "servprof.session_id"
 SERVPROF_TTFT_MS = "servprof.ttft_ms"
 SERVPROF_CHUNKS = "servprof.chunks"
-SERVPROF_BYTES_SENT = "servprof.bytes_sent"
 SERVPROF_DISCONNECTED = "servprof.disconnected"
 
 # Attributes that carry prompt or completion text: kept off spans unless capture_content.
@@ -162,24 +161,6 @@ def app_attributes(record_attributes: dict[str, Any], capture_content: bool) -> 
     }
 
 
-def start_attributes(record: RequestRecord, scope: dict[str, Any]) -> dict[str, Any]:
-    """What is known when the request arrives (available to samplers at span start)."""
-    attributes: dict[str, Any] = {
-        HTTP_REQUEST_METHOD: record.method,
-        URL_PATH: record.path,
-        URL_SCHEME: record.scheme,
-        SERVPROF_REQUEST_ID: record.request_id,
-    }
-    if record.client_address:
-        attributes[CLIENT_ADDRESS] = record.client_address
-    if record.user_agent:
-        attributes[USER_AGENT_ORIGINAL] = record.user_agent
-    http_version = scope.get("http_version")
-    if isinstance(http_version, str):
-        attributes[NETWORK_PROTOCOL_VERSION] = http_version
-    return attributes
-
-
 def error_type(record: RequestRecord) -> str | None:
     if record.error_type:
         return record.error_type
@@ -188,13 +169,23 @@ def error_type(record: RequestRecord) -> str | None:
     return None
 
 
-def end_attributes(record: RequestRecord) -> dict[str, Any]:
-    """HTTP and servprof attributes known once the response is complete."""
+def request_attributes(record: RequestRecord, http_version: str | None) -> dict[str, Any]:
+    """HTTP and servprof attributes of a finished request, set on its span in one call (the
+    SDK validates every attribute set, so each one and each call costs serving time)."""
     attributes: dict[str, Any] = {
+        HTTP_REQUEST_METHOD: record.method,
+        URL_PATH: record.path,
+        URL_SCHEME: record.scheme,
+        SERVPROF_REQUEST_ID: record.request_id,
         SERVPROF_SAMPLED: record.sampled,
         SERVPROF_CHUNKS: record.chunks,
-        SERVPROF_BYTES_SENT: record.bytes_sent,
     }
+    if record.client_address:
+        attributes[CLIENT_ADDRESS] = record.client_address
+    if record.user_agent:
+        attributes[USER_AGENT_ORIGINAL] = record.user_agent
+    if http_version:
+        attributes[NETWORK_PROTOCOL_VERSION] = http_version
     if record.route:
         attributes[HTTP_ROUTE] = record.route
     if record.status is not None:

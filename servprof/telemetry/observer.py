@@ -53,6 +53,11 @@ class TelemetryObserver:
         self._propagator = propagate.get_global_textmap()
         # Header names the propagator reads and writes (traceparent, tracestate, baggage).
         self._propagation_headers = frozenset(name.lower().encode("latin-1") for name in self._propagator.fields)
+        self._w3c_only = b"traceparent" in self._propagation_headers and self._propagation_headers <= {
+            b"traceparent",
+            b"tracestate",
+            b"baggage",
+        }
         self._parents = SampledParents(max_sampled_parents)
         self._analysis = AnalysisSpanEmitter(self._tracer, self._parents)
         self.requests_started = 0
@@ -60,38 +65,56 @@ class TelemetryObserver:
 
     # -- per request -----------------------------------------------------------------
 
-    def on_request_start(self, record: RequestRecord, scope: dict[str, Any]) -> trace.Span:
+    def on_request_start(self, record: RequestRecord, scope: dict[str, Any]) -> tuple[trace.Span, Any]:
         self.requests_started += 1
-        kept: list[tuple[bytes, bytes]] = []
-        carrier: dict[str, str] = {}
-        for name, value in scope.get("headers") or ():
-            if name in self._propagation_headers:
-                carrier[name.decode("latin-1")] = value.decode("latin-1")
-            else:
-                kept.append((name, value))
-        parent_context = self._propagator.extract(carrier) if carrier else None
-        span = self._tracer.start_span(
-            record.method,
-            context=parent_context,
-            kind=SpanKind.SERVER,
-            start_time=record.arrival_ns or None,
-            attributes=attrs.start_attributes(record, scope),
-        )
+        headers = scope.get("headers") or []
+        if self._w3c_only:
+            # The default propagators: only traceparent changes (the span continues any
+            # incoming tracestate and baggage unchanged), so it is formatted directly.
+            kept = [header for header in headers if header[0] != b"traceparent"]
+            parent_context = None
+            if len(kept) != len(headers):
+                parent_context = self._propagator.extract(self._carrier(headers))
+            span = self._start_span(record, parent_context)
+            context = span.get_span_context()
+            traceparent = b"00-%032x-%016x-%02x" % (context.trace_id, context.span_id, context.trace_flags)
+            kept.append((b"traceparent", traceparent))
+        else:
+            kept = [header for header in headers if header[0] not in self._propagation_headers]
+            parent_context = self._propagator.extract(self._carrier(headers)) if len(kept) != len(headers) else None
+            span = self._start_span(record, parent_context)
+            outgoing: dict[str, str] = {}
+            self._propagator.inject(outgoing, context=trace.set_span_in_context(span, parent_context))
+            kept.extend((name.encode("latin-1"), value.encode("latin-1")) for name, value in outgoing.items())
         # The app (and a server under it, like vLLM) sees this span as its parent.
-        outgoing: dict[str, str] = {}
-        self._propagator.inject(outgoing, context=trace.set_span_in_context(span, parent_context))
-        kept.extend((name.encode("latin-1"), value.encode("latin-1")) for name, value in outgoing.items())
         scope["headers"] = kept
-        return span
+        return span, scope.get("http_version")
+
+    def _carrier(self, headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
+        return {
+            name.decode("latin-1"): value.decode("latin-1")
+            for name, value in headers
+            if name in self._propagation_headers
+        }
+
+    def _start_span(self, record: RequestRecord, parent_context: Any) -> trace.Span:
+        # No attributes yet: all are set once at the end, which costs less than twice.
+        return self._tracer.start_span(
+            record.method, context=parent_context, kind=SpanKind.SERVER, start_time=record.arrival_ns or None
+        )
 
     def on_request_end(self, record: RequestRecord, state: Any) -> None:
-        span = state
-        if span is None:
+        if state is None:
             return
+        span, http_version = state
         self.requests_ended += 1
         span.update_name(f"{record.method} {record.route}" if record.route else record.method)
-        attributes = attrs.end_attributes(record)
-        genai = attrs.genai_request_attributes(record.method, record.path, record.request_body_head, self.capture_content)
+        attributes = attrs.request_attributes(record, http_version)
+        genai = (
+            attrs.genai_request_attributes(record.method, record.path, record.request_body_head, self.capture_content)
+            if record.request_body_head
+            else {}
+        )
         attributes.update(genai)
         if record.attributes:
             attributes.update(attrs.app_attributes(record.attributes, self.capture_content))
