@@ -25,7 +25,10 @@ from servprof.trace.model import Trace
 
 CPU_MIN_GAP_US = 1000.0  # host gaps below 1 ms are the ordinary cost of a Python engine loop
 GPU_MIN_GAP_US = 50.0  # device idle below 50 µs is launch latency, not a stall
-RELATIVE_MIN_GAP = 0.25  # ... and a gap must be at least this share of the median step
+RELATIVE_MIN_GAP = 0.25  # ... and a host gap must be at least this share of the median step
+# Device idle counts from this share of the median step (between steps) or of the step's
+# own device window (inside a step): GPU steps are short, so the bar is lower than on CPU.
+DEVICE_RELATIVE_MIN_GAP = 0.02
 # A cause is reported when its gaps take a real share of the decode span, and recur (or
 # are large alone): one preemption of a few ms by the OS is not something to fix.
 MIN_SHARE = 0.05
@@ -117,14 +120,13 @@ def _device_gaps(trace: Trace, steps: list[Step], activity: HostActivity, median
     out = []
     windows = _device_windows(trace, steps)
     dev_s, dev_e = activity.dev_start, activity.dev_end
-    threshold = GPU_MIN_GAP_US
     for i, (step, win) in enumerate(zip(steps, windows, strict=True)):
         if win is None:
             continue
         # Idle stretches inside this step's device window.
         inside = (dev_s >= win[0]) & (dev_e <= win[1])
         for start, end in _idle_intervals(dev_s[inside], dev_e[inside]):
-            if end - start >= max(threshold, 0.02 * (win[1] - win[0])):
+            if end - start >= max(GPU_MIN_GAP_US, DEVICE_RELATIVE_MIN_GAP * (win[1] - win[0])):
                 out.append(_device_gap(step, start, end, end - start, "inside_step", activity))
         nxt = next((j for j in range(i + 1, len(steps)) if windows[j] is not None), None)
         if nxt is None or steps[nxt].kind not in ("decode", "mixed", "step"):
@@ -135,7 +137,7 @@ def _device_gaps(trace: Trace, steps: list[Step], activity: HostActivity, median
         between = (dev_s < end) & (dev_e > start)
         busy = union_length(np.maximum(dev_s[between], start), np.minimum(dev_e[between], end))
         idle = (end - start) - busy
-        if idle >= max(threshold, RELATIVE_MIN_GAP * 0.1 * median_step):
+        if idle >= max(GPU_MIN_GAP_US, DEVICE_RELATIVE_MIN_GAP * median_step):
             out.append(_device_gap(steps[nxt], start, end, idle, "between_steps", activity))
     return out
 

@@ -117,5 +117,10 @@ def detect_tokenization_stalls(trace: Trace, steps: list[Step], gaps: list[Gap])
         "tokenize_ms_total": round(sum(e["tokenize_ms"] for e in per_request.values()), 3),
         "tokenize_ms_max": round(max((e["tokenize_ms"] for e in per_request.values()), default=0.0), 3),
         "delayed_step_ms_total": round(sum(e["delayed_step_ms"] for e in per_request.values()), 3),
+        "per_request": {
+            key: {"tokenize_ms": e["tokenize_ms"], "to_first_model_step_ms": e["to_first_model_step_ms"],
+                  "on_event_loop": e["on_event_loop"], "delayed_step_ms": e["delayed_step_ms"]}
+            for key, e in list(per_request.items())[:200]
+        },
     }
     return findings, summary

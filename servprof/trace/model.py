@@ -36,7 +36,7 @@ class Trace:
     external_id: np.ndarray  # int64, -1 where absent
     flow_id: np.ndarray  # int64, id of ph "s"/"f" flow events, -1 otherwise
     rank: np.ndarray  # int32, distributedInfo.rank of the file the event came from
-    raw_args: list[Any]  # args dict per row (or None), read only where a detector needs it
+    raw_args: list[Any]  # args dict per row (read through args()), used only where a detector needs it
     metadata: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> top-level keys
     thread_names: dict[tuple[int, int, int], str] = field(default_factory=dict)  # (rank, pid, tid)
     _name_lookup: dict[str, int] = field(default_factory=dict, repr=False)
@@ -60,7 +60,8 @@ class Trace:
 
     def args(self, row: int) -> dict[str, Any]:
         value = self.raw_args[int(row)]
-        return value if isinstance(value, dict) else {}
+        # A fresh dict for rows without args: the loader shares one empty dict between them.
+        return value if isinstance(value, dict) and value else {}
 
     def string_id(self, text: str) -> int:
         """The interned id of ``text``, or -1 when no event uses it."""
