@@ -306,20 +306,19 @@ class Demo:
         self.console.print(table)
 
     def print_artifacts(self) -> bool:
-        table = Table(title=f"servprof demo: artifacts in {self.out}", title_justify="left")
-        table.add_column("artifact")
-        table.add_column("where")
+        """One line per artifact (never wrapped, so paths stay copyable); False if any is missing."""
+        self.console.print(f"[bold]servprof demo: artifacts in {self.out}[/]", soft_wrap=True)
+        width = max(len(name) for name in self.artifacts.paths)
         all_there = True
         for name, path in self.artifacts.paths.items():
             if self.artifacts.present(name):
-                table.add_row(name, str(path))
-                continue
-            if name == "spans" and os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
-                table.add_row(name, f"sent to {os.environ['OTEL_EXPORTER_OTLP_ENDPOINT']} (OTLP)")
-                continue
-            all_there = False
-            table.add_row(name, f"[red]missing[/]: {self.artifacts.notes.get(name, 'not produced')}")
-        self.console.print(table)
+                where = str(path)
+            elif name == "spans" and os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+                where = f"sent to {os.environ['OTEL_EXPORTER_OTLP_ENDPOINT']} (OTLP)"
+            else:
+                all_there = False
+                where = f"[red]missing[/]: {self.artifacts.notes.get(name, 'not produced')}"
+            self.console.print(f"  {name:<{width}}  {where}", soft_wrap=True, highlight=False)
         return all_there
 
 
