@@ -54,6 +54,8 @@ class DemoServer:
 
     def __init__(self, config: DemoConfig):
         self.config = config
+        if config.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"--device {config.device}: this torch ({torch.__version__}) sees no CUDA device")
         dtype = getattr(torch, config.torch_dtype_name)
         if config.model_path:
             from servprof.demo.hf import load_hf

@@ -7,6 +7,7 @@ written once at admission, so a step uploads nothing but the slot indices.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -34,7 +35,8 @@ class SlotSampler:
         self.greedy_slots: set[int] = set()
         self.top_p_slots: set[int] = set()
         self._shared = torch.Generator(device=device)
-        self._shared.manual_seed(torch.seed() & 0xFFFF_FFFF)
+        # Fresh entropy without touching torch's global RNG (other code may rely on its seed).
+        self._shared.manual_seed(int.from_bytes(os.urandom(8), "little"))
 
     def assign(self, slot: int, params: SamplingParams) -> None:
         self.temperature[slot] = max(params.temperature, 1e-5)
