@@ -115,8 +115,13 @@ class ObserverProbe:
     same points and in the same way. `sample` picks requests to mark sampled; `records` keeps
     every finished record for the test."""
 
-    def __init__(self, app: Any, observer: RequestObserver, sample_header: bytes = b"x-sample",
-                 body_head_bytes: int = 4096) -> None:
+    def __init__(
+        self,
+        app: Any,
+        observer: RequestObserver,
+        sample_header: bytes = b"x-sample",
+        body_head_bytes: int = 4096,
+    ) -> None:
         self.app = app
         self.observer = observer
         self.sample_header = sample_header
@@ -268,8 +273,14 @@ class OtlpHttpReceiver:
 
 def chat_body(prompt: str = "Say hello", max_tokens: int = 6, stream: bool = True, **extra: Any) -> bytes:
     return orjson.dumps(
-        {"model": "tiny-lm", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-         "temperature": 0.5, "stream": stream, **extra}
+        {
+            "model": "tiny-lm",
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens,
+            "temperature": 0.5,
+            "stream": stream,
+            **extra,
+        }
     )
 
 

@@ -37,29 +37,53 @@ def sampled(tmp_path: Path) -> Any:
     observer = create_observer(Settings(out_dir=tmp_path), environ={}, span_exporter=exporter)
     probe = ObserverProbe(make_app(), observer)
     with serve(probe) as url, httpx.Client() as client:
-        assert client.post(url + "/v1/chat/completions", content=chat_body(stream=False),
-                           headers={"x-sample": "1", "x-request-id": "req-A"}).status_code == 200
-        assert client.post(url + "/v1/chat/completions", content=chat_body(stream=False),
-                           headers={"x-request-id": "req-B"}).status_code == 200
+        assert (
+            client.post(
+                url + "/v1/chat/completions",
+                content=chat_body(stream=False),
+                headers={"x-sample": "1", "x-request-id": "req-A"},
+            ).status_code
+            == 200
+        )
+        assert (
+            client.post(
+                url + "/v1/chat/completions",
+                content=chat_body(stream=False),
+                headers={"x-request-id": "req-B"},
+            ).status_code
+            == 200
+        )
         probe.wait_records(2)
     yield observer, exporter, probe.records
     observer.shutdown()
 
 
-def _result_for(record: RequestRecord, steps: int, findings: list[dict[str, Any]] | None = None,
-                detokenize_times: int = 1) -> dict[str, Any]:
+def _result_for(
+    record: RequestRecord, steps: int, findings: list[dict[str, Any]] | None = None, detokenize_times: int = 1
+) -> dict[str, Any]:
     """A result in the contract's shape whose trace clock is the record's own: trace us 0 is
     the request's arrival, so every phase falls inside the request."""
-    phases = [{"name": "tokenize", "start_us": 10.0, "end_us": 30.0},
-              {"name": "queue", "start_us": 30.0, "end_us": 45.5},
-              {"name": "prefill", "start_us": 50.0, "end_us": 90.0}]
-    phases += [{"name": "decode_step", "start_us": 100.0 + 10 * i, "end_us": 107.0 + 10 * i} for i in range(steps)]
+    phases = [
+        {"name": "tokenize", "start_us": 10.0, "end_us": 30.0},
+        {"name": "queue", "start_us": 30.0, "end_us": 45.5},
+        {"name": "prefill", "start_us": 50.0, "end_us": 90.0},
+    ]
+    phases += [
+        {"name": "decode_step", "start_us": 100.0 + 10 * i, "end_us": 107.0 + 10 * i} for i in range(steps)
+    ]
     end = 100.0 + 10 * steps
-    phases += [{"name": "detokenize", "start_us": end + i, "end_us": end + i + 0.5} for i in range(detokenize_times)]
-    return {"session_id": "session-1", "trace_file": "/out/traces/session-1.pt.trace.json.gz", "error": None,
-            "requests": {record.request_id: {"phases": phases[::-1]}},  # order must not matter
-            "findings": findings or [], "summary": {},
-            "clock": {"trace_us_to_unix_ns_offset": record.arrival_ns}}
+    phases += [
+        {"name": "detokenize", "start_us": end + i, "end_us": end + i + 0.5} for i in range(detokenize_times)
+    ]
+    return {
+        "session_id": "session-1",
+        "trace_file": "/out/traces/session-1.pt.trace.json.gz",
+        "error": None,
+        "requests": {record.request_id: {"phases": phases[::-1]}},  # order must not matter
+        "findings": findings or [],
+        "summary": {},
+        "clock": {"trace_us_to_unix_ns_offset": record.arrival_ns},
+    }
 
 
 def _by_name(spans: list[Any]) -> dict[str, list[Any]]:
@@ -74,21 +98,60 @@ def test_phase_children_under_the_ended_request_span(sampled: Any) -> None:
     record_a = next(r for r in records if r.request_id == "req-A")
     assert record_a.sampled
     findings = [
-        {"kind": "decode_gap", "severity": "warning", "cost_ms": 1.5, "start_us": 107.0, "end_us": 110.0,
-         "request_ids": ["req-A"], "title": "gap between decode steps", "evidence": {"gap_ms": [0.003]}},
-        {"kind": "tokenization_stall", "severity": "critical", "cost_ms": 9.0, "start_us": 10.0, "end_us": 30.0,
-         "request_ids": ["someone-else"], "title": "not this request", "evidence": {}},
-        {"kind": "bandwidth_bound_decode", "severity": "info", "cost_ms": 0.25, "start_us": 100.0,
-         "end_us": 150.0, "request_ids": [], "title": "session-wide", "evidence": {}},
+        {
+            "kind": "decode_gap",
+            "severity": "warning",
+            "cost_ms": 1.5,
+            "start_us": 107.0,
+            "end_us": 110.0,
+            "request_ids": ["req-A"],
+            "title": "gap between decode steps",
+            "evidence": {"gap_ms": [0.003]},
+        },
+        {
+            "kind": "tokenization_stall",
+            "severity": "critical",
+            "cost_ms": 9.0,
+            "start_us": 10.0,
+            "end_us": 30.0,
+            "request_ids": ["someone-else"],
+            "title": "not this request",
+            "evidence": {},
+        },
+        {
+            "kind": "bandwidth_bound_decode",
+            "severity": "info",
+            "cost_ms": 0.25,
+            "start_us": 100.0,
+            "end_us": 150.0,
+            "request_ids": [],
+            "title": "session-wide",
+            "evidence": {},
+        },
     ]
     observer.on_analysis(_result_for(record_a, steps=5, findings=findings), records)
     observer.force_flush()
     spans = _by_name(exporter.get_finished_spans())
-    (request_span,) = [s for s in spans["POST /v1/chat/completions"] if s.attributes["servprof.request_id"] == "req-A"]
+    (request_span,) = [
+        s for s in spans["POST /v1/chat/completions"] if s.attributes["servprof.request_id"] == "req-A"
+    ]
     base = record_a.arrival_ns
-    children = [s for s in exporter.get_finished_spans() if s.parent and s.parent.span_id == request_span.context.span_id]
-    assert sorted(s.name for s in children) == ["decode", "detokenize", "prefill", "queue", "servprof.analysis", "tokenize"]
-    assert all(s.context.trace_id == request_span.context.trace_id and s.kind is SpanKind.INTERNAL for s in children)
+    children = [
+        s
+        for s in exporter.get_finished_spans()
+        if s.parent and s.parent.span_id == request_span.context.span_id
+    ]
+    assert sorted(s.name for s in children) == [
+        "decode",
+        "detokenize",
+        "prefill",
+        "queue",
+        "servprof.analysis",
+        "tokenize",
+    ]
+    assert all(
+        s.context.trace_id == request_span.context.trace_id and s.kind is SpanKind.INTERNAL for s in children
+    )
     # Real times from the trace clock, emitted in time order.
     (tokenize,) = spans["tokenize"]
     (queue,) = spans["queue"]
@@ -113,8 +176,10 @@ def test_phase_children_under_the_ended_request_span(sampled: Any) -> None:
     assert [e.name for e in analysis.events] == ["servprof.finding", "servprof.finding"]
     gap, wide = analysis.events
     assert dict(gap.attributes) | {} == {
-        "servprof.finding.kind": "decode_gap", "servprof.finding.severity": "warning",
-        "servprof.finding.cost_ms": 1.5, "servprof.finding.title": "gap between decode steps",
+        "servprof.finding.kind": "decode_gap",
+        "servprof.finding.severity": "warning",
+        "servprof.finding.cost_ms": 1.5,
+        "servprof.finding.title": "gap between decode steps",
         "servprof.finding.evidence": '{"gap_ms":[0.003]}',
     }
     assert gap.timestamp == base + 107_000
@@ -146,8 +211,15 @@ def test_many_decode_steps_become_bounded_events(sampled: Any) -> None:
 
 def test_failed_analysis_and_unknown_requests(sampled: Any) -> None:
     observer, exporter, records = sampled
-    failed = {"session_id": "s", "trace_file": None, "error": "analysis timed out after 60 s and was killed",
-              "requests": {}, "findings": [], "summary": {}, "clock": {}}
+    failed = {
+        "session_id": "s",
+        "trace_file": None,
+        "error": "analysis timed out after 60 s and was killed",
+        "requests": {},
+        "findings": [],
+        "summary": {},
+        "clock": {},
+    }
     observer.on_analysis(failed, records)
     # Not sampled (req-B), already analysed (req-A) or unknown: no spans, only a count.
     observer.on_analysis(_result_for(records[1], steps=2), records)
@@ -165,8 +237,11 @@ def test_failed_analysis_and_unknown_requests(sampled: Any) -> None:
 def test_malformed_results_never_raise(sampled: Any) -> None:
     observer, exporter, records = sampled
     observer.on_analysis("not a dict", [])  # type: ignore[arg-type]
-    malformed = {"requests": {"req-A": {"phases": ["x", {"name": "tokenize", "start_us": "soon"}, 3]}},
-                 "findings": "none", "clock": {"trace_us_to_unix_ns_offset": "later"}}
+    malformed = {
+        "requests": {"req-A": {"phases": ["x", {"name": "tokenize", "start_us": "soon"}, 3]}},
+        "findings": "none",
+        "clock": {"trace_us_to_unix_ns_offset": "later"},
+    }
     observer.on_analysis(malformed, records)
     observer.force_flush()
     spans = _by_name(exporter.get_finished_spans())
@@ -206,9 +281,13 @@ def test_real_capture_and_analysis_become_phase_spans_in_the_file(tmp_path: Path
             while not get_controller().warm and time.monotonic() < deadline:
                 time.sleep(0.05)  # requests arriving while Kineto warms up are never sampled
             for index in range(4):
-                response = client.post(url + "/v1/chat/completions", content=chat_body(max_tokens=6, stream=index % 2 == 0))
+                response = client.post(
+                    url + "/v1/chat/completions", content=chat_body(max_tokens=6, stream=index % 2 == 0)
+                )
                 assert response.status_code == 200
-            spans = _wait_for_spans(spans_file, lambda found: sum(s.name == "servprof.analysis" for s in found) >= 1)
+            spans = _wait_for_spans(
+                spans_file, lambda found: sum(s.name == "servprof.analysis" for s in found) >= 1
+            )
     finally:
         telemetry.shutdown()
     requests = [s for s in spans if s.name == "POST /v1/chat/completions"]

@@ -25,7 +25,9 @@ def _load(url: str, requests: int, workers: int = 8) -> list[int]:
         with httpx.Client(timeout=30) as client:
             if index % 2:
                 return client.get(url + "/hello").status_code
-            with client.stream("POST", url + "/v1/chat/completions", content=chat_body(max_tokens=4)) as response:
+            with client.stream(
+                "POST", url + "/v1/chat/completions", content=chat_body(max_tokens=4)
+            ) as response:
                 for _ in response.iter_lines():
                     pass
                 return response.status_code
@@ -42,13 +44,18 @@ def _wait_until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def _observer(tmp_path: Path, monkeypatch: Any, endpoint: str, protocol: str = "http/protobuf",
-              **bsp: str) -> Any:
+def _observer(
+    tmp_path: Path, monkeypatch: Any, endpoint: str, protocol: str = "http/protobuf", **bsp: str
+) -> Any:
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # the SDK's batch processor reads OTEL_BSP_*
     for name, value in bsp.items():
         monkeypatch.setenv(name, value)
-    environ = {"SERVPROF_TELEMETRY_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
-               "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "1"}
+    environ = {
+        "SERVPROF_TELEMETRY_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint,
+        "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "1",
+    }
     return telemetry.create_observer(Settings(out_dir=tmp_path), environ=environ)
 
 
@@ -77,8 +84,9 @@ def test_hung_backend_fills_the_bounded_queue_and_drops_are_counted(tmp_path: Pa
         hung.bind(("127.0.0.1", 0))
         hung.listen(64)
         endpoint = f"http://127.0.0.1:{hung.getsockname()[1]}/v1/traces"
-        observer = _observer(tmp_path, monkeypatch, endpoint, OTEL_BSP_MAX_QUEUE_SIZE="16",
-                             OTEL_BSP_MAX_EXPORT_BATCH_SIZE="4")
+        observer = _observer(
+            tmp_path, monkeypatch, endpoint, OTEL_BSP_MAX_QUEUE_SIZE="16", OTEL_BSP_MAX_EXPORT_BATCH_SIZE="4"
+        )
         probe = ObserverProbe(make_app(), observer)
         try:
             with serve(probe) as url:
@@ -121,5 +129,9 @@ def test_backend_restart_mid_load(tmp_path: Path, monkeypatch: Any) -> None:
 
 
 def _received_request_ids(receiver: OtlpHttpReceiver) -> set[str]:
-    return {a.value.string_value for span in list(receiver.spans) for a in span.attributes
-            if a.key == "servprof.request_id"}
+    return {
+        a.value.string_value
+        for span in list(receiver.spans)
+        for a in span.attributes
+        if a.key == "servprof.request_id"
+    }

@@ -46,16 +46,39 @@ def test_spans_file_follows_the_otlp_json_mapping(tmp_path: Path) -> None:
     probe = ObserverProbe(make_app(), observer)
     with serve(probe) as url, httpx.Client() as client:
         assert client.get(url + "/hello").status_code == 200
-        assert client.post(url + "/v1/chat/completions", content=chat_body(stream=True),
-                           headers={"x-sample": "1", "traceparent": f"00-{'ab' * 16}-{'cd' * 8}-01"}).status_code == 200
+        assert (
+            client.post(
+                url + "/v1/chat/completions",
+                content=chat_body(stream=True),
+                headers={"x-sample": "1", "traceparent": f"00-{'ab' * 16}-{'cd' * 8}-01"},
+            ).status_code
+            == 200
+        )
         records = probe.wait_records(2)
     sampled = records[1]
-    observer.on_analysis({"session_id": "s", "trace_file": "t.pt.trace.json.gz", "error": None,
-                          "requests": {sampled.request_id: {"phases": [
-                              {"name": "prefill", "start_us": 1.0, "end_us": 2.0}]}},
-                          "findings": [{"kind": "decode_gap", "severity": "warning", "cost_ms": 2.0,
-                                        "start_us": 1.5, "end_us": 2.0, "request_ids": [], "title": "t"}],
-                          "clock": {"trace_us_to_unix_ns_offset": sampled.arrival_ns}}, records)
+    observer.on_analysis(
+        {
+            "session_id": "s",
+            "trace_file": "t.pt.trace.json.gz",
+            "error": None,
+            "requests": {
+                sampled.request_id: {"phases": [{"name": "prefill", "start_us": 1.0, "end_us": 2.0}]}
+            },
+            "findings": [
+                {
+                    "kind": "decode_gap",
+                    "severity": "warning",
+                    "cost_ms": 2.0,
+                    "start_us": 1.5,
+                    "end_us": 2.0,
+                    "request_ids": [],
+                    "title": "t",
+                }
+            ],
+            "clock": {"trace_us_to_unix_ns_offset": sampled.arrival_ns},
+        },
+        records,
+    )
     telemetry.shutdown()  # flushes
 
     lines = (tmp_path / "spans" / "spans.otlp.jsonl").read_bytes().splitlines()
@@ -82,12 +105,18 @@ def test_spans_file_follows_the_otlp_json_mapping(tmp_path: Path) -> None:
     assert names["prefill"]["traceId"] == request["traceId"]
     (event,) = names["servprof.analysis"]["events"]
     assert event["name"] == "servprof.finding"
-    assert {a["key"]: a["value"] for a in event["attributes"]}["servprof.finding.kind"] == {"stringValue": "decode_gap"}
+    assert {a["key"]: a["value"] for a in event["attributes"]}["servprof.finding.kind"] == {
+        "stringValue": "decode_gap"
+    }
 
     metrics_lines = (tmp_path / "metrics" / "metrics.otlp.jsonl").read_bytes().splitlines()
-    metrics = [m for line in metrics_lines
-               for rm in json_format.ParseDict(orjson.loads(line), ExportMetricsServiceRequest()).resource_metrics
-               for sm in rm.scope_metrics for m in sm.metrics]
+    metrics = [
+        m
+        for line in metrics_lines
+        for rm in json_format.ParseDict(orjson.loads(line), ExportMetricsServiceRequest()).resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+    ]
     duration = next(m for m in metrics if m.name == "gen_ai.server.request.duration")
     assert duration.unit == "s" and duration.histogram.data_points[0].count == 1
 
@@ -105,8 +134,14 @@ def test_file_rotates_and_both_halves_parse(tmp_path: Path) -> None:
     provider.shutdown()
     current, older = tmp_path / "spans.otlp.jsonl", tmp_path / "spans.otlp.jsonl.1"
     assert current.stat().st_size <= 2000 and older.stat().st_size <= 2000
-    names = [s.name for path in (older, current) for line in path.read_bytes().splitlines()
-             for rs in parse_trace_line(line).resource_spans for ss in rs.scope_spans for s in ss.spans]
+    names = [
+        s.name
+        for path in (older, current)
+        for line in path.read_bytes().splitlines()
+        for rs in parse_trace_line(line).resource_spans
+        for ss in rs.scope_spans
+        for s in ss.spans
+    ]
     assert names == [f"span-{index}" for index in range(30 - len(names), 30)]
 
 
@@ -116,7 +151,10 @@ def test_file_rotates_and_both_halves_parse(tmp_path: Path) -> None:
         ({}, "file"),
         ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}, "otlp"),
         ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://collector:4318/v1/traces"}, "otlp"),
-        ({"SERVPROF_TELEMETRY_EXPORTER": "console", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}, "console"),
+        (
+            {"SERVPROF_TELEMETRY_EXPORTER": "console", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"},
+            "console",
+        ),
         ({"SERVPROF_TELEMETRY_EXPORTER": " OTLP "}, "otlp"),
         ({"SERVPROF_TELEMETRY_EXPORTER": "none"}, "none"),
     ],
@@ -127,11 +165,23 @@ def test_exporter_choice(environ: dict[str, str], expected: str) -> None:
 
 def test_otlp_protocols_and_bad_values(tmp_path: Path) -> None:
     settings = Settings(out_dir=tmp_path)
-    grpc = build_pipeline(settings, {"SERVPROF_TELEMETRY_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
-                                     "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1"})
+    grpc = build_pipeline(
+        settings,
+        {
+            "SERVPROF_TELEMETRY_EXPORTER": "otlp",
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1",
+        },
+    )
     http = build_pipeline(settings, {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:1/v1/traces"})
-    base = build_pipeline(settings, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318/",
-                                     "OTEL_EXPORTER_OTLP_HEADERS": "x-api-key=s3cret", "OTEL_EXPORTER_OTLP_TIMEOUT": "0.5"})
+    base = build_pipeline(
+        settings,
+        {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318/",
+            "OTEL_EXPORTER_OTLP_HEADERS": "x-api-key=s3cret",
+            "OTEL_EXPORTER_OTLP_TIMEOUT": "0.5",
+        },
+    )
     try:
         assert grpc.status()["protocol"] == "grpc" and http.status()["protocol"] == "http/protobuf"
         assert grpc.status()["endpoint"] == "http://127.0.0.1:1"  # gRPC takes the base as is
@@ -143,11 +193,15 @@ def test_otlp_protocols_and_bad_values(tmp_path: Path) -> None:
         for pipeline in (grpc, http, base):
             pipeline.shutdown()
     with pytest.raises(SettingsError, match="OTEL_EXPORTER_OTLP_TIMEOUT='soon'"):
-        build_pipeline(settings, {"SERVPROF_TELEMETRY_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_TIMEOUT": "soon"})
+        build_pipeline(
+            settings, {"SERVPROF_TELEMETRY_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_TIMEOUT": "soon"}
+        )
     with pytest.raises(SettingsError, match="SERVPROF_TELEMETRY_EXPORTER='jaeger'"):
         telemetry.create_observer(settings, environ={"SERVPROF_TELEMETRY_EXPORTER": "jaeger"})
     with pytest.raises(SettingsError, match="OTEL_EXPORTER_OTLP_PROTOCOL='http/json'"):
-        build_pipeline(settings, {"SERVPROF_TELEMETRY_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
+        build_pipeline(
+            settings, {"SERVPROF_TELEMETRY_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}
+        )
     assert telemetry.create_observer(settings, environ={"SERVPROF_TELEMETRY_EXPORTER": "none"}) is None
     assert telemetry.status() == {"exporter": "none"}
     assert telemetry.create_observer(Settings(out_dir=tmp_path, telemetry=False), environ={}) is None
@@ -157,8 +211,14 @@ def test_otlp_protocols_and_bad_values(tmp_path: Path) -> None:
 
 def _run_python(code: str, tmp_path: Path, **env: str) -> str:
     """Global providers can be set once per process, so these run in a fresh interpreter."""
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                            timeout=120, cwd=tmp_path, env={"PATH": "/usr/bin:/bin", **env})
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={"PATH": "/usr/bin:/bin", **env},
+    )
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -202,5 +262,7 @@ CONSOLE_CODE = """
 
 
 def test_console_exporter_prints_spans(tmp_path: Path) -> None:
-    out = _run_python(CONSOLE_CODE, tmp_path, SERVPROF_TELEMETRY_EXPORTER="console", OTEL_METRICS_EXPORTER="none")
+    out = _run_python(
+        CONSOLE_CODE, tmp_path, SERVPROF_TELEMETRY_EXPORTER="console", OTEL_METRICS_EXPORTER="none"
+    )
     assert '"name": "GET /x"' in out and '"servprof.request_id": "r1"' in out

@@ -23,8 +23,10 @@ from _telemetry_helpers import chat_body, free_port
 pytestmark = [
     pytest.mark.phoenix,
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("phoenix") is None,
-                       reason="arize-phoenix is not installed (the 'phoenix' extra: pip install -e '.[phoenix]')"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("phoenix") is None,
+        reason="arize-phoenix is not installed (the 'phoenix' extra: pip install -e '.[phoenix]')",
+    ),
 ]
 
 START_TIMEOUT_S = 120
@@ -46,12 +48,22 @@ class Phoenix:
 def phoenix(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Phoenix]:
     workdir = tmp_path_factory.mktemp("phoenix")
     server = Phoenix(free_port(), free_port())
-    env = {**os.environ, "PHOENIX_WORKING_DIR": str(workdir), "PHOENIX_HOST": "127.0.0.1",
-           "PHOENIX_PORT": str(server.http_port), "PHOENIX_GRPC_PORT": str(server.grpc_port)}
+    env = {
+        **os.environ,
+        "PHOENIX_WORKING_DIR": str(workdir),
+        "PHOENIX_HOST": "127.0.0.1",
+        "PHOENIX_PORT": str(server.http_port),
+        "PHOENIX_GRPC_PORT": str(server.grpc_port),
+    }
     log_path = workdir / "phoenix.log"
     with log_path.open("wb") as log:
-        process = subprocess.Popen([str(Path(sys.executable).parent / "phoenix"), "serve"], env=env,
-                                   stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        process = subprocess.Popen(
+            [str(Path(sys.executable).parent / "phoenix"), "serve"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
@@ -73,43 +85,61 @@ def phoenix(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Phoenix]:
             process.wait()
 
 
-def _wait_for(phoenix: Phoenix, ids: set[str], analysed: int, timeout_s: float = 120.0) -> list[dict[str, Any]]:
+def _wait_for(
+    phoenix: Phoenix, ids: set[str], analysed: int, timeout_s: float = 120.0
+) -> list[dict[str, Any]]:
     """All spans of the traces whose request span carries one of `ids`, once every request span
     and `analysed` analysis spans have arrived."""
     deadline = time.monotonic() + timeout_s
     while True:
         spans = phoenix.spans()
-        traces = {s["context"]["trace_id"] for s in spans
-                  if s["name"].startswith("POST") and s["attributes"].get("servprof.request_id") in ids}
+        traces = {
+            s["context"]["trace_id"]
+            for s in spans
+            if s["name"].startswith("POST") and s["attributes"].get("servprof.request_id") in ids
+        }
         mine = [s for s in spans if s["context"]["trace_id"] in traces]
         requests = [s for s in mine if s["name"].startswith("POST")]
         analyses = [s for s in mine if s["name"] == "servprof.analysis"]
         if len(requests) == len(ids) and len(analyses) >= analysed:
             return mine
         if time.monotonic() > deadline:
-            raise AssertionError(f"{len(requests)} request and {len(analyses)} analysis spans in {timeout_s} s")
+            raise AssertionError(
+                f"{len(requests)} request and {len(analyses)} analysis spans in {timeout_s} s"
+            )
         time.sleep(0.5)
 
 
 @pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])
-def test_demo_server_spans_in_phoenix(phoenix: Phoenix, protocol: str, tmp_path: Path, monkeypatch: Any) -> None:
+def test_demo_server_spans_in_phoenix(
+    phoenix: Phoenix, protocol: str, tmp_path: Path, monkeypatch: Any
+) -> None:
     from _demo_helpers import start_demo_server
 
     from servprof import telemetry
     from servprof.capture import get_controller
 
     port = phoenix.grpc_port if protocol == "grpc" else phoenix.http_port
-    for name, value in {"SERVPROF_OUT_DIR": str(tmp_path), "SERVPROF_SAMPLE_EVERY": "2",
-                        "SERVPROF_REQUESTS_PER_SESSION": "1", "SERVPROF_TELEMETRY_EXPORTER": "otlp",
-                        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
-                        "OTEL_EXPORTER_OTLP_PROTOCOL": protocol, "OTEL_METRICS_EXPORTER": "none",
-                        "OTEL_SERVICE_NAME": "servprof-phoenix-test", "OTEL_BSP_SCHEDULE_DELAY": "100"}.items():
+    for name, value in {
+        "SERVPROF_OUT_DIR": str(tmp_path),
+        "SERVPROF_SAMPLE_EVERY": "2",
+        "SERVPROF_REQUESTS_PER_SESSION": "1",
+        "SERVPROF_TELEMETRY_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
+        "OTEL_METRICS_EXPORTER": "none",
+        "OTEL_SERVICE_NAME": "servprof-phoenix-test",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+    }.items():
         monkeypatch.setenv(name, value)
     tag = protocol.replace("/", "-")
     ids = {f"{tag}-{index}" for index in range(4)}
     client_trace, client_span = os.urandom(16).hex(), os.urandom(8).hex()
     try:
-        with start_demo_server(servprof=True, size="tiny", step_delay_ms=15) as url, httpx.Client(timeout=60) as client:
+        with (
+            start_demo_server(servprof=True, size="tiny", step_delay_ms=15) as url,
+            httpx.Client(timeout=60) as client,
+        ):
             deadline = time.monotonic() + 60
             while not get_controller().warm and time.monotonic() < deadline:
                 time.sleep(0.05)  # requests arriving while Kineto warms up are never sampled
@@ -117,8 +147,11 @@ def test_demo_server_spans_in_phoenix(phoenix: Phoenix, protocol: str, tmp_path:
                 headers = {"x-request-id": f"{tag}-{index}"}
                 if index == 0:
                     headers["traceparent"] = f"00-{client_trace}-{client_span}-01"
-                response = client.post(url + "/v1/chat/completions", headers=headers,
-                                       content=chat_body(max_tokens=8, stream=index % 2 == 0, model="ignored"))
+                response = client.post(
+                    url + "/v1/chat/completions",
+                    headers=headers,
+                    content=chat_body(max_tokens=8, stream=index % 2 == 0, model="ignored"),
+                )
                 assert response.status_code == 200
             spans = _wait_for(phoenix, ids, analysed=1)
             status = telemetry.status()
@@ -127,12 +160,16 @@ def test_demo_server_spans_in_phoenix(phoenix: Phoenix, protocol: str, tmp_path:
     assert status["exporter"] == "otlp" and status["protocol"] == protocol
     assert status["spans_dropped"] == 0 and status["spans_exported"] == status["spans_ended"]
 
-    requests = {s["attributes"]["servprof.request_id"]: s for s in spans if s["name"] == "POST /v1/chat/completions"}
+    requests = {
+        s["attributes"]["servprof.request_id"]: s for s in spans if s["name"] == "POST /v1/chat/completions"
+    }
     assert set(requests) == ids
     for request_id, span in requests.items():
         attributes = span["attributes"]
         assert span["span_kind"] == "LLM"  # Phoenix's own view of a span with gen_ai.* attributes
-        assert attributes["http.request.method"] == "POST" and attributes["http.route"] == "/v1/chat/completions"
+        assert (
+            attributes["http.request.method"] == "POST" and attributes["http.route"] == "/v1/chat/completions"
+        )
         assert attributes["http.response.status_code"] == 200 and span["status_code"] != "ERROR"
         assert attributes["gen_ai.operation.name"] == "chat" and attributes["gen_ai.request.max_tokens"] == 8
         assert attributes["gen_ai.request.stream"] is (request_id.endswith(("-0", "-2")))
@@ -156,4 +193,6 @@ def test_demo_server_spans_in_phoenix(phoenix: Phoenix, protocol: str, tmp_path:
         kinds = {e["attributes"]["servprof.finding.kind"] for e in findings}
         assert "decode_gap" in kinds, kinds
         assert all(e["attributes"]["servprof.finding.cost_ms"] > 0 for e in findings)
-        assert all(e["attributes"]["servprof.finding.severity"] in {"info", "warning", "critical"} for e in findings)
+        assert all(
+            e["attributes"]["servprof.finding.severity"] in {"info", "warning", "critical"} for e in findings
+        )

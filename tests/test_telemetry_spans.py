@@ -28,7 +28,9 @@ class Stack:
         self.exporter = InMemorySpanExporter()
         self.reader = InMemoryMetricReader()
         settings = Settings(out_dir=tmp_path, capture_content=capture_content)
-        self.observer = create_observer(settings, environ={}, span_exporter=self.exporter, metric_reader=self.reader)
+        self.observer = create_observer(
+            settings, environ={}, span_exporter=self.exporter, metric_reader=self.reader
+        )
         self.probe = ObserverProbe(make_app(), self.observer)
 
     def spans(self) -> list[Any]:
@@ -121,7 +123,10 @@ def test_streamed_completion_is_one_span_with_genai_and_servprof_attributes(stac
 def test_capture_content_opt_in_records_the_prompt(tmp_path: Path) -> None:
     built = Stack(tmp_path, capture_content=True)
     with serve(built.probe) as url, httpx.Client() as client:
-        assert client.post(url + "/v1/chat/completions", content=chat_body("tell me", stream=False)).status_code == 200
+        assert (
+            client.post(url + "/v1/chat/completions", content=chat_body("tell me", stream=False)).status_code
+            == 200
+        )
     (span,) = built.spans()
     messages = orjson.loads(span.attributes["gen_ai.input.messages"])
     assert messages == [{"role": "user", "parts": [{"type": "text", "content": "tell me"}]}]
@@ -156,7 +161,10 @@ def test_traceparent_is_continued_and_reinjected_for_the_app(stack: Stack) -> No
     assert format(first.parent.span_id, "016x") == incoming_span and first.parent.is_remote
     # What the app saw names servprof's span as the parent, so a downstream span nests under it.
     assert seen == f"00-{incoming_trace}-{first.context.span_id:016x}-{first.context.trace_flags:02x}"
-    assert unparented == f"00-{second.context.trace_id:032x}-{second.context.span_id:016x}-{second.context.trace_flags:02x}"
+    assert (
+        unparented
+        == f"00-{second.context.trace_id:032x}-{second.context.span_id:016x}-{second.context.trace_flags:02x}"
+    )
     assert first.context.trace_flags.sampled and second.context.trace_flags.sampled
     assert second.parent is None
 
@@ -165,7 +173,10 @@ def test_genai_metrics_with_recommended_buckets(stack: Stack) -> None:
     with httpx.Client() as client:
         for _ in range(3):
             _stream_chat(client, stack.url, chat_body(max_tokens=5))
-        assert client.post(stack.url + "/v1/chat/completions", content=chat_body(stream=False)).status_code == 200
+        assert (
+            client.post(stack.url + "/v1/chat/completions", content=chat_body(stream=False)).status_code
+            == 200
+        )
         assert client.get(stack.url + "/hello").status_code == 200  # not a GenAI request: no metrics
     histograms = stack.histograms()
     (duration,) = histograms["gen_ai.server.request.duration"]
@@ -184,7 +195,7 @@ def test_genai_metrics_with_recommended_buckets(stack: Stack) -> None:
 
 def test_truncated_body_head_reads_fields_before_the_prompt_only() -> None:
     body = chat_body('"model": "inside-the-prompt" ' * 400, max_tokens=7)
-    head = b'{"model":"real","max_tokens":7,"temperature":0.2,' + body[body.index(b'"messages"'):][:4000]
+    head = b'{"model":"real","max_tokens":7,"temperature":0.2,' + body[body.index(b'"messages"') :][:4000]
     attributes = genai_request_attributes("POST", "/v1/chat/completions", head)
     assert attributes == {
         "gen_ai.operation.name": "chat",
@@ -199,10 +210,14 @@ def test_truncated_body_head_reads_fields_before_the_prompt_only() -> None:
     }
 
 
-def _direct_request(observer: Any, headers: list[tuple[bytes, bytes]]) -> tuple[Any, list[tuple[bytes, bytes]]]:
+def _direct_request(
+    observer: Any, headers: list[tuple[bytes, bytes]]
+) -> tuple[Any, list[tuple[bytes, bytes]]]:
     from servprof.observers import RequestRecord
 
-    record = RequestRecord("direct-1", "GET", "/x", route="/x", arrival_ns=1, arrival_perf_ns=1, end_ns=2, status=200)
+    record = RequestRecord(
+        "direct-1", "GET", "/x", route="/x", arrival_ns=1, arrival_perf_ns=1, end_ns=2, status=200
+    )
     scope = {"headers": list(headers)}
     state = observer.on_request_start(record, scope)
     observer.on_request_end(record, state)
@@ -211,13 +226,19 @@ def _direct_request(observer: Any, headers: list[tuple[bytes, bytes]]) -> tuple[
 
 def test_tracestate_and_baggage_pass_through(tmp_path: Path) -> None:
     built = Stack(tmp_path)
-    incoming = [(b"host", b"h"), (b"traceparent", b"00-" + b"1" * 32 + b"-" + b"2" * 16 + b"-01"),
-                (b"tracestate", b"vendor=abc"), (b"baggage", b"tenant=42")]
+    incoming = [
+        (b"host", b"h"),
+        (b"traceparent", b"00-" + b"1" * 32 + b"-" + b"2" * 16 + b"-01"),
+        (b"tracestate", b"vendor=abc"),
+        (b"baggage", b"tenant=42"),
+    ]
     span, headers = _direct_request(built.observer, incoming)
     as_dict = dict(headers)
     assert as_dict[b"tracestate"] == b"vendor=abc" and as_dict[b"baggage"] == b"tenant=42"
     assert span.get_span_context().trace_state.get("vendor") == "abc"
-    assert as_dict[b"traceparent"].startswith(b"00-" + b"1" * 32 + b"-%016x-" % span.get_span_context().span_id)
+    assert as_dict[b"traceparent"].startswith(
+        b"00-" + b"1" * 32 + b"-%016x-" % span.get_span_context().span_id
+    )
     assert [name for name, _ in headers].count(b"traceparent") == 1
     built.observer.shutdown()
 
@@ -252,5 +273,8 @@ def test_other_configured_propagators_are_honoured(tmp_path: Path) -> None:
     as_dict = dict(headers)
     assert as_dict[b"x-tenant-trace"] == b"seen" and as_dict[b"host"] == b"h"
     assert as_dict[b"traceparent"] == b"00-%032x-%016x-%02x" % (
-        span.get_span_context().trace_id, span.get_span_context().span_id, span.get_span_context().trace_flags)
+        span.get_span_context().trace_id,
+        span.get_span_context().span_id,
+        span.get_span_context().trace_flags,
+    )
     built.observer.shutdown()

@@ -170,7 +170,9 @@ class AnalysisSpanEmitter:
             if decode_start is not None and not emitted_decode and decode_start < start:
                 self._emit_decode(context, steps, request_id)
                 emitted_decode = True
-            span = self._start(name, context, start, {"servprof.phase": name, "servprof.request_id": request_id})
+            span = self._start(
+                name, context, start, {"servprof.phase": name, "servprof.request_id": request_id}
+            )
             span.end(end_time=end)
         if steps and not emitted_decode:
             self._emit_decode(context, steps, request_id)
@@ -178,7 +180,9 @@ class AnalysisSpanEmitter:
 
     def _emit_decode(self, context: Any, steps: list[tuple[str, int, int]], request_id: str) -> None:
         durations_ms = np.array([end - start for _, start, end in steps], dtype=np.float64) / 1e6
-        gaps_ms = np.array([b[1] - a[2] for a, b in zip(steps, steps[1:], strict=False)], dtype=np.float64) / 1e6
+        gaps_ms = (
+            np.array([b[1] - a[2] for a, b in zip(steps, steps[1:], strict=False)], dtype=np.float64) / 1e6
+        )
         attributes: dict[str, Any] = {
             "servprof.phase": "decode",
             "servprof.request_id": request_id,
@@ -194,7 +198,10 @@ class AnalysisSpanEmitter:
             step_context = trace.set_span_in_context(decode)
             for index, (_, start, end) in enumerate(steps):
                 span = self._start(
-                    "decode_step", step_context, start, {"servprof.phase": "decode_step", "servprof.step": index}
+                    "decode_step",
+                    step_context,
+                    start,
+                    {"servprof.phase": "decode_step", "servprof.step": index},
                 )
                 span.end(end_time=end)
         else:

@@ -21,13 +21,30 @@ from servprof.telemetry.analysis_spans import AnalysisSpanEmitter, SampledParent
 from servprof.telemetry.setup import Pipeline
 
 # Recommended explicit bucket boundaries from the GenAI metrics semantic conventions.
-REQUEST_DURATION_BUCKETS = [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92]
+REQUEST_DURATION_BUCKETS = [
+    0.01,
+    0.02,
+    0.04,
+    0.08,
+    0.16,
+    0.32,
+    0.64,
+    1.28,
+    2.56,
+    5.12,
+    10.24,
+    20.48,
+    40.96,
+    81.92,
+]
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]
 TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
 
 
 class TelemetryObserver:
-    def __init__(self, pipeline: Pipeline, capture_content: bool = False, max_sampled_parents: int = 4096) -> None:
+    def __init__(
+        self, pipeline: Pipeline, capture_content: bool = False, max_sampled_parents: int = 4096
+    ) -> None:
         self.pipeline = pipeline
         self.capture_content = capture_content
         self._tracer = pipeline.tracer_provider.get_tracer("servprof", __version__)
@@ -35,7 +52,7 @@ class TelemetryObserver:
         self._request_duration = meter.create_histogram(
             "gen_ai.server.request.duration",
             unit="s",
-            description="Generative AI server request duration such as time-to-last byte or last output token.",
+            description="Generative AI server request duration: time to the last byte or output token.",
             explicit_bucket_boundaries_advisory=REQUEST_DURATION_BUCKETS,
         )
         self._time_to_first_token = meter.create_histogram(
@@ -52,7 +69,9 @@ class TelemetryObserver:
         )
         self._propagator = propagate.get_global_textmap()
         # Header names the propagator reads and writes (traceparent, tracestate, baggage).
-        self._propagation_headers = frozenset(name.lower().encode("latin-1") for name in self._propagator.fields)
+        self._propagation_headers = frozenset(
+            name.lower().encode("latin-1") for name in self._propagator.fields
+        )
         self._w3c_only = b"traceparent" in self._propagation_headers and self._propagation_headers <= {
             b"traceparent",
             b"tracestate",
@@ -81,7 +100,9 @@ class TelemetryObserver:
             kept.append((b"traceparent", traceparent))
         else:
             kept = [header for header in headers if header[0] not in self._propagation_headers]
-            parent_context = self._propagator.extract(self._carrier(headers)) if len(kept) != len(headers) else None
+            parent_context = (
+                self._propagator.extract(self._carrier(headers)) if len(kept) != len(headers) else None
+            )
             span = self._start_span(record, parent_context)
             outgoing: dict[str, str] = {}
             self._propagator.inject(outgoing, context=trace.set_span_in_context(span, parent_context))
@@ -111,7 +132,9 @@ class TelemetryObserver:
         span.update_name(f"{record.method} {record.route}" if record.route else record.method)
         attributes = attrs.request_attributes(record, http_version)
         genai = (
-            attrs.genai_request_attributes(record.method, record.path, record.request_body_head, self.capture_content)
+            attrs.genai_request_attributes(
+                record.method, record.path, record.request_body_head, self.capture_content
+            )
             if record.request_body_head
             else {}
         )
@@ -134,7 +157,9 @@ class TelemetryObserver:
             start_ns = record.arrival_ns or end_ns
             self._parents.put(record.request_id, SampledParent(span.get_span_context(), start_ns, end_ns))
 
-    def _record_metrics(self, record: RequestRecord, attributes: dict[str, Any], end_perf_ns: int | None) -> None:
+    def _record_metrics(
+        self, record: RequestRecord, attributes: dict[str, Any], end_perf_ns: int | None
+    ) -> None:
         metric_attributes = {
             key: attributes[key]
             for key in (attrs.GEN_AI_OPERATION_NAME, attrs.GEN_AI_REQUEST_MODEL, attrs.ERROR_TYPE)
@@ -146,7 +171,9 @@ class TelemetryObserver:
             return
         # Only a streamed response shows when its first token left; a whole JSON body does not.
         if attributes.get(attrs.GEN_AI_REQUEST_STREAM) or record.chunks > 1:
-            self._time_to_first_token.record((record.first_byte_ns - record.arrival_perf_ns) / 1e9, metric_attributes)
+            self._time_to_first_token.record(
+                (record.first_byte_ns - record.arrival_perf_ns) / 1e9, metric_attributes
+            )
             output_tokens = attributes.get(attrs.GEN_AI_USAGE_OUTPUT_TOKENS)
             if isinstance(output_tokens, int) and output_tokens > 1 and record.last_byte_ns is not None:
                 per_token = (record.last_byte_ns - record.first_byte_ns) / 1e9 / (output_tokens - 1)

@@ -136,7 +136,9 @@ class OtlpJsonLinesMetricExporter(MetricExporter):
     def path(self) -> Path:
         return self._file.path
 
-    def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
+    def export(
+        self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
+    ) -> MetricExportResult:
         if not metrics_data.resource_metrics:
             return MetricExportResult.SUCCESS
         try:

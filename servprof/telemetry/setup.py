@@ -214,7 +214,9 @@ def _exporter_options(environ: Mapping[str, str], signal: str, protocol: str) ->
     try:
         options["timeout"] = float(timeout) if timeout else DEFAULT_EXPORT_TIMEOUT_S
     except ValueError:
-        raise SettingsError(f"{timeout_name} / OTEL_EXPORTER_OTLP_TIMEOUT={timeout!r} is not a number") from None
+        raise SettingsError(
+            f"{timeout_name} / OTEL_EXPORTER_OTLP_TIMEOUT={timeout!r} is not a number"
+        ) from None
     if options["timeout"] <= 0:
         raise SettingsError(f"{timeout_name} / OTEL_EXPORTER_OTLP_TIMEOUT must be > 0 (got {timeout!r})")
     return options
@@ -228,8 +230,11 @@ def _otlp_span_exporter(environ: Mapping[str, str]) -> tuple[SpanExporter, dict[
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     options = _exporter_options(environ, "TRACES", protocol)
     exporter = OTLPSpanExporter(**options)
-    details = {"protocol": protocol, "endpoint": options.get("endpoint", "(SDK default)"),
-               "export_timeout_s": options["timeout"]}
+    details = {
+        "protocol": protocol,
+        "endpoint": options.get("endpoint", "(SDK default)"),
+        "export_timeout_s": options["timeout"],
+    }
     return exporter, details
 
 
