@@ -13,9 +13,10 @@ from pathlib import Path
 import httpx
 import orjson
 import torch
-from _demo_helpers import get_stats, start_demo_server
+from _demo_helpers import get_stats, start_demo_server, wait_for
 from torch._C._profiler import _ExperimentalConfig
 
+from servprof.capture import get_controller
 from servprof.phases import parse_phase_event_name
 
 
@@ -27,7 +28,15 @@ async def _two_concurrent_streams(url: str) -> None:
             for i in range(2)))
 
 
+def _no_other_profiler() -> bool:
+    # One profiler per process: wait out servprof's capture thread if another test left it busy.
+    controller = get_controller()
+    busy = controller.session is not None or (controller.warmup_wanted and not controller.warm)
+    return not busy and not torch.autograd.profiler._is_profiler_enabled
+
+
 def test_phases_in_a_real_profile(tmp_path: Path):
+    wait_for(_no_other_profiler, timeout=60)
     with start_demo_server(size="tiny", max_batch=4) as url:
         before = get_stats(url)
         profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
