@@ -1,0 +1,127 @@
+"""decode_gap on a device timeline, and the loader under arbitrary input.
+
+No GPU runs here, so the device-side tests use a stand-in: a small chrome trace
+written in the test, shaped like Kineto's GPU export (cudaLaunchKernel on the host
+and kernels on a stream joined by `correlation`). Only the timings are invented;
+the loader and detectors are the real ones. The real GPU traces in
+../shared/traces are covered in test_detect_accuracy.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from servprof.detect.analysis import analyse
+from servprof.detect.idle_split import idle_split
+from servprof.trace import TraceError, load_trace
+
+HOST, ENGINE, LOOP = 100, 1, 2
+
+
+class StandInGpuTrace:
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.correlation = 0
+
+    def host(self, name: str, ts: float, dur: float, tid: int = ENGINE, cat: str = "cpu_op") -> None:
+        self.events.append({"ph": "X", "cat": cat, "name": name, "pid": HOST, "tid": tid, "ts": ts, "dur": dur})
+
+    def kernel(self, launch_ts: float, start: float, dur: float, name: str = "gemv_kernel") -> None:
+        self.correlation += 1
+        self.events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": HOST, "tid": ENGINE,
+                            "ts": launch_ts, "dur": 3.0, "args": {"correlation": self.correlation}})
+        self.events.append({"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": 7, "ts": start, "dur": dur,
+                            "args": {"stream": 7, "correlation": self.correlation, "device": 0}})
+
+    def step(self, start: float, kernels: int, rids: str = "a,b") -> float:
+        """A decode step: the host launches `kernels` kernels of 40 µs back to back; returns the last end."""
+        self.host(f"servprof:decode_step|{rids}", start, kernels * 5.0 + 10)
+        end = start
+        for i in range(kernels):
+            begin = start + 20 + i * 40
+            self.kernel(start + i * 5, begin, 40.0)
+            end = begin + 40
+        return end
+
+    def write(self, path: Path) -> Path:
+        path.write_bytes(orjson.dumps({"traceEvents": self.events, "deviceProperties": [{"name": "NVIDIA H100 80GB HBM3"}]}))
+        return path
+
+
+def test_device_idle_between_steps_is_measured_and_blamed(tmp_path: Path):
+    trace = StandInGpuTrace()
+    t = 1000.0
+    for _ in range(6):
+        end = trace.step(t, kernels=10)
+        # After each step the host blocks on a synchronize for 500 µs before the next launch.
+        trace.host("cudaStreamSynchronize", end, 500.0, cat="cuda_runtime")
+        t = end + 520
+    analysis = analyse(load_trace(trace.write(tmp_path / "gpu.json")))
+    (gap,) = [f for f in analysis.findings if f.kind == "decode_gap"]
+    assert gap.evidence["cause"] == "synchronize" and gap.evidence["where"] == "between_steps"
+    assert gap.evidence["gaps"] == 5
+    # Device idle = next step's first kernel (launch + 20 µs) - previous step's last kernel end.
+    assert gap.evidence["median_gap_ms"] == pytest.approx(0.540, abs=1e-6)
+    assert gap.request_ids == ["a", "b"]
+    assert analysis.summary["bandwidth"]["device"]["name"].startswith("NVIDIA H100")
+    (split,) = idle_split(load_trace(tmp_path / "gpu.json"), round_like_hta=False)
+    # HTA's rule: the launch after each gap began after the previous kernel ended -> host_wait.
+    assert split.host_wait_gaps == 5 and split.host_wait_us == pytest.approx(5 * 540.0)
+
+
+def test_another_requests_tokenization_in_a_gap_is_named(tmp_path: Path):
+    trace = StandInGpuTrace()
+    t = 1000.0
+    for k in range(4):
+        end = trace.step(t, kernels=8, rids="r1")
+        trace.host(f"servprof:tokenize|new-{k}", end + 5, 700.0, tid=LOOP)
+        t = end + 720
+    analysis = analyse(load_trace(trace.write(tmp_path / "gpu.json")))
+    (gap,) = [f for f in analysis.findings if f.kind == "decode_gap"]
+    assert gap.evidence["cause"] == "tokenization"
+    worst = gap.evidence["worst_gaps"][0]
+    assert worst["tokenize_request_ids"][0].startswith("new-")
+    assert "tokenization" in gap.title
+
+
+def test_clean_device_timeline_has_no_gap(tmp_path: Path):
+    trace = StandInGpuTrace()
+    t = 1000.0
+    for _ in range(5):
+        end = trace.step(t, kernels=10)
+        t = end - 10  # the next step's first kernel starts 10 µs after the last one ended
+    analysis = analyse(load_trace(trace.write(tmp_path / "gpu.json")))
+    assert [f for f in analysis.findings if f.kind == "decode_gap"] == []
+
+
+events_strategy = st.lists(
+    st.dictionaries(
+        st.sampled_from(["ph", "cat", "name", "pid", "tid", "ts", "dur", "args", "id"]),
+        st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**63 - 1), st.floats(allow_nan=True),
+                  st.text(max_size=5), st.lists(st.integers(-10, 10), max_size=2),
+                  st.dictionaries(st.sampled_from(["stream", "correlation", "External id"]),
+                                  st.one_of(st.integers(-5, 5), st.text(max_size=3), st.none()), max_size=3)),
+        max_size=9,
+    ),
+    max_size=12,
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(events=events_strategy)
+def test_loader_never_fails_with_anything_but_a_trace_error(tmp_path_factory, events):
+    path = tmp_path_factory.mktemp("fuzz") / "t.json"
+    path.write_bytes(orjson.dumps({"traceEvents": events}))
+    try:
+        trace = load_trace(path)
+    except TraceError as exc:
+        assert "\n" not in str(exc)
+        return
+    assert (trace.dur >= 0).all() and len(trace) <= len(events)
+    analyse(trace)  # and the detectors take whatever loaded
