@@ -97,3 +97,13 @@ def test_demo_rejects_bad_options_with_a_clear_message(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert "--duration must be > 0" in result.stderr and "--users must be >= 1" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_demo_names_the_server_failure_and_its_log(tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    result = run_demo(out, "--size", "enormous", "--duration", "5")
+    assert result.returncode == 1
+    assert "the demo server exited with status 2" in result.stderr
+    assert "invalid choice: 'enormous'" in result.stderr  # the server's own words, from its log
+    assert str(out / "logs" / "server.log") in result.stderr
+    assert "Traceback" not in result.stderr

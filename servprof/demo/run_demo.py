@@ -131,12 +131,19 @@ class Demo:
                "SERVPROF_REQUESTS_PER_SESSION": str(self.args.sample)}
         self.server = self._spawn("server", command, env)
 
+    def _log_tail(self, name: str) -> str:
+        try:
+            lines = (self.logs / f"{name}.log").read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return "(no log)"
+        return lines[-1].strip() if lines else "(empty log)"
+
     def wait_for_health(self) -> None:
         deadline = time.monotonic() + HEALTH_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.server is not None and self.server.poll() is not None:
-                raise DemoError(f"the demo server exited with status {self.server.returncode}; "
-                                f"see {self.logs / 'server.log'}")
+                raise DemoError(f"the demo server exited with status {self.server.returncode}: "
+                                f"{self._log_tail('server')}; see {self.logs / 'server.log'}")
             try:
                 if self.http.get("/health", timeout=2.0).status_code == 200:
                     return
@@ -332,7 +339,7 @@ def run(args: argparse.Namespace) -> int:
         (args.sample_at is None or 0 <= args.sample_at < args.duration, "--sample-at must be within --duration"),
     ] if not ok]
     if problems:
-        err.print(f"servprof demo: {'; '.join(problems)}")
+        err.print(f"servprof demo: {'; '.join(problems)}", soft_wrap=True)
         return EXIT_BAD_INPUT
     missing = _missing_pieces()
     if any("demo server" in m or "locust" in m or "httpx" in m for m in missing):
@@ -363,9 +370,8 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"servprof demo: [yellow]locust exited with {demo.locust.returncode}[/] "
                           f"(some requests failed); see {demo.logs / 'locust.log'}")
     except DemoError as exc:
-        err.print(f"servprof demo: {exc}")
+        err.print(f"servprof demo: {exc}", soft_wrap=True, highlight=False)
         demo.stop()
-        demo.print_artifacts()
         return EXIT_FAILED
     except KeyboardInterrupt:
         err.print("servprof demo: interrupted")
