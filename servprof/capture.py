@@ -32,7 +32,7 @@ from servprof.observers import RequestRecord
 from servprof.settings import Settings
 from servprof.store import StoreError, TraceStore
 
-POLL_S = 0.01  # how often the bounds of a running session are checked
+POLL_S = 0.005  # how often the bounds of a running session are checked
 RAW_BYTES_PER_EVENT = 260  # chrome-trace JSON per CPU event, used when the analysis gave no count
 
 STARTING, CAPTURING, STOPPING, EXPORTING, ANALYSING, DONE, FAILED = (
@@ -63,6 +63,7 @@ class Session:
         self.wall_start_ns: int | None = None
         self.perf_start_ns: int | None = None
         self.perf_end_ns: int | None = None
+        self.capture_end_ns: int | None = None  # when stop() began: events are captured until then
         self.trace_path: Any = None
         self.trace_raw_bytes = 0
         self.result: dict[str, Any] | None = None
@@ -235,8 +236,8 @@ class CaptureController:
         session.state = CAPTURING
         session.started.set()
 
-    def estimated_events(self, elapsed_s: float, steps: int) -> float:
-        by_time = (self.events_per_second or 0.0) * elapsed_s
+    def estimated_events(self, elapsed_s: float, steps: int, assumed_per_s: float = 0.0) -> float:
+        by_time = (self.events_per_second or assumed_per_s) * elapsed_s
         by_steps = (self.events_per_step or 0.0) * steps
         return max(by_time, by_steps)
 
@@ -252,7 +253,7 @@ class CaptureController:
             return "max_session_s"
         if steps >= settings.max_session_steps:
             return "max_session_steps"
-        if self.estimated_events(elapsed, steps) >= settings.max_session_events:
+        if self.estimated_events(elapsed, steps, settings.assumed_events_per_s) >= settings.max_session_events:
             return "max_session_events"
         return None
 
@@ -265,6 +266,7 @@ class CaptureController:
                     "wall_start_ns": session.wall_start_ns, "perf_start_ns": session.perf_start_ns,
                     "stop_reason": why, "reason": session.reason}
         prof.add_metadata_json("servprof", orjson.dumps(metadata).decode())
+        session.capture_end_ns = time.perf_counter_ns()
         prof.stop()  # holds the GIL ~5-9 us per captured event: why the sessions are bounded
         session.perf_end_ns = time.perf_counter_ns()
         session.state = EXPORTING
@@ -293,10 +295,15 @@ class CaptureController:
         count = (result.get("summary") or {}).get("event_count")
         if not isinstance(count, (int, float)) or count <= 0:
             count = session.trace_raw_bytes / RAW_BYTES_PER_EVENT
-        duration, steps = session.duration_s(), session.steps()
-        if count > 0 and duration:
-            self.events_per_second = count / duration
-            self.events_per_step = count / steps if steps else None
+        steps = session.steps()
+        # The capture window only: stop() holds the GIL, so next to nothing is captured during it.
+        duration = ((session.capture_end_ns or 0) - (session.perf_start_ns or 0)) / 1e9
+        if count > 0 and duration > 0:
+            # A quiet session must not talk the next, busier one into a long capture:
+            # an old rate fades by half per session instead of being forgotten.
+            self.events_per_second = max(count / duration, (self.events_per_second or 0.0) / 2)
+            if steps:
+                self.events_per_step = max(count / steps, (self.events_per_step or 0.0) / 2)
 
     def _fail(self, session: Session, error: str, store_problem: bool = False) -> None:
         session.error = error

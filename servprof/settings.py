@@ -38,11 +38,15 @@ class Settings:
     max_on_demand: int = 64  # largest n accepted by POST /servprof/sample
     on_demand_min_interval_s: float = 1.0  # rate limit on POST /servprof/sample
 
-    # Session bounds: a session ends at whichever comes first.
+    # Session bounds: a session ends at whichever comes first. stop() and export hold the GIL
+    # ~5-7 us per captured event and export ~4 us, so max_session_events is what bounds the serving
+    # loop's stall (2500 events: ~15 ms on 2 CPU cores; see bench/bench_sampling_lag.py).
     requests_per_session: int = 4
     max_session_s: float = 10.0
-    max_session_events: int = 50_000
-    max_session_steps: int = 64  # decode steps, counted from servprof.phase("decode_step")
+    max_session_events: int = 2_500  # estimated from the event rate the previous session measured
+    max_session_steps: int = 32  # decode steps, estimated as streamed chunks of the sampled requests
+    # Event rate assumed until a session has measured this server's (the demo makes ~70k/s on 2 cores).
+    assumed_events_per_s: float = 50_000.0
     record_shapes: bool = False
     with_stack: bool = False
     warmup: bool = True  # warm Kineto up in the background at start-up
@@ -84,6 +88,7 @@ class Settings:
             (self.max_session_s > 0, "max_session_s must be > 0"),
             (self.max_session_events > 0, "max_session_events must be > 0"),
             (self.max_session_steps > 0, "max_session_steps must be > 0"),
+            (self.assumed_events_per_s >= 0, "assumed_events_per_s must be >= 0"),
             (self.max_on_demand >= 1, "max_on_demand must be >= 1"),
             (self.trace_max_files >= 1, "trace_max_files must be >= 1"),
             (self.trace_max_mb > 0, "trace_max_mb must be > 0"),

@@ -1,0 +1,215 @@
+"""What sampling costs a serving process under concurrent streaming load.
+
+Serves the demo LLM server (tiny model, CPU or GPU) behind ServprofMiddleware with uvicorn
+in this process, drives it with the locust harness (its own process: closed loop, N users
+streaming completions), and runs a 1 ms ticker inside the serving event loop. It measures
+event-loop lag and output tokens/s with no sampling, then for each session budget orders
+one on-demand session (``POST /servprof/sample``) and reports lag per session state
+(starting, capturing, stopping, exporting, analysing) and the throughput over the whole
+sampled window as a ratio of the unsampled one. Goals (issue 3): max added lag <= 20 ms,
+p99 <= 5 ms, throughput >= 0.9 of unsampled.
+
+    .venv/bin/python bench/bench_sampling_lag.py [--users 8] [--baseline-s 8] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import uvicorn
+from rich.console import Console
+from rich.table import Table
+
+from servprof.capture import get_controller
+from servprof.demo.app import create_app
+from servprof.demo.config import DemoConfig
+from servprof.middleware import ServprofMiddleware
+from servprof.settings import Settings
+
+TOKEN = "bench-token"
+TICK_S = 0.001
+# (label, overrides): the budgets compared. The first session runs on the assumed event rate
+# (Settings.assumed_events_per_s); later ones on the rate the previous session measured.
+BUDGETS: list[tuple[str, dict[str, Any]]] = [
+    ("events=2500 (default)", {}),
+    ("events=1000", {"max_session_events": 1000}),
+    ("events=2500", {"max_session_events": 2500}),
+    ("events=4000", {"max_session_events": 4000}),
+    ("events=8000", {"max_session_events": 8000}),
+    ("events=16000", {"max_session_events": 16000}),
+    ("steps=32, no event budget", {"max_session_events": 10**9}),
+]
+
+
+class TickerApp:
+    """Wraps the served app; at lifespan start-up runs a 1 ms ticker on the serving loop."""
+
+    def __init__(self, app: Any):
+        self.app = app
+        self.samples: list[tuple[int, int, str]] = []  # (perf ns, lag ns, session state)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            asyncio.get_running_loop().create_task(self._tick())
+        await self.app(scope, receive, send)
+
+    async def _tick(self) -> None:
+        controller = get_controller()
+        interval = int(TICK_S * 1e9)
+        while True:
+            before = time.perf_counter_ns()
+            await asyncio.sleep(TICK_S)
+            now = time.perf_counter_ns()
+            session = controller.session
+            self.samples.append((now, max(0, now - before - interval), session.state if session else "none"))
+
+
+def lag_stats(lags_ns: list[int]) -> tuple[float, float, float]:
+    if not lags_ns:
+        return float("nan"), float("nan"), float("nan")
+    values = np.asarray(lags_ns) / 1e6
+    return float(np.median(values)), float(np.percentile(values, 99)), float(values.max())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--users", type=int, default=8, help="concurrent streaming clients")
+    parser.add_argument("--baseline-s", type=float, default=8.0, help="seconds of unsampled load measured")
+    parser.add_argument("--requests", type=int, default=4, help="requests per ordered session")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    args = parser.parse_args(argv)
+    if args.users < 1 or args.baseline_s <= 0 or args.requests < 1:
+        parser.error("--users, --baseline-s and --requests must be positive")
+    console = Console(width=130)
+
+    out_dir = Path(tempfile.mkdtemp(prefix="servprof-bench-"))
+    demo = create_app(DemoConfig(size="tiny", device=args.device, servprof=False, max_batch=max(16, args.users)))
+    demo_server = demo.state.demo
+    middleware = ServprofMiddleware(demo, Settings(out_dir=out_dir, telemetry=False, control_token=TOKEN,
+                                                   on_demand_min_interval_s=0.1, max_on_demand=64))
+    ticker = TickerApp(middleware)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(ticker, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started or not get_controller().warm:
+        time.sleep(0.05)
+
+    total_s = args.baseline_s + 5 + len(BUDGETS) * 40
+    locust = subprocess.Popen(
+        [sys.executable, "-m", "locust", "-f", "servprof/harness/locustfile.py", "-H", url, "--headless",
+         "-u", str(args.users), "-r", str(args.users), "-t", f"{int(total_s)}s", "--only-summary",
+         "--max-output-tokens", str(args.max_tokens), "--loglevel", "ERROR"],
+        cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env={**os.environ, "KINETO_LOG_LEVEL": "6"})
+    rows = []
+    try:
+        time.sleep(3)  # users ramp up
+        tokens_0, t0 = demo_server.engine.stats.output_tokens, time.perf_counter_ns()
+        time.sleep(args.baseline_s)
+        tokens_1, t1 = demo_server.engine.stats.output_tokens, time.perf_counter_ns()
+        base_tps = (tokens_1 - tokens_0) / ((t1 - t0) / 1e9)
+        base_lags = [lag for ts, lag, state in ticker.samples if t0 <= ts <= t1 and state == "none"]
+        rows.append(("no sampling", "-", base_lags, base_tps, None))
+        with httpx.Client(timeout=30) as client:
+            for label, overrides in BUDGETS:
+                middleware.runtime.settings = dataclasses.replace(middleware.runtime.settings, **overrides)
+                done_before = len(middleware.runtime.history)
+                tokens_a, ta = demo_server.engine.stats.output_tokens, time.perf_counter_ns()
+                response = client.post(f"{url}/servprof/sample?n={args.requests}",
+                                       headers={"Authorization": f"Bearer {TOKEN}"})
+                response.raise_for_status()
+                deadline = time.monotonic() + 60
+                while len(middleware.runtime.history) == done_before and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                tokens_b, tb = demo_server.engine.stats.output_tokens, time.perf_counter_ns()
+                session = middleware.runtime.history[-1] if len(middleware.runtime.history) > done_before else {}
+                window = [(lag, state) for ts, lag, state in ticker.samples if ta <= ts <= tb]
+                rows.append((label, session, window, (tokens_b - tokens_a) / ((tb - ta) / 1e9), overrides))
+                console.print(f"{label}: session {session.get('stop_reason')} in {(tb - ta) / 1e9:.1f} s window")
+                time.sleep(2)  # let the loop settle between sessions
+    finally:
+        locust.terminate()
+        try:
+            locust.wait(10)
+        except subprocess.TimeoutExpired:
+            locust.kill()
+            locust.wait(10)
+        server.should_exit = True
+        thread.join(30)
+    _report(console, rows, base_tps, base_lags)
+    return 0
+
+
+def _report(console: Console, rows: list[Any], base_tps: float, base_lags: list[int]) -> None:
+    base_median, base_p99, base_max = lag_stats(base_lags)
+    table = Table(title="event-loop lag (ms, 1 ms ticker) and output tokens/s under streaming load")
+    for column in ("budget", "stop reason", "events", "window s", "state", "ticks", "median", "p99", "max",
+                   "tok/s", "tok/s ratio"):
+        table.add_column(column, justify="left" if column in ("budget", "stop reason", "state") else "right")
+    table.add_row("no sampling", "-", "-", "-", "none", str(len(base_lags)), f"{base_median:.2f}",
+                  f"{base_p99:.2f}", f"{base_max:.2f}", f"{base_tps:.0f}", "1.00")
+    verdicts = []
+    for label, session, window, tps, _overrides in rows[1:]:
+        summary = ((session.get("error") and {"error": session["error"]}) or {})
+        events = _event_count(session)
+        all_lags = [lag for lag, _ in window]
+        span_s = session.get("duration_s") or 0.0
+        for state in ("starting", "capturing", "stopping", "exporting", "analysing"):
+            lags = [lag for lag, s in window if s == state]
+            if lags:
+                median, p99, worst = lag_stats(lags)
+                table.add_row(label, str(session.get("stop_reason")), str(events), f"{span_s:.2f}", state,
+                              str(len(lags)), f"{median:.2f}", f"{p99:.2f}", f"{worst:.2f}", "", "")
+        median, p99, worst = lag_stats(all_lags)
+        ratio = tps / base_tps if base_tps else float("nan")
+        table.add_row(label, str(session.get("stop_reason")), str(events), f"{span_s:.2f}", "whole window",
+                      str(len(all_lags)), f"{median:.2f}", f"{p99:.2f}", f"{worst:.2f}", f"{tps:.0f}", f"{ratio:.2f}")
+        added_max = worst - base_max
+        ok = added_max <= 20 and p99 <= 5 and ratio >= 0.9
+        verdicts.append(f"{label}: max added lag {added_max:+.1f} ms, p99 {p99:.2f} ms, throughput {ratio:.2f} "
+                        f"-> {'meets' if ok else 'misses'} the goals{' ' + str(summary) if summary else ''}")
+    console.print(table)
+    for line in verdicts:
+        console.print(line)
+
+
+def _event_count(session: dict[str, Any]) -> Any:
+    controller = get_controller()
+    del controller  # counts live in the analysis result, read from the session file
+    path = session.get("trace_file")
+    if not path:
+        return "-"
+    result_path = Path(path.replace(".pt.trace.json.gz", ".analysis.json"))
+    try:
+        import orjson
+
+        return orjson.loads(result_path.read_bytes())["summary"].get("event_count", "-")
+    except (OSError, ValueError, KeyError):
+        return "-"
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
