@@ -100,6 +100,21 @@ def test_clean_device_timeline_has_no_gap(tmp_path: Path):
     assert [f for f in analysis.findings if f.kind == "decode_gap"] == []
 
 
+def test_per_request_step_markers_are_merged_into_batches(tmp_path: Path):
+    # A server that marks one decode_step per request, nested in the batch's time.
+    trace = StandInGpuTrace()
+    t = 0.0
+    for _ in range(5):
+        for i, rid in enumerate(("x", "y", "z")):
+            trace.host(f"servprof:decode_step|{rid}", t + i * 100, 900 - i * 100)
+        t += 900 + 3000  # 3 ms of host time between batches
+    analysis = analyse(load_trace(trace.write(tmp_path / "cpu.json")))
+    assert len(analysis.steps) == 5
+    assert all(s.request_ids == ["x", "y", "z"] and s.dur_us == 900 for s in analysis.steps)
+    (gap,) = [f for f in analysis.findings if f.kind == "decode_gap"]
+    assert gap.evidence["gaps"] == 4 and gap.evidence["median_gap_ms"] == pytest.approx(3.0)
+
+
 events_strategy = st.lists(
     st.dictionaries(
         st.sampled_from(["ph", "cat", "name", "pid", "tid", "ts", "dur", "args", "id"]),

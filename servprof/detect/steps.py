@@ -45,18 +45,28 @@ class Step:
 
 
 def _servprof_steps(trace: Trace) -> list[Step]:
-    steps = []
+    """One step per batch: servers that mark decode_step once per request get their
+    overlapping markers on one thread merged, with the union of the request ids."""
+    steps: list[Step] = []
     for event in phase_events(trace):
         if event.phase not in ("decode_step", "prefill"):
+            continue
+        kind = "decode" if event.phase == "decode_step" else "prefill"
+        rank = int(trace.rank[event.row])
+        same = next((s for s in reversed(steps) if s.rank == rank and s.tid == event.tid and s.kind == kind), None)
+        if same is not None and event.start_us < same.end_us:
+            same.end_us = max(same.end_us, event.end_us)
+            same.request_ids.extend(r for r in event.request_ids if r not in same.request_ids)
+            same.batch = len(same.request_ids) or None
             continue
         steps.append(
             Step(
                 row=event.row,
-                rank=int(trace.rank[event.row]),
+                rank=rank,
                 tid=event.tid,
                 start_us=event.start_us,
                 end_us=event.end_us,
-                kind="decode" if event.phase == "decode_step" else "prefill",
+                kind=kind,
                 source="servprof",
                 label=event.phase,
                 request_ids=list(event.request_ids),
