@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -109,11 +110,60 @@ def make_app() -> Starlette:
 # --- the middleware's side of the observer contract -------------------------------------------
 
 
+def _wait_records(holder: Any, count: int, timeout_s: float) -> list[RequestRecord]:
+    """The server finishes a request just after the client has read it: wait for that."""
+    deadline = time.monotonic() + timeout_s
+    while len(holder.records) < count and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert len(holder.records) >= count, f"{len(holder.records)} of {count} requests finished"
+    return holder.records
+
+
+class KeepingObserver:
+    """Passes every call on to `inner` and keeps the finished records for the test."""
+
+    def __init__(self, inner: RequestObserver) -> None:
+        self.inner = inner
+        self.records: list[RequestRecord] = []
+        self.requests_seen = 0
+
+    def on_request_start(self, record: RequestRecord, scope: dict[str, Any]) -> Any:
+        self.requests_seen += 1
+        return self.inner.on_request_start(record, scope)
+
+    def on_request_end(self, record: RequestRecord, state: Any) -> None:
+        self.inner.on_request_end(record, state)
+        self.records.append(record)
+
+    def on_analysis(self, result: dict[str, Any], records: list[RequestRecord]) -> None:
+        self.inner.on_analysis(result, records)
+
+    def wait_records(self, count: int, timeout_s: float = 10.0) -> list[RequestRecord]:
+        return _wait_records(self, count, timeout_s)
+
+    @property
+    def dropped_spans(self) -> int | None:
+        return getattr(self.inner, "dropped_spans", None)
+
+
+def behind_middleware(app: Any, observer: RequestObserver, out_dir: Path) -> tuple[Any, KeepingObserver]:
+    """The real ServprofMiddleware (no sampling) in front of `app`, calling `observer` as it
+    calls telemetry's; the observer is added the way the middleware's own tests add one."""
+    from servprof.middleware import ServprofMiddleware
+    from servprof.settings import Settings
+
+    middleware = ServprofMiddleware(app, Settings(out_dir=out_dir, telemetry=False, warmup=False))
+    keeper = KeepingObserver(observer)
+    middleware.runtime.observers.append(keeper)
+    return middleware, keeper
+
+
 class ObserverProbe:
-    """Stand-in for ServprofMiddleware (servprof/middleware.py is another engineer's and had not
-    landed when these tests were written): fills a RequestRecord and calls the observer at the
-    same points and in the same way. `sample` picks requests to mark sampled; `records` keeps
-    every finished record for the test."""
+    """A thin stand-in for ServprofMiddleware, for tests that need a request marked sampled
+    without a profiler session (the real middleware marks a request sampled only once a real
+    session started, and then runs its own analysis): fills a RequestRecord and calls the
+    observer at the same points and in the same way. The `x-sample` header marks a request
+    sampled; `records` keeps every finished record for the test."""
 
     def __init__(
         self,
@@ -130,12 +180,7 @@ class ObserverProbe:
         self.requests_seen = 0
 
     def wait_records(self, count: int, timeout_s: float = 10.0) -> list[RequestRecord]:
-        """The server finishes a request just after the client has read it: wait for that."""
-        deadline = time.monotonic() + timeout_s
-        while len(self.records) < count and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert len(self.records) >= count, f"{len(self.records)} of {count} requests finished"
-        return self.records
+        return _wait_records(self, count, timeout_s)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":

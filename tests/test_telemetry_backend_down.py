@@ -1,5 +1,6 @@
 """An OTLP backend that is down, hung, or restarting never costs a request: every request
-succeeds, and what telemetry could not deliver is counted for /servprof/status."""
+through the real ServprofMiddleware succeeds, and what telemetry could not deliver is
+counted for /servprof/status."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from _telemetry_helpers import ObserverProbe, OtlpHttpReceiver, chat_body, free_port, make_app, serve
+from _telemetry_helpers import OtlpHttpReceiver, behind_middleware, chat_body, free_port, make_app, serve
 
 from servprof import telemetry
 from servprof.settings import Settings
@@ -64,9 +65,9 @@ def test_connection_refused_costs_no_request(tmp_path: Path, monkeypatch: Any, p
     port = free_port()  # nothing listens there
     endpoint = f"http://127.0.0.1:{port}" + ("/v1/traces" if protocol == "http/protobuf" else "")
     observer = _observer(tmp_path, monkeypatch, endpoint, protocol)
-    probe = ObserverProbe(make_app(), observer)
+    app, keeper = behind_middleware(make_app(), observer, tmp_path)
     try:
-        with serve(probe) as url:
+        with serve(app) as url:
             statuses = _load(url, 40)
             assert statuses == [200] * 40
             _wait_until(lambda: telemetry.status()["spans_export_failed"] > 0)
@@ -74,6 +75,7 @@ def test_connection_refused_costs_no_request(tmp_path: Path, monkeypatch: Any, p
         assert status["spans_exported"] == 0
         assert status["spans_dropped"] >= status["spans_export_failed"] > 0
         assert observer.dropped_spans == status["spans_dropped"]
+        assert app.runtime.status()["observers"]["dropped_spans"] == status["spans_dropped"]  # /servprof/status
     finally:
         telemetry.shutdown()
 
@@ -87,9 +89,9 @@ def test_hung_backend_fills_the_bounded_queue_and_drops_are_counted(tmp_path: Pa
         observer = _observer(
             tmp_path, monkeypatch, endpoint, OTEL_BSP_MAX_QUEUE_SIZE="16", OTEL_BSP_MAX_EXPORT_BATCH_SIZE="4"
         )
-        probe = ObserverProbe(make_app(), observer)
+        app, keeper = behind_middleware(make_app(), observer, tmp_path)
         try:
-            with serve(probe) as url:
+            with serve(app) as url:
                 statuses = _load(url, 80)
             assert statuses == [200] * 80
             status = telemetry.status()
@@ -104,9 +106,9 @@ def test_backend_restart_mid_load(tmp_path: Path, monkeypatch: Any) -> None:
     receiver = OtlpHttpReceiver()
     receiver.start()
     observer = _observer(tmp_path, monkeypatch, receiver.endpoint)
-    probe = ObserverProbe(make_app(), observer)
+    app, keeper = behind_middleware(make_app(), observer, tmp_path)
     try:
-        with serve(probe) as url:
+        with serve(app) as url:
             assert _load(url, 20) == [200] * 20
             _wait_until(lambda: len(receiver.spans) == 20)
 
@@ -117,7 +119,7 @@ def test_backend_restart_mid_load(tmp_path: Path, monkeypatch: Any) -> None:
             receiver.start()  # same port, as a restarted collector
             failed_before = telemetry.status()["spans_export_failed"]
             assert _load(url, 20) == [200] * 20
-            last_ids = {record.request_id for record in probe.wait_records(60)[-20:]}
+            last_ids = {record.request_id for record in keeper.wait_records(60)[-20:]}
             _wait_until(lambda: last_ids <= _received_request_ids(receiver))
         status = telemetry.status()
         assert status["spans_export_failed"] == failed_before > 0

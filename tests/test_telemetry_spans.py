@@ -1,7 +1,6 @@
-"""The request span and GenAI metrics, through a real app on a loopback uvicorn server.
-
-Spans go to the SDK's in-memory exporter through servprof's real batch processor; metrics
-to the SDK's in-memory reader."""
+"""The request span and GenAI metrics: a real app behind the real ServprofMiddleware on a
+loopback uvicorn server. Spans go to the SDK's in-memory exporter through servprof's own
+batch processor; metrics to the SDK's in-memory reader."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from _telemetry_helpers import ObserverProbe, chat_body, make_app, serve
+from _telemetry_helpers import behind_middleware, chat_body, make_app, serve
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
@@ -31,15 +30,15 @@ class Stack:
         self.observer = create_observer(
             settings, environ={}, span_exporter=self.exporter, metric_reader=self.reader
         )
-        self.probe = ObserverProbe(make_app(), self.observer)
+        self.app, self.keeper = behind_middleware(make_app(), self.observer, tmp_path)
 
     def spans(self) -> list[Any]:
-        self.probe.wait_records(self.probe.requests_seen)
+        self.keeper.wait_records(self.keeper.requests_seen)
         self.observer.force_flush()
         return list(self.exporter.get_finished_spans())
 
     def histograms(self) -> dict[str, Any]:
-        self.probe.wait_records(self.probe.requests_seen)
+        self.keeper.wait_records(self.keeper.requests_seen)
         data = self.reader.get_metrics_data()
         found: dict[str, Any] = {}
         for resource_metrics in data.resource_metrics if data else []:
@@ -52,7 +51,7 @@ class Stack:
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[Stack]:
     built = Stack(tmp_path)
-    with serve(built.probe) as url:
+    with serve(built.app) as url:
         built.url = url
         yield built
     built.observer.shutdown()
@@ -83,7 +82,7 @@ def test_one_server_span_per_request_named_by_route(stack: Stack) -> None:
     assert hello.attributes["http.response.status_code"] == 200
     assert hello.attributes["client.address"] == "127.0.0.1"
     assert hello.attributes["user_agent.original"] == "probe/1"
-    assert hello.attributes["servprof.request_id"] == stack.probe.records[0].request_id
+    assert hello.attributes["servprof.request_id"] == stack.keeper.records[0].request_id
     assert hello.attributes["servprof.sampled"] is False
     assert "gen_ai.operation.name" not in hello.attributes
     # The raw path of a templated route stays in url.path only.
@@ -92,7 +91,7 @@ def test_one_server_span_per_request_named_by_route(stack: Stack) -> None:
     # 4xx is the client's error: a server span leaves its status unset.
     assert missing.status.status_code is StatusCode.UNSET
     # Explicit times: the span covers the record's measured interval.
-    record = stack.probe.records[0]
+    record = stack.keeper.records[0]
     assert hello.start_time == record.arrival_ns
     assert hello.end_time - hello.start_time == record.end_ns - record.arrival_perf_ns
 
@@ -104,7 +103,7 @@ def test_streamed_completion_is_one_span_with_genai_and_servprof_attributes(stac
     spans = stack.spans()
     assert len(spans) == 1, "one span per request, never one per chunk"
     span = spans[0]
-    record = stack.probe.records[0]
+    record = stack.keeper.records[0]
     assert span.name == "POST /v1/chat/completions"
     attributes = dict(span.attributes)
     assert attributes["gen_ai.operation.name"] == "chat"
@@ -122,7 +121,7 @@ def test_streamed_completion_is_one_span_with_genai_and_servprof_attributes(stac
 
 def test_capture_content_opt_in_records_the_prompt(tmp_path: Path) -> None:
     built = Stack(tmp_path, capture_content=True)
-    with serve(built.probe) as url, httpx.Client() as client:
+    with serve(built.app) as url, httpx.Client() as client:
         assert (
             client.post(url + "/v1/chat/completions", content=chat_body("tell me", stream=False)).status_code
             == 200
