@@ -64,6 +64,8 @@ class Session:
         self.perf_start_ns: int | None = None
         self.perf_end_ns: int | None = None
         self.capture_end_ns: int | None = None  # when stop() began: events are captured until then
+        self.busy_ns = 0  # capture time with at least one request in flight
+        self.last_poll_ns = 0
         self.trace_path: Any = None
         self.trace_raw_bytes = 0
         self.result: dict[str, Any] | None = None
@@ -89,7 +91,7 @@ class Session:
         return {"session_id": self.session_id, "state": self.state, "reason": self.reason,
                 "target_requests": self.target_requests, "stop_reason": self.stop_reason, "error": self.error,
                 "wall_start_ns": self.wall_start_ns, "perf_start_ns": self.perf_start_ns,
-                "duration_s": self.duration_s(), "steps": self.steps(),
+                "duration_s": self.duration_s(), "busy_s": self.busy_ns / 1e9, "steps": self.steps(),
                 "trace_file": str(self.trace_path) if self.trace_path else None,
                 "requests": [_record_summary(r) for r in list(self.records)]}
 
@@ -113,6 +115,7 @@ class CaptureController:
         self.warmup_wanted = False
         self.warmup_error: str | None = None
         self.sessions_started = 0  # profiler starts by servprof in this process (warm-up excluded)
+        self.in_flight = 0  # HTTP requests being served by any ServprofMiddleware in this process
         self.events_per_second: float | None = None  # learned from the last finished session
         self.events_per_step: float | None = None
         self._atexit_registered = False
@@ -229,7 +232,7 @@ class CaptureController:
             return
         prof = self._new_profiler(session.settings)
         session.wall_start_ns = time.time_ns()
-        session.perf_start_ns = time.perf_counter_ns()
+        session.perf_start_ns = session.last_poll_ns = time.perf_counter_ns()
         prof.start()
         self._profiler = prof
         self.sessions_started += 1
@@ -245,7 +248,13 @@ class CaptureController:
         if session.stop_requested:
             return session.stop_requested
         settings = session.settings
-        elapsed = (time.perf_counter_ns() - (session.perf_start_ns or 0)) / 1e9
+        now = time.perf_counter_ns()
+        elapsed = (now - (session.perf_start_ns or 0)) / 1e9
+        # Events come from serving work: count only the time some request was in flight, so an
+        # idle server can wait for the session's requests without spending the event budget.
+        if self.in_flight > 0:
+            session.busy_ns += now - session.last_poll_ns
+        session.last_poll_ns = now
         steps = session.steps()
         if len(session.records) >= session.target_requests and session.open_requests <= 0:
             return "requests_done"
@@ -253,7 +262,7 @@ class CaptureController:
             return "max_session_s"
         if steps >= settings.max_session_steps:
             return "max_session_steps"
-        if self.estimated_events(elapsed, steps, settings.assumed_events_per_s) >= settings.max_session_events:
+        if self.estimated_events(session.busy_ns / 1e9, steps, settings.assumed_events_per_s) >= settings.max_session_events:
             return "max_session_events"
         return None
 
@@ -296,8 +305,8 @@ class CaptureController:
         if not isinstance(count, (int, float)) or count <= 0:
             count = session.trace_raw_bytes / RAW_BYTES_PER_EVENT
         steps = session.steps()
-        # The capture window only: stop() holds the GIL, so next to nothing is captured during it.
-        duration = ((session.capture_end_ns or 0) - (session.perf_start_ns or 0)) / 1e9
+        # Busy capture time only (stop() holds the GIL, so next to nothing is captured during it).
+        duration = session.busy_ns / 1e9
         if count > 0 and duration > 0:
             # A quiet session must not talk the next, busier one into a long capture:
             # an old rate fades by half per session instead of being forgotten.

@@ -136,6 +136,8 @@ class _RequestResponder:
                     states.append(None)
                     runtime.counters["observer_errors"] += 1
 
+        controller = runtime.controller
+        controller.in_flight += 1
         id_token = request_id_var.set(request_id)
         record_token = request_record_var.set(record)
         try:
@@ -147,6 +149,7 @@ class _RequestResponder:
             raise
         finally:
             record.end_ns = _perf_ns()
+            controller.in_flight -= 1
             route = scope.get("route")
             if route is not None:
                 record.route = getattr(route, "path", None)

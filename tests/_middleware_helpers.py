@@ -144,6 +144,8 @@ def tiny_server(tmp_path: Any, seen: dict[str, Any] | None = None,
     """The tiny app behind ServprofMiddleware (telemetry off), served on loopback."""
     settings.setdefault("out_dir", tmp_path / "out")
     settings.setdefault("telemetry", False)
+    # Sessions here are bounded by requests or steps unless a test sets an event budget itself.
+    settings.setdefault("max_session_events", 10**9)
     engine = TinyEngine()
     engine.start()
     middleware = ServprofMiddleware(make_app(engine, seen), **settings)

@@ -95,6 +95,19 @@ def test_session_is_bounded_by_decode_steps(tmp_path: Path) -> None:
     assert Path(session["trace_file"]).exists()
 
 
+def test_session_is_bounded_by_estimated_events(tmp_path: Path) -> None:
+    wait_idle()
+    controller = get_controller()
+    with tiny_server(tmp_path, control_token=TOKEN, max_session_events=300, analysis=False) as (url, mw, _e), \
+            httpx.Client(timeout=30) as client:
+        status, lines, _ = sse_post(client, url, tokens=200, headers=SAMPLE)
+        assert status == 200 and len(lines) == 201
+        (session,) = wait_sessions(mw, 1)
+    assert session["stop_reason"] == "max_session_events", session
+    # What the session measured is what bounds the next one.
+    assert controller.events_per_second and controller.events_per_step
+
+
 def test_client_disconnect_during_a_sampled_stream(tmp_path: Path) -> None:
     wait_idle()
     with tiny_server(tmp_path, control_token=TOKEN, analysis=False, requests_per_session=1) as (url, mw, engine), \
