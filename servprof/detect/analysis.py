@@ -24,8 +24,8 @@ class Analysis:
 
 def analyse(trace: Trace, requests: list[dict[str, Any]] | None = None, device: str | None = None) -> Analysis:
     steps = find_steps(trace)
-    gap_findings, gap_summary = detect_decode_gaps(trace, steps)
-    gaps, _ = find_gaps(trace, steps)
+    gaps, gap_stats = find_gaps(trace, steps)
+    gap_findings, gap_summary = detect_decode_gaps(trace, steps, (gaps, gap_stats))
     token_findings, token_summary = detect_tokenization_stalls(trace, steps, gaps)
     bw_findings, bw_summary, kernels = detect_bandwidth_bound(trace, steps, device)
     findings = sorted([*gap_findings, *token_findings, *bw_findings], key=lambda f: f.cost_ms, reverse=True)

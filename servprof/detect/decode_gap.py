@@ -157,8 +157,10 @@ def _idle_intervals(starts: np.ndarray, ends: np.ndarray) -> list[tuple[float, f
     return [(float(e[h]), float(s[h + 1])) for h in holes]
 
 
-def detect_decode_gaps(trace: Trace, steps: list[Step]) -> tuple[list[Finding], dict[str, Any]]:
-    gaps, stats = find_gaps(trace, steps)
+def detect_decode_gaps(trace: Trace, steps: list[Step], found: tuple[list[Gap], dict[str, Any]] | None = None
+                       ) -> tuple[list[Finding], dict[str, Any]]:
+    """Findings (one per cause) from the gaps; ``found`` is find_gaps' result when the caller has it."""
+    gaps, stats = found if found is not None else find_gaps(trace, steps)
     split = [s.to_dict() for s in idle_split(trace)]
     summary: dict[str, Any] = {
         **stats,
