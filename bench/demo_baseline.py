@@ -27,13 +27,28 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-PROMPT = ("The scheduler counted forty small tokens near the station, and the engineer measured "
-          "the latency graph after lunch. ")
+PROMPT = (
+    "The scheduler counted forty small tokens near the station, and the engineer measured "
+    "the latency graph after lunch. "
+)
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
-    command = [sys.executable, "-m", "servprof.demo.server", "--port", "0", "--size", args.size,
-               "--device", args.device, "--max-batch", str(max(args.concurrency)), "--log-level", "info"]
+    command = [
+        sys.executable,
+        "-m",
+        "servprof.demo.server",
+        "--port",
+        "0",
+        "--size",
+        args.size,
+        "--device",
+        args.device,
+        "--max-batch",
+        str(max(args.concurrency)),
+        "--log-level",
+        "info",
+    ]
     if args.dtype:
         command += ["--dtype", args.dtype]
     if not args.servprof:
@@ -52,8 +67,12 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
 
 
 async def one_stream(client: httpx.AsyncClient, url: str, max_tokens: int) -> dict[str, Any]:
-    payload = {"prompt": PROMPT * 2, "max_tokens": max_tokens, "stream": True,
-               "stream_options": {"include_usage": True}}
+    payload = {
+        "prompt": PROMPT * 2,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     sent = time.perf_counter()
     arrivals: list[float] = []
     tokens = 0
@@ -84,11 +103,17 @@ async def run_level(url: str, concurrency: int, requests_per_stream: int, max_to
     ttft = np.array([r["ttft"] for r in results]) * 1000
     itl = np.array([x for r in results for x in r["itl"]]) * 1000
     tokens = sum(r["tokens"] for r in results)
-    return {"concurrency": concurrency, "requests": len(results), "output_tokens": tokens,
-            "seconds": elapsed, "output_tokens_per_s": tokens / elapsed,
-            "ttft_ms_p50": float(np.percentile(ttft, 50)), "ttft_ms_p90": float(np.percentile(ttft, 90)),
-            "itl_ms_p50": float(np.percentile(itl, 50)) if itl.size else float("nan"),
-            "itl_ms_p90": float(np.percentile(itl, 90)) if itl.size else float("nan")}
+    return {
+        "concurrency": concurrency,
+        "requests": len(results),
+        "output_tokens": tokens,
+        "seconds": elapsed,
+        "output_tokens_per_s": tokens / elapsed,
+        "ttft_ms_p50": float(np.percentile(ttft, 50)),
+        "ttft_ms_p90": float(np.percentile(ttft, 90)),
+        "itl_ms_p50": float(np.percentile(itl, 50)) if itl.size else float("nan"),
+        "itl_ms_p90": float(np.percentile(itl, 90)) if itl.size else float("nan"),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--requests-per-stream", type=int, default=3)
     parser.add_argument("--servprof", action="store_true", help="keep ServprofMiddleware on in the server")
-    parser.add_argument("--server-arg", action="append", default=[], help="extra demo-server flag (repeatable)")
+    parser.add_argument(
+        "--server-arg", action="append", default=[], help="extra demo-server flag (repeatable)"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     try:
@@ -112,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
 
     process, url = start_server(args)
     try:
-        rows = [asyncio.run(run_level(url, c, args.requests_per_stream, args.max_tokens)) for c in args.concurrency]
+        rows = [
+            asyncio.run(run_level(url, c, args.requests_per_stream, args.max_tokens))
+            for c in args.concurrency
+        ]
     finally:
         process.terminate()
         process.wait(30)
@@ -120,17 +150,38 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         row["throughput_vs_first"] = row["output_tokens_per_s"] / base
     if args.json:
-        print(orjson.dumps({"size": args.size, "device": args.device, "max_tokens": args.max_tokens,
-                            "rows": rows}, option=orjson.OPT_INDENT_2).decode())
+        print(
+            orjson.dumps(
+                {"size": args.size, "device": args.device, "max_tokens": args.max_tokens, "rows": rows},
+                option=orjson.OPT_INDENT_2,
+            ).decode()
+        )
         return 0
-    table = Table(title=f"demo server baseline: size={args.size} device={args.device} max_tokens={args.max_tokens}")
-    for column in ("streams", "requests", "out tok/s", "TTFT p50 ms", "TTFT p90 ms", "ITL p50 ms", "ITL p90 ms",
-                   f"tok/s vs {args.concurrency[0]}"):
+    table = Table(
+        title=f"demo server baseline: size={args.size} device={args.device} max_tokens={args.max_tokens}"
+    )
+    for column in (
+        "streams",
+        "requests",
+        "out tok/s",
+        "TTFT p50 ms",
+        "TTFT p90 ms",
+        "ITL p50 ms",
+        "ITL p90 ms",
+        f"tok/s vs {args.concurrency[0]}",
+    ):
         table.add_column(column, justify="right")
     for row in rows:
-        table.add_row(str(row["concurrency"]), str(row["requests"]), f"{row['output_tokens_per_s']:.0f}",
-                      f"{row['ttft_ms_p50']:.1f}", f"{row['ttft_ms_p90']:.1f}", f"{row['itl_ms_p50']:.2f}",
-                      f"{row['itl_ms_p90']:.2f}", f"{row['throughput_vs_first']:.2f}x")
+        table.add_row(
+            str(row["concurrency"]),
+            str(row["requests"]),
+            f"{row['output_tokens_per_s']:.0f}",
+            f"{row['ttft_ms_p50']:.1f}",
+            f"{row['ttft_ms_p90']:.1f}",
+            f"{row['itl_ms_p50']:.2f}",
+            f"{row['itl_ms_p90']:.2f}",
+            f"{row['throughput_vs_first']:.2f}x",
+        )
     Console().print(table)
     return 0
 

@@ -65,7 +65,7 @@ def parse_sse(body: str) -> list[Any]:
         if not block.strip():
             continue
         assert block.startswith("data: "), f"not an SSE data event: {block!r}"
-        payload = block[len("data: "):]
+        payload = block[len("data: ") :]
         events.append(payload if payload == "[DONE]" else orjson.loads(payload))
     return events
 

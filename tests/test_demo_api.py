@@ -33,8 +33,9 @@ def test_health_and_models(base_url):
 
 
 def test_completion_not_streamed(base_url):
-    response = httpx.post(f"{base_url}/v1/completions", json={"prompt": "The engineer measured", "max_tokens": 7},
-                          timeout=30)
+    response = httpx.post(
+        f"{base_url}/v1/completions", json={"prompt": "The engineer measured", "max_tokens": 7}, timeout=30
+    )
     assert response.status_code == 200
     body = response.json()
     assert body["object"] == "text_completion"
@@ -45,8 +46,12 @@ def test_completion_not_streamed(base_url):
 
 
 def test_completion_streamed_with_usage(base_url):
-    payload = {"prompt": "Notes on batching:", "max_tokens": 9, "stream": True,
-               "stream_options": {"include_usage": True}}
+    payload = {
+        "prompt": "Notes on batching:",
+        "max_tokens": 9,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     response = httpx.post(f"{base_url}/v1/completions", json=payload, timeout=30)
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/event-stream")
@@ -65,8 +70,10 @@ def test_completion_streamed_with_usage(base_url):
 
 
 def test_chat_completion_not_streamed(base_url):
-    payload = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}],
-               "max_tokens": 5}
+    payload = {
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}],
+        "max_tokens": 5,
+    }
     body = httpx.post(f"{base_url}/v1/chat/completions", json=payload, timeout=30).json()
     assert body["object"] == "chat.completion"
     message = body["choices"][0]["message"]
@@ -75,8 +82,11 @@ def test_chat_completion_not_streamed(base_url):
 
 
 def test_chat_completion_streamed(base_url):
-    payload = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Tell me about trains."}]}],
-               "max_tokens": 6, "stream": True}
+    payload = {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Tell me about trains."}]}],
+        "max_tokens": 6,
+        "stream": True,
+    }
     events = parse_sse(httpx.post(f"{base_url}/v1/chat/completions", json=payload, timeout=30).text)
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
@@ -88,7 +98,13 @@ def test_chat_completion_streamed(base_url):
 
 def test_seed_makes_sampling_reproducible(base_url):
     def generate(seed: int) -> str:
-        payload = {"prompt": "A quiet village", "max_tokens": 12, "temperature": 1.0, "top_p": 0.9, "seed": seed}
+        payload = {
+            "prompt": "A quiet village",
+            "max_tokens": 12,
+            "temperature": 1.0,
+            "top_p": 0.9,
+            "seed": seed,
+        }
         return httpx.post(f"{base_url}/v1/completions", json=payload, timeout=30).json()["choices"][0]["text"]
 
     first, again, other = generate(7), generate(7), generate(8)
@@ -100,17 +116,21 @@ def test_stop_string_ends_generation(base_url):
     payload = {"prompt": "The market", "max_tokens": 24, "temperature": 0.0}
     full = httpx.post(f"{base_url}/v1/completions", json=payload, timeout=30).json()["choices"][0]["text"]
     assert len(full) > 8, full
-    stop = full[len(full) // 2: len(full) // 2 + 3]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
     expected = full[: full.index(stop)]
     for stream in (False, True):
-        response = httpx.post(f"{base_url}/v1/completions", json={**payload, "stop": [stop], "stream": stream},
-                              timeout=30)
+        response = httpx.post(
+            f"{base_url}/v1/completions", json={**payload, "stop": [stop], "stream": stream}, timeout=30
+        )
         if stream:
             chunks = [e for e in parse_sse(response.text) if e != "[DONE]"]
             text = "".join(c["choices"][0]["text"] for c in chunks)
             finish = chunks[-1]["choices"][0]["finish_reason"]
         else:
-            text, finish = response.json()["choices"][0]["text"], response.json()["choices"][0]["finish_reason"]
+            text, finish = (
+                response.json()["choices"][0]["text"],
+                response.json()["choices"][0]["finish_reason"],
+            )
         assert (text, finish) == (expected, "stop")
 
 
@@ -118,8 +138,12 @@ def test_sixteen_concurrent_streams_all_complete_in_one_batch(base_url):
     steps_before = get_stats(base_url)["decode_steps"]
 
     async def one(client: httpx.AsyncClient, index: int) -> tuple[str, int]:
-        payload = {"prompt": f"Request {index}: " + "the scheduler counted tokens " * (1 + index % 4),
-                   "max_tokens": 24, "stream": True, "stream_options": {"include_usage": True}}
+        payload = {
+            "prompt": f"Request {index}: " + "the scheduler counted tokens " * (1 + index % 4),
+            "max_tokens": 24,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         async with client.stream("POST", f"{base_url}/v1/completions", json=payload) as response:
             assert response.status_code == 200
             body = (await response.aread()).decode()
@@ -135,7 +159,7 @@ def test_sixteen_concurrent_streams_all_complete_in_one_batch(base_url):
     assert [done for done, _ in results] == ["[DONE]"] * 16
     assert all(1 <= tokens <= 24 for _, tokens in results)
     stats = get_stats(base_url)
-    new_steps = stats["steps"][-(stats["decode_steps"] - steps_before):]
+    new_steps = stats["steps"][-(stats["decode_steps"] - steps_before) :]
     # Continuous batching: decode steps served many requests at once.
     assert max(step["batch_size"] for step in new_steps) >= 8
     assert stats["batch_size"] == 0 and stats["free_slots"] == MAX_BATCH
@@ -146,9 +170,16 @@ def test_disconnect_frees_the_slot_and_the_batch_shrinks():
     with start_demo_server(size="tiny", max_batch=4, step_delay_ms=5, max_tokens_limit=400) as url:
 
         async def main() -> None:
-            payload = {"prompt": "Keep talking about bridges", "max_tokens": 400, "stream": True, "temperature": 0}
-            async with (httpx.AsyncClient(timeout=60) as client,
-                        client.stream("POST", f"{url}/v1/completions", json=payload) as kept):
+            payload = {
+                "prompt": "Keep talking about bridges",
+                "max_tokens": 400,
+                "stream": True,
+                "temperature": 0,
+            }
+            async with (
+                httpx.AsyncClient(timeout=60) as client,
+                client.stream("POST", f"{url}/v1/completions", json=payload) as kept,
+            ):
                 kept_lines = kept.aiter_lines()
                 async with client.stream("POST", f"{url}/v1/completions", json=payload) as dropped:
                     dropped_lines = dropped.aiter_lines()
@@ -158,7 +189,8 @@ def test_disconnect_frees_the_slot_and_the_batch_shrinks():
                     assert get_stats(url)["batch_size"] == 2
                 # Leaving the block closed `dropped`'s connection mid-stream.
                 stats = await asyncio.to_thread(
-                    wait_for, lambda: (s := get_stats(url))["requests_finished"].get("cancelled") and s)
+                    wait_for, lambda: (s := get_stats(url))["requests_finished"].get("cancelled") and s
+                )
                 assert stats["free_slots"] == 3
                 # `kept` still streams, now alone in the batch.
                 for _ in range(6):

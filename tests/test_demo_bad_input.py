@@ -37,10 +37,14 @@ BAD_REQUESTS = [
     (COMPLETIONS, b'{"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}', "stop"),
     (COMPLETIONS, b'{"prompt": "hi", "stop": [""]}', "stop"),
     (COMPLETIONS, b'{"prompt": "hi", "stream": "yes"}', "stream"),
-    (COMPLETIONS, b'{"prompt": "hi", "stream": true, "stream_options": {"include_usage": 1}}',
-     "stream_options.include_usage"),
+    (
+        COMPLETIONS,
+        b'{"prompt": "hi", "stream": true, "stream_options": {"include_usage": 1}}',
+        "stream_options.include_usage",
+    ),
     (COMPLETIONS, b'{"prompt": "hi", "n": 2}', "n"),
     (COMPLETIONS, b'{"prompt": "hi", "model": 5}', "model"),
+    (COMPLETIONS, b'{"prompt": "hi", "ignore_eos": "yes"}', "ignore_eos"),
     (CHAT, b'{"max_tokens": 4}', "messages"),
     (CHAT, b'{"messages": []}', "messages"),
     (CHAT, b'{"messages": "hello"}', "messages"),
@@ -71,25 +75,31 @@ def assert_openai_400(response: httpx.Response, param: str | None) -> dict:
     return error
 
 
-@pytest.mark.parametrize(("path", "body", "param"), BAD_REQUESTS, ids=[f"{p}:{b[:40]!r}" for p, b, _ in BAD_REQUESTS])
+@pytest.mark.parametrize(
+    ("path", "body", "param"), BAD_REQUESTS, ids=[f"{p}:{b[:40]!r}" for p, b, _ in BAD_REQUESTS]
+)
 def test_bad_request_gets_400(base_url, path, body, param):
-    response = httpx.post(f"{base_url}{path}", content=body, headers={"content-type": "application/json"},
-                          timeout=30)
+    response = httpx.post(
+        f"{base_url}{path}", content=body, headers={"content-type": "application/json"}, timeout=30
+    )
     assert_openai_400(response, param)
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_prompt_longer_than_context_gets_400(base_url, stream):
     prompt = "The market opened early and the baker counted bread. " * 60  # far over 256 tokens
-    response = httpx.post(f"{base_url}{COMPLETIONS}", json={"prompt": prompt, "max_tokens": 4, "stream": stream},
-                          timeout=30)
+    response = httpx.post(
+        f"{base_url}{COMPLETIONS}", json={"prompt": prompt, "max_tokens": 4, "stream": stream}, timeout=30
+    )
     error = assert_openai_400(response, "prompt")
     assert error["code"] == "context_length_exceeded"
 
 
 def test_prompt_plus_max_tokens_over_context_gets_400(base_url):
     prompt = "word " * (CONTEXT - 20)  # fits alone, not with 64 more tokens
-    response = httpx.post(f"{base_url}{COMPLETIONS}", json={"prompt": prompt, "max_tokens": LIMIT}, timeout=30)
+    response = httpx.post(
+        f"{base_url}{COMPLETIONS}", json={"prompt": prompt, "max_tokens": LIMIT}, timeout=30
+    )
     error = assert_openai_400(response, "max_tokens")
     assert error["code"] == "context_length_exceeded"
 

@@ -39,7 +39,7 @@ def median_gap_ms(url: str) -> float:
     before = get_stats(url)["decode_steps"]
     stream_one(url, max_tokens=30)
     stats = get_stats(url)
-    steps = stats["steps"][-(stats["decode_steps"] - before):]
+    steps = stats["steps"][-(stats["decode_steps"] - before) :]
     gaps = [s["gap_ns"] / 1e6 for s in steps[1:]]  # the first step's gap spans the idle time before it
     assert len(gaps) >= 20
     return statistics.median(gaps)

@@ -45,7 +45,13 @@ def test_batched_decode_of_different_lengths_matches_each_alone(model):
 
 def test_named_sizes_have_llama_like_shapes():
     one_b = SIZES["1b"]
-    assert (one_b.dim, one_b.n_layers, one_b.n_heads, one_b.n_kv_heads, one_b.ffn_dim) == (2048, 16, 32, 8, 8192)
+    assert (one_b.dim, one_b.n_layers, one_b.n_heads, one_b.n_kv_heads, one_b.ffn_dim) == (
+        2048,
+        16,
+        32,
+        8,
+        8192,
+    )
     assert 1.0e9 < count_parameters(one_b) < 1.3e9
     assert 10e6 < count_parameters(SIZES["small"]) < 100e6
     tiny = LlamaLikeModel(model_config("tiny"), slots=1, context=8)
@@ -82,8 +88,14 @@ def test_tokenizer_round_trip_streaming_and_cost_grows_with_length():
 
 
 def test_config_from_env_and_bad_values():
-    config = DemoConfig.from_env({"SERVPROF_DEMO_STEP_DELAY_MS": "12.5", "SERVPROF_DEMO_SYNC_PER_STEP": "true",
-                                  "SERVPROF_DEMO_MAX_BATCH": "8"}, max_batch=4)
+    config = DemoConfig.from_env(
+        {
+            "SERVPROF_DEMO_STEP_DELAY_MS": "12.5",
+            "SERVPROF_DEMO_SYNC_PER_STEP": "true",
+            "SERVPROF_DEMO_MAX_BATCH": "8",
+        },
+        max_batch=4,
+    )
     assert (config.step_delay_ms, config.sync_per_step, config.max_batch) == (12.5, True, 4)
     with pytest.raises(ValueError, match="SERVPROF_DEMO_MAX_BATCH='many' is not a valid int"):
         DemoConfig.from_env({"SERVPROF_DEMO_MAX_BATCH": "many"})
@@ -94,8 +106,12 @@ def test_config_from_env_and_bad_values():
 
 
 def test_cli_rejects_bad_flags_with_a_clear_message():
-    result = subprocess.run([sys.executable, "-m", "servprof.cli", "demo-server", "--max-batch", "0"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "servprof.cli", "demo-server", "--max-batch", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert "max_batch must be >= 1" in result.stderr and "Traceback" not in result.stderr
 
@@ -103,9 +119,22 @@ def test_cli_rejects_bad_flags_with_a_clear_message():
 @pytest.mark.slow
 def test_cli_serves_on_a_free_port():
     env = {**os.environ, "SERVPROF_DEMO_MAX_BATCH": "2"}
-    process = subprocess.Popen([sys.executable, "-m", "servprof.demo.server", "--port", "0", "--no-servprof",
-                                "--step-delay-ms", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                               text=True, env=env)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "servprof.demo.server",
+            "--port",
+            "0",
+            "--no-servprof",
+            "--step-delay-ms",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         url = None
         for line in process.stderr:  # uvicorn logs the port it bound
@@ -122,3 +151,37 @@ def test_cli_serves_on_a_free_port():
         process.terminate()
         process.wait(30)
         process.stderr.close()
+
+
+def test_engine_stops_on_end_of_text_unless_ignore_eos():
+    import asyncio
+
+    from servprof.demo.engine import Engine, EngineRequest, Output, asyncio_sink
+
+    # Every token counts as end-of-text here, so the rule is exercised on the first token.
+    tokenizer = DemoTokenizer()
+    tokenizer.eos_ids = set(range(tokenizer.vocab_size))
+    engine = Engine(
+        LlamaLikeModel(model_config("tiny", tokenizer.vocab_size), slots=2, context=64), tokenizer
+    )
+    engine.start()
+
+    async def run(ignore_eos: bool) -> tuple[str | None, int]:
+        outputs: asyncio.Queue[Output] = asyncio.Queue()
+        request = EngineRequest(
+            "r",
+            tokenizer.encode("hello there"),
+            SamplingParams(max_tokens=5, ignore_eos=ignore_eos),
+            asyncio_sink(asyncio.get_running_loop(), outputs),
+        )
+        engine.submit(request)
+        while (output := await outputs.get()).finish_reason is None:
+            pass
+        return output.finish_reason, len(request.output_ids)
+
+    try:
+        assert asyncio.run(run(False)) == ("stop", 0)
+        assert asyncio.run(run(True)) == ("length", 5)
+        assert engine.snapshot()["free_slots"] == 2
+    finally:
+        engine.stop()

@@ -22,10 +22,15 @@ from servprof.phases import parse_phase_event_name
 
 async def _two_concurrent_streams(url: str) -> None:
     async with httpx.AsyncClient(timeout=60) as client:
-        await asyncio.gather(*(
-            client.post(f"{url}/v1/completions", json={"prompt": f"Notes on caching {i}", "max_tokens": 12,
-                                                       "stream": True})
-            for i in range(2)))
+        await asyncio.gather(
+            *(
+                client.post(
+                    f"{url}/v1/completions",
+                    json={"prompt": f"Notes on caching {i}", "max_tokens": 12, "stream": True},
+                )
+                for i in range(2)
+            )
+        )
 
 
 def _no_other_profiler() -> bool:
@@ -39,8 +44,10 @@ def test_phases_in_a_real_profile(tmp_path: Path):
     wait_for(_no_other_profiler, timeout=60)
     with start_demo_server(size="tiny", max_batch=4) as url:
         before = get_stats(url)
-        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                          experimental_config=_ExperimentalConfig(profile_all_threads=True))
+        profiler = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU],
+            experimental_config=_ExperimentalConfig(profile_all_threads=True),
+        )
         profiler.start()
         try:
             asyncio.run(_two_concurrent_streams(url))
@@ -88,8 +95,12 @@ def test_request_id_comes_from_the_servprof_middleware(monkeypatch, tmp_path: Pa
     monkeypatch.setenv("SERVPROF_TELEMETRY", "0")
     monkeypatch.setenv("SERVPROF_WARMUP", "0")
     with start_demo_server(size="tiny", max_batch=2, servprof=True) as url:
-        response = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 3},
-                              headers={"x-request-id": "demo-test-id-42"}, timeout=60)
+        response = httpx.post(
+            f"{url}/v1/completions",
+            json={"prompt": "hello", "max_tokens": 3},
+            headers={"x-request-id": "demo-test-id-42"},
+            timeout=60,
+        )
         assert response.status_code == 200
         assert response.json()["id"] == "cmpl-demo-test-id-42"
         assert get_stats(url)["recent_requests"][-1]["request_id"] == "demo-test-id-42"

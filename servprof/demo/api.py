@@ -20,8 +20,14 @@ MAX_STOP_STRINGS = 4
 
 
 class APIError(Exception):
-    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
-                 type_: str = "invalid_request_error"):
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        status: int = 400,
+        type_: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.message, self.param, self.code, self.status, self.type = message, param, code, status, type_
 
@@ -61,13 +67,19 @@ def parse_request(body: bytes, *, chat: bool, max_tokens_limit: int) -> ParsedRe
     if max_tokens is None:
         max_tokens = min(DEFAULT_MAX_TOKENS, max_tokens_limit)
     if not 1 <= max_tokens <= max_tokens_limit:
-        raise APIError(f"max_tokens must be between 1 and {max_tokens_limit} (got {max_tokens})",
-                       param="max_tokens", code="invalid_value")
+        raise APIError(
+            f"max_tokens must be between 1 and {max_tokens_limit} (got {max_tokens})",
+            param="max_tokens",
+            code="invalid_value",
+        )
     temperature = _optional(data, "temperature", float)
     temperature = 1.0 if temperature is None else temperature
     if not 0.0 <= temperature <= 2.0:
-        raise APIError(f"temperature must be between 0 and 2 (got {temperature})", param="temperature",
-                       code="invalid_value")
+        raise APIError(
+            f"temperature must be between 0 and 2 (got {temperature})",
+            param="temperature",
+            code="invalid_value",
+        )
     top_p = _optional(data, "top_p", float)
     top_p = 1.0 if top_p is None else top_p
     if not 0.0 < top_p <= 1.0:
@@ -76,14 +88,27 @@ def parse_request(body: bytes, *, chat: bool, max_tokens_limit: int) -> ParsedRe
     stream = _optional(data, "stream", bool) or False
     stream_options = _optional(data, "stream_options", dict) or {}
     include_usage = _optional(stream_options, "include_usage", bool, "stream_options.include_usage") or False
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                            stop=_stop(data))
+    ignore_eos = _optional(data, "ignore_eos", bool) or False
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        stop=_stop(data),
+        ignore_eos=ignore_eos,
+    )
     return ParsedRequest(prompt, messages, params, stream, include_usage)
 
 
 def _type_name(expected: type) -> str:
-    return {str: "a string", int: "an integer", float: "a number", bool: "a boolean", dict: "an object",
-            list: "an array"}[expected]
+    return {
+        str: "a string",
+        int: "an integer",
+        float: "a number",
+        bool: "a boolean",
+        dict: "an object",
+        list: "an array",
+    }[expected]
 
 
 def _optional(data: dict[str, Any], key: str, expected: type, param: str | None = None) -> Any:
@@ -94,7 +119,9 @@ def _optional(data: dict[str, Any], key: str, expected: type, param: str | None 
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         ok, value = True, float(value)
     if not ok:
-        raise APIError(f"'{param or key}' must be {_type_name(expected)}", param=param or key, code="invalid_type")
+        raise APIError(
+            f"'{param or key}' must be {_type_name(expected)}", param=param or key, code="invalid_type"
+        )
     return value
 
 
@@ -124,17 +151,25 @@ def _messages(data: dict[str, Any]) -> list[dict[str, str]]:
             raise APIError(f"'{param}' must be an object", param=param, code="invalid_type")
         role = message.get("role")
         if role not in ROLES:
-            raise APIError(f"'{param}.role' must be one of {', '.join(ROLES)}", param=f"{param}.role",
-                           code="invalid_value")
+            raise APIError(
+                f"'{param}.role' must be one of {', '.join(ROLES)}",
+                param=f"{param}.role",
+                code="invalid_value",
+            )
         content = message.get("content")
         if isinstance(content, list):  # content parts: only text parts are understood
             texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
             if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
-                raise APIError(f"'{param}.content' parts must be text parts", param=f"{param}.content",
-                               code="invalid_type")
+                raise APIError(
+                    f"'{param}.content' parts must be text parts",
+                    param=f"{param}.content",
+                    code="invalid_type",
+                )
             content = "".join(texts)
         if not isinstance(content, str):
-            raise APIError(f"'{param}.content' must be a string", param=f"{param}.content", code="invalid_type")
+            raise APIError(
+                f"'{param}.content' must be a string", param=f"{param}.content", code="invalid_type"
+            )
         parsed.append({"role": role, "content": content})
     return parsed
 
@@ -145,40 +180,84 @@ def _stop(data: dict[str, Any]) -> list[str]:
         return []
     if isinstance(stop, str):
         stop = [stop]
-    if (not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS
-            or not all(isinstance(s, str) and s for s in stop)):
-        raise APIError(f"'stop' must be a non-empty string or up to {MAX_STOP_STRINGS} non-empty strings",
-                       param="stop", code="invalid_type")
+    if (
+        not isinstance(stop, list)
+        or len(stop) > MAX_STOP_STRINGS
+        or not all(isinstance(s, str) and s for s in stop)
+    ):
+        raise APIError(
+            f"'stop' must be a non-empty string or up to {MAX_STOP_STRINGS} non-empty strings",
+            param="stop",
+            code="invalid_type",
+        )
     return stop
 
 
-def completion_chunk(request_id: str, model: str, text: str, finish_reason: str | None, *, chat: bool,
-                     created: int, first: bool = False) -> dict[str, Any]:
+def completion_chunk(
+    request_id: str,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    *,
+    chat: bool,
+    created: int,
+    first: bool = False,
+) -> dict[str, Any]:
     if chat:
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
         if finish_reason is not None and not text:
             delta = {}
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return {"id": f"chatcmpl-{request_id}", "object": "chat.completion.chunk", "created": created,
-                "model": model, "choices": [choice]}
+        return {
+            "id": f"chatcmpl-{request_id}",
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [choice],
+        }
     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    return {"id": f"cmpl-{request_id}", "object": "text_completion", "created": created, "model": model,
-            "choices": [choice]}
+    return {
+        "id": f"cmpl-{request_id}",
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
 
 
-def completion_body(request_id: str, model: str, text: str, finish_reason: str, usage: dict[str, int], *,
-                    chat: bool) -> dict[str, Any]:
+def completion_body(
+    request_id: str, model: str, text: str, finish_reason: str, usage: dict[str, int], *, chat: bool
+) -> dict[str, Any]:
     created = int(time.time())
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
-        return {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": created, "model": model,
-                "choices": [choice], "usage": usage}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+        return {
+            "id": f"chatcmpl-{request_id}",
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [choice],
+            "usage": usage,
+        }
     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    return {"id": f"cmpl-{request_id}", "object": "text_completion", "created": created, "model": model,
-            "choices": [choice], "usage": usage}
+    return {
+        "id": f"cmpl-{request_id}",
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage,
+    }
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }

@@ -55,21 +55,39 @@ class DemoServer:
     def __init__(self, config: DemoConfig):
         self.config = config
         if config.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"--device {config.device}: this torch ({torch.__version__}) sees no CUDA device")
+            raise ValueError(
+                f"--device {config.device}: this torch ({torch.__version__}) sees no CUDA device"
+            )
         dtype = getattr(torch, config.torch_dtype_name)
         if config.model_path:
             from servprof.demo.hf import load_hf
 
-            self.model, self.tokenizer = load_hf(config.model_path, slots=config.max_batch,
-                                                 context=config.context_length, device=config.device, dtype=dtype,
-                                                 slow_us_per_token=config.slow_tokenizer_us_per_token)
+            self.model, self.tokenizer = load_hf(
+                config.model_path,
+                slots=config.max_batch,
+                context=config.context_length,
+                device=config.device,
+                dtype=dtype,
+                slow_us_per_token=config.slow_tokenizer_us_per_token,
+            )
         else:
             self.tokenizer = DemoTokenizer(slow_us_per_token=config.slow_tokenizer_us_per_token)
             model_cfg = model_config(config.size, min_vocab=self.tokenizer.vocab_size)
-            self.model = LlamaLikeModel(model_cfg, slots=config.max_batch, context=config.context_length,
-                                        device=config.device, dtype=dtype, seed=config.seed)
-        self.engine = Engine(self.model, self.tokenizer, step_delay_ms=config.step_delay_ms,
-                             sync_per_step=config.sync_per_step, timeline_size=config.step_timeline)
+            self.model = LlamaLikeModel(
+                model_cfg,
+                slots=config.max_batch,
+                context=config.context_length,
+                device=config.device,
+                dtype=dtype,
+                seed=config.seed,
+            )
+        self.engine = Engine(
+            self.model,
+            self.tokenizer,
+            step_delay_ms=config.step_delay_ms,
+            sync_per_step=config.sync_per_step,
+            timeline_size=config.step_timeline,
+        )
         self.loop_thread_id = 0
         self.created = int(time.time())
 
@@ -133,8 +151,13 @@ def create_app(config: DemoConfig | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        card = {"id": config.served_model_name, "object": "model", "created": server.created,
-                "owned_by": "servprof", "max_model_len": config.context_length}
+        card = {
+            "id": config.served_model_name,
+            "object": "model",
+            "created": server.created,
+            "owned_by": "servprof",
+            "max_model_len": config.context_length,
+        }
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.get("/health")
@@ -167,7 +190,7 @@ def _add_servprof(app: FastAPI) -> None:
 
 async def _generate(server: DemoServer, request: Request, *, chat: bool) -> Response:
     config = server.config
-    parsed = parse_request(await request.body(), chat=chat, max_tokens_limit=config.max_tokens_limit)
+    parsed = parse_request(await request.body(), chat=chat, max_tokens_limit=config.tokens_limit)
     if not server.engine.alive:
         raise APIError("the engine has stopped", status=503, type_="server_error", code="engine_stopped")
     request_id = current_request_id() or new_request_id()
@@ -175,12 +198,15 @@ async def _generate(server: DemoServer, request: Request, *, chat: bool) -> Resp
     prompt_ids = await server.tokenize(text, request_id)
     _check_length(len(prompt_ids), parsed, config.context_length)
     outputs: asyncio.Queue[Output] = asyncio.Queue()
-    engine_request = EngineRequest(request_id, prompt_ids, parsed.params,
-                                   asyncio_sink(asyncio.get_running_loop(), outputs))
+    engine_request = EngineRequest(
+        request_id, prompt_ids, parsed.params, asyncio_sink(asyncio.get_running_loop(), outputs)
+    )
     server.engine.submit(engine_request)
     if parsed.stream:
         stream = _stream(server, engine_request, outputs, parsed, chat=chat)
-        return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(
+            stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
     pieces: list[str] = []
     watcher = asyncio.create_task(_cancel_on_disconnect(server, request, engine_request))
     try:
@@ -198,8 +224,14 @@ async def _generate(server: DemoServer, request: Request, *, chat: bool) -> Resp
     _annotate(server, engine_request, output.finish_reason)
     if output.finish_reason == "error":
         raise APIError("the engine failed while generating", status=500, type_="server_error")
-    body = completion_body(request_id, config.served_model_name, "".join(pieces), output.finish_reason,
-                           usage(len(prompt_ids), len(engine_request.output_ids)), chat=chat)
+    body = completion_body(
+        request_id,
+        config.served_model_name,
+        "".join(pieces),
+        output.finish_reason,
+        usage(len(prompt_ids), len(engine_request.output_ids)),
+        chat=chat,
+    )
     return JSONResponse(body)
 
 
@@ -219,15 +251,28 @@ def _check_length(prompt_tokens: int, parsed: ParsedRequest, context: int) -> No
     if prompt_tokens == 0:
         raise APIError("the prompt has no tokens", param=param, code="invalid_value")
     if prompt_tokens >= context:
-        raise APIError(f"the prompt is {prompt_tokens} tokens; this model's context is {context}",
-                       param=param, code="context_length_exceeded")
+        raise APIError(
+            f"the prompt is {prompt_tokens} tokens; this model's context is {context}",
+            param=param,
+            code="context_length_exceeded",
+        )
     if prompt_tokens + parsed.params.max_tokens > context:
-        raise APIError(f"prompt ({prompt_tokens} tokens) + max_tokens ({parsed.params.max_tokens}) exceeds "
-                       f"the context of {context} tokens", param="max_tokens", code="context_length_exceeded")
+        raise APIError(
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({parsed.params.max_tokens}) exceeds "
+            f"the context of {context} tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
 
 
-async def _stream(server: DemoServer, engine_request: EngineRequest, outputs: asyncio.Queue[Output],
-                  parsed: ParsedRequest, *, chat: bool) -> AsyncIterator[bytes]:
+async def _stream(
+    server: DemoServer,
+    engine_request: EngineRequest,
+    outputs: asyncio.Queue[Output],
+    parsed: ParsedRequest,
+    *,
+    chat: bool,
+) -> AsyncIterator[bytes]:
     model, request_id, created = server.config.served_model_name, engine_request.request_id, int(time.time())
     finish_reason: str | None = None
     first = True
@@ -237,14 +282,20 @@ async def _stream(server: DemoServer, engine_request: EngineRequest, outputs: as
             finish_reason = output.finish_reason
             if not output.text and finish_reason is None:
                 continue  # a token whose text is still incomplete (partial UTF-8, possible stop string)
-            chunk = completion_chunk(request_id, model, output.text, finish_reason, chat=chat, created=created,
-                                     first=first)
+            chunk = completion_chunk(
+                request_id, model, output.text, finish_reason, chat=chat, created=created, first=first
+            )
             first = False
             yield b"data: " + orjson.dumps(chunk) + b"\n\n"
         if parsed.include_usage:
-            chunk = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
-                     "created": created, "model": model, "choices": [],
-                     "usage": usage(len(engine_request.prompt_ids), len(engine_request.output_ids))}
+            chunk = {
+                "id": request_id,
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [],
+                "usage": usage(len(engine_request.prompt_ids), len(engine_request.output_ids)),
+            }
             yield b"data: " + orjson.dumps(chunk) + b"\n\n"
         yield b"data: [DONE]\n\n"
     finally:
@@ -255,9 +306,11 @@ async def _stream(server: DemoServer, engine_request: EngineRequest, outputs: as
 
 
 def _annotate(server: DemoServer, engine_request: EngineRequest, finish_reason: str | None) -> None:
-    annotate_request(**{
-        "gen_ai.usage.input_tokens": len(engine_request.prompt_ids),
-        "gen_ai.usage.output_tokens": len(engine_request.output_ids),
-        "gen_ai.response.model": server.config.served_model_name,
-        "gen_ai.response.finish_reasons": [finish_reason or "unknown"],
-    })
+    annotate_request(
+        **{
+            "gen_ai.usage.input_tokens": len(engine_request.prompt_ids),
+            "gen_ai.usage.output_tokens": len(engine_request.output_ids),
+            "gen_ai.response.model": server.config.served_model_name,
+            "gen_ai.response.finish_reasons": [finish_reason or "unknown"],
+        }
+    )

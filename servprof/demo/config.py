@@ -21,7 +21,7 @@ class DemoConfig:
     device: str = "cpu"
     dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
     max_batch: int = 16  # KV-cache slots = largest decode batch
-    max_tokens_limit: int = 256  # largest max_tokens a request may ask for
+    max_tokens_limit: int = 0  # largest max_tokens a request may ask for; 0 = min(1024, context / 2)
     context: int = 0  # positions per slot; 0 = size default
     seed: int = 0
     model_name: str = ""  # served name; "" = servprof-demo-<size>
@@ -41,7 +41,11 @@ class DemoConfig:
     def served_model_name(self) -> str:
         if self.model_name:
             return self.model_name
-        return os.path.basename(os.path.normpath(self.model_path)) if self.model_path else f"servprof-demo-{self.size}"
+        return (
+            os.path.basename(os.path.normpath(self.model_path))
+            if self.model_path
+            else f"servprof-demo-{self.size}"
+        )
 
     @property
     def context_length(self) -> int:
@@ -49,7 +53,11 @@ class DemoConfig:
             return self.context
         if self.model_path:
             return 2048
-        return {"tiny": 512, "small": 2048, "1b": 4096}.get(self.size, 2048)
+        return {"tiny": 2048, "small": 2048, "1b": 4096}.get(self.size, 2048)
+
+    @property
+    def tokens_limit(self) -> int:
+        return self.max_tokens_limit or min(1024, self.context_length // 2)
 
     @property
     def torch_dtype_name(self) -> str:
@@ -65,14 +73,16 @@ class DemoConfig:
             problems.append(f"device must be cpu or cuda[:N] (got {self.device!r})")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             problems.append(f"dtype must be auto or one of {', '.join(DTYPES)} (got {self.dtype!r})")
-        for name in ("max_batch", "max_tokens_limit", "step_timeline"):
+        for name in ("max_batch", "step_timeline"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1 (got {getattr(self, name)})")
         if self.context < 0 or (self.context and self.context < 8):
             problems.append(f"context must be 0 (size default) or >= 8 (got {self.context})")
-        if self.max_tokens_limit >= self.context_length:
-            problems.append(f"max_tokens_limit ({self.max_tokens_limit}) must be below the context "
-                            f"({self.context_length})")
+        if self.max_tokens_limit < 0 or self.tokens_limit >= self.context_length:
+            problems.append(
+                f"max_tokens_limit ({self.max_tokens_limit}) must be 0 (auto) or from 1 to below "
+                f"the context ({self.context_length})"
+            )
         if self.step_delay_ms < 0 or self.slow_tokenizer_us_per_token < 0:
             problems.append("step_delay_ms and slow_tokenizer_us_per_token must be >= 0")
         if problems:

@@ -77,8 +77,15 @@ def asyncio_sink(loop: asyncio.AbstractEventLoop, target: asyncio.Queue[Output])
 
 
 class Engine:
-    def __init__(self, model: LlamaLikeModel, tokenizer: DemoTokenizer, *, step_delay_ms: float = 0.0,
-                 sync_per_step: bool = False, timeline_size: int = 4096):
+    def __init__(
+        self,
+        model: LlamaLikeModel,
+        tokenizer: DemoTokenizer,
+        *,
+        step_delay_ms: float = 0.0,
+        sync_per_step: bool = False,
+        timeline_size: int = 4096,
+    ):
         self.model, self.tokenizer = model, tokenizer
         self.step_delay_ns = int(step_delay_ms * 1e6)
         self.sync_per_step = sync_per_step
@@ -121,10 +128,15 @@ class Engine:
             self._incoming.put(None)  # wake the engine if it is idle
 
     def snapshot(self, steps: int | None = None) -> dict[str, object]:
-        return self.stats.snapshot(steps, batch_size=len(self._batch), queue_length=len(self._waiting)
-                                   + self._incoming.qsize(), free_slots=len(self._free_slots),
-                                   slots=self.model.slots, engine_alive=self.alive, engine_error=repr(self._error)
-                                   if self._error else None)
+        return self.stats.snapshot(
+            steps,
+            batch_size=len(self._batch),
+            queue_length=len(self._waiting) + self._incoming.qsize(),
+            free_slots=len(self._free_slots),
+            slots=self.model.slots,
+            engine_alive=self.alive,
+            engine_error=repr(self._error) if self._error else None,
+        )
 
     # -- the engine thread ------------------------------------------------------------
     def _run(self) -> None:
@@ -194,7 +206,7 @@ class Engine:
                     prompt = prompt.pin_memory().to(self.device, non_blocking=True)
                 logits = self.model.prefill(request.slot, prompt)
                 self.sampler.assign(request.slot, request.params)
-                slot_index = self.model.slot_ids[request.slot: request.slot + 1]
+                slot_index = self.model.slot_ids[request.slot : request.slot + 1]
                 token = self.sampler.sample(logits[None], [request.slot], slot_index)
                 self.last_token[request.slot] = token[0]
             self.stats.prefills += 1
@@ -219,8 +231,9 @@ class Engine:
                 host_index = host_index.pin_memory()
             index = host_index.to(self.device, non_blocking=True)
             slot_index, lengths = index[0], index[1]
-            logits = self.model.decode(self.last_token[slot_index], slot_index, lengths,
-                                       max(r.length for r in batch) + 1)
+            logits = self.model.decode(
+                self.last_token[slot_index], slot_index, lengths, max(r.length for r in batch) + 1
+            )
             tokens = self.sampler.sample(logits, slots, slot_index)
             self.last_token[slot_index] = tokens
         for request in batch:
@@ -258,7 +271,7 @@ class Engine:
         if not request.first_token_ns:
             request.first_token_ns = now
         self.stats.output_tokens += 1
-        if token_id in self.tokenizer.eos_ids:
+        if token_id in self.tokenizer.eos_ids and not request.params.ignore_eos:
             self._finish(request, "stop")
             return
         request.output_ids.append(token_id)
@@ -280,7 +293,7 @@ class Engine:
         hold = max((len(s) - 1 for s in stops), default=0)
         upto = max(request.emitted, len(request.text) - hold)
         if upto > request.emitted:
-            request.deliver(Output(request.text[request.emitted: upto], 1))
+            request.deliver(Output(request.text[request.emitted : upto], 1))
             request.emitted = upto
         else:
             request.deliver(Output("", 1))
@@ -295,7 +308,7 @@ class Engine:
             request.slot = -1
         self.stats.record_finish(request, reason)
         if reason != "cancelled":
-            request.deliver(Output(request.text[request.emitted:], 0, finish_reason=reason))
+            request.deliver(Output(request.text[request.emitted :], 0, finish_reason=reason))
             request.emitted = len(request.text)
 
 

@@ -77,7 +77,9 @@ class RMSNorm(nn.Module):
         return normed.to(x.dtype) * self.weight
 
 
-def rotary_tables(config: ModelConfig, context: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(
+    config: ModelConfig, context: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     half = config.head_dim // 2
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(half, device=device, dtype=torch.float32) / half))
     if config.rope_scaling is not None:
@@ -86,8 +88,13 @@ def rotary_tables(config: ModelConfig, context: int, device: torch.device) -> tu
     return angles.cos(), angles.sin()
 
 
-def _llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
-                   original_context: int) -> torch.Tensor:
+def _llama3_scaled(
+    inv_freq: torch.Tensor,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_context: int,
+) -> torch.Tensor:
     # Llama 3.1+ stretches long wavelengths by `factor`, keeps short ones, and blends between.
     wavelength = 2 * math.pi / inv_freq
     low_freq_wavelength = original_context / low_freq_factor
@@ -114,8 +121,18 @@ class Attention(nn.Module):
         self.wkv = nn.Linear(config.dim, 2 * config.n_kv_heads * config.head_dim, bias=False)
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
-                slots: torch.Tensor, positions: torch.Tensor, span: int, attn_mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache,
+        layer: int,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        span: int,
+        attn_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
         kv = self.wkv(x).view(batch, seq, 2, self.n_kv_heads, self.head_dim)
@@ -155,8 +172,18 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
-                slots: torch.Tensor, positions: torch.Tensor, span: int, attn_mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache,
+        layer: int,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        span: int,
+        attn_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer, slots, positions, span, attn_mask)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -164,14 +191,23 @@ class Block(nn.Module):
 class KVCache:
     """Keys and values for `slots` concurrent requests, up to `context` positions each."""
 
-    def __init__(self, config: ModelConfig, slots: int, context: int, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self, config: ModelConfig, slots: int, context: int, device: torch.device, dtype: torch.dtype
+    ):
         shape = (slots, config.n_kv_heads, context, config.head_dim)
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
         self.slots, self.context = slots, context
 
-    def write_and_read(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
-                       k: torch.Tensor, v: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def write_and_read(
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        span: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k/v ([batch, kv_heads, seq, hd]) at `positions` ([batch, seq]) of `slots` ([batch]);
         return the cached keys/values of those slots up to `span` positions."""
         keys_cache, values_cache = self.keys[layer], self.values[layer]
@@ -204,9 +240,16 @@ class Transformer(nn.Module):
 class LlamaLikeModel:
     """The model plus its KV cache and rotary tables; prefill and batched decode."""
 
-    def __init__(self, config: ModelConfig, slots: int, context: int, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32, seed: int = 0,
-                 state_dict: dict[str, torch.Tensor] | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        slots: int,
+        context: int,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+        state_dict: dict[str, torch.Tensor] | None = None,
+    ):
         self.config, self.slots, self.context = config, slots, context
         self.device, self.dtype = torch.device(device), dtype
         module = Transformer(config)
@@ -219,8 +262,14 @@ class LlamaLikeModel:
         self.cos, self.sin = rotary_tables(config, context, self.device)
         self.slot_ids = torch.arange(slots, device=self.device)
 
-    def _run(self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, span: int,
-             attn_mask: torch.Tensor | None) -> torch.Tensor:
+    def _run(
+        self,
+        tokens: torch.Tensor,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        span: int,
+        attn_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
         x = self.module.embed(tokens)
         for index, block in enumerate(self.module.layers):
@@ -231,12 +280,14 @@ class LlamaLikeModel:
     def prefill(self, slot: int, prompt: torch.Tensor) -> torch.Tensor:
         """Fill `slot`'s cache with `prompt` (1-D token tensor); logits of the last position."""
         length = prompt.shape[0]
-        slots = self.slot_ids[slot: slot + 1]  # a view of a device tensor: no host-to-device copy
+        slots = self.slot_ids[slot : slot + 1]  # a view of a device tensor: no host-to-device copy
         positions = torch.arange(length, device=self.device)[None]
         return self._run(prompt[None].to(self.device), slots, positions, length, None)[0]
 
     @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, max_length: int) -> torch.Tensor:
+    def decode(
+        self, tokens: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, max_length: int
+    ) -> torch.Tensor:
         """One step for a batch: `tokens` [B] at position `lengths` [B] of `slots` [B].
         `max_length` (a host int, the longest length + 1) bounds attention without a sync."""
         positions = lengths[:, None]

@@ -20,6 +20,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says
 
 
 class SlotSampler:

@@ -17,35 +17,91 @@ from servprof.demo.model import SIZES
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="port to bind (default 8000; 0 = any free port)")
+    parser.add_argument(
+        "--port", type=int, default=8000, help="port to bind (default 8000; 0 = any free port)"
+    )
     parser.add_argument("--size", choices=list(SIZES), default=None, help="model size (default tiny)")
     parser.add_argument("--device", default=None, help="cpu or cuda[:N] (default cpu)")
-    parser.add_argument("--dtype", choices=["auto", *DTYPES], default=None,
-                        help="weights/activations dtype (default auto: float32 on CPU, bfloat16 on CUDA)")
-    parser.add_argument("--max-batch", type=int, default=None, help="KV-cache slots = largest decode batch (16)")
-    parser.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens accepted (256)")
-    parser.add_argument("--context", type=int, default=None, help="context length (tiny 512, small 2048, 1b 4096)")
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", *DTYPES],
+        default=None,
+        help="weights/activations dtype (default auto: float32 on CPU, bfloat16 on CUDA)",
+    )
+    parser.add_argument(
+        "--max-batch", type=int, default=None, help="KV-cache slots = largest decode batch (16)"
+    )
+    parser.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=None,
+        help="largest max_tokens accepted (0 = min(1024, context/2))",
+    )
+    parser.add_argument(
+        "--context", type=int, default=None, help="context length (tiny 2048, small 2048, 1b 4096)"
+    )
     parser.add_argument("--seed", type=int, default=None, help="seed of the random weights (0)")
     parser.add_argument("--model-name", default=None, help="name served in responses (servprof-demo-<size>)")
-    parser.add_argument("--model-path", default=None, metavar="DIR",
-                        help="serve a local Hugging Face Llama/Mistral directory instead (needs transformers; "
-                             "never downloads)")
-    parser.add_argument("--no-servprof", dest="servprof", action="store_false", default=None,
-                        help="serve without ServprofMiddleware")
+    parser.add_argument(
+        "--model-path",
+        default=None,
+        metavar="DIR",
+        help="serve a local Hugging Face Llama/Mistral directory instead (needs transformers; "
+        "never downloads)",
+    )
+    parser.add_argument(
+        "--no-servprof",
+        dest="servprof",
+        action="store_false",
+        default=None,
+        help="serve without ServprofMiddleware",
+    )
     parser.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     knobs = parser.add_argument_group("fault knobs (off by default; each injects a known cause of slowness)")
-    knobs.add_argument("--tokenize-on-loop", action="store_true", default=None,
-                       help="(a) tokenize on the event loop instead of a worker thread")
-    knobs.add_argument("--step-delay-ms", type=float, default=None, metavar="D",
-                       help="(b) busy host delay of D ms before every decode step")
-    knobs.add_argument("--sync-per-step", action="store_true", default=None,
-                       help="(c) read the sampled tokens to the host after every step (a device sync)")
-    knobs.add_argument("--slow-tokenizer-us-per-token", type=float, default=None, metavar="U",
-                       help="(d) extra Python CPU work of U microseconds per token, holding the GIL")
+    knobs.add_argument(
+        "--tokenize-on-loop",
+        action="store_true",
+        default=None,
+        help="(a) tokenize on the event loop instead of a worker thread",
+    )
+    knobs.add_argument(
+        "--step-delay-ms",
+        type=float,
+        default=None,
+        metavar="D",
+        help="(b) busy host delay of D ms before every decode step",
+    )
+    knobs.add_argument(
+        "--sync-per-step",
+        action="store_true",
+        default=None,
+        help="(c) read the sampled tokens to the host after every step (a device sync)",
+    )
+    knobs.add_argument(
+        "--slow-tokenizer-us-per-token",
+        type=float,
+        default=None,
+        metavar="U",
+        help="(d) extra Python CPU work of U microseconds per token, holding the GIL",
+    )
 
 
-CONFIG_FLAGS = ("size", "device", "dtype", "max_batch", "max_tokens_limit", "context", "seed", "model_name",
-                "model_path", "servprof", "tokenize_on_loop", "step_delay_ms", "sync_per_step", "slow_tokenizer_us_per_token")
+CONFIG_FLAGS = (
+    "size",
+    "device",
+    "dtype",
+    "max_batch",
+    "max_tokens_limit",
+    "context",
+    "seed",
+    "model_name",
+    "model_path",
+    "servprof",
+    "tokenize_on_loop",
+    "step_delay_ms",
+    "sync_per_step",
+    "slow_tokenizer_us_per_token",
+)
 
 
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
@@ -78,7 +134,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m servprof.demo.server", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m servprof.demo.server", description=__doc__.splitlines()[0]
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

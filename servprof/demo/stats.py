@@ -53,14 +53,16 @@ class EngineStats:
 
     def record_finish(self, request: EngineRequest, reason: str) -> None:
         self.finished[reason] += 1
-        self.requests.append({
-            "request_id": request.request_id,
-            "prompt_tokens": len(request.prompt_ids),
-            "output_tokens": len(request.output_ids),
-            "finish_reason": reason,
-            "enqueued_ns": request.enqueued_ns,
-            "first_token_ns": request.first_token_ns,
-        })
+        self.requests.append(
+            {
+                "request_id": request.request_id,
+                "prompt_tokens": len(request.prompt_ids),
+                "output_tokens": len(request.output_ids),
+                "finish_reason": reason,
+                "enqueued_ns": request.enqueued_ns,
+                "first_token_ns": request.first_token_ns,
+            }
+        )
 
     def snapshot(self, steps: int | None = None, **live: Any) -> dict[str, Any]:
         timeline = list(self.timeline)
@@ -77,11 +79,20 @@ class EngineStats:
             "blocking_syncs": self.blocking_syncs,
             "queue_ns_total": self.queue_ns_total,
             "queue_ns_max": self.queue_ns_max,
-            "tokenize": {"count": self.tokenize_count, "ns_total": self.tokenize_ns_total,
-                         "ns_max": self.tokenize_ns_max, "on_loop_ns": self.tokenize_on_loop_ns},
-            "loop_lag": {"probes": self.loop_probes, "ns_max": self.loop_lag_ns_max,
-                         "ns_total": self.loop_lag_ns_total},
-            "steps": [{"start_ns": s, "end_ns": e, "batch_size": b, "gap_ns": g, "synced": y}
-                      for s, e, b, g, y in timeline],
+            "tokenize": {
+                "count": self.tokenize_count,
+                "ns_total": self.tokenize_ns_total,
+                "ns_max": self.tokenize_ns_max,
+                "on_loop_ns": self.tokenize_on_loop_ns,
+            },
+            "loop_lag": {
+                "probes": self.loop_probes,
+                "ns_max": self.loop_lag_ns_max,
+                "ns_total": self.loop_lag_ns_total,
+            },
+            "steps": [
+                {"start_ns": s, "end_ns": e, "batch_size": b, "gap_ns": g, "synced": y}
+                for s, e, b, g, y in timeline
+            ],
             "recent_requests": list(self.requests)[-64:],
         }

@@ -76,13 +76,21 @@ class DemoTokenizer:
     Python) do.
     """
 
-    def __init__(self, tokenizer: Tokenizer | None = None, slow_us_per_token: float = 0.0, *,
-                 eos_ids: set[int] | None = None, add_special_tokens: bool = False):
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None = None,
+        slow_us_per_token: float = 0.0,
+        *,
+        eos_ids: set[int] | None = None,
+        add_special_tokens: bool = False,
+    ):
         self.tokenizer = tokenizer or load_tokenizer()
         self.slow_us_per_token = float(slow_us_per_token)
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         default_eos = self.tokenizer.token_to_id(EOS_TOKEN)
-        self.eos_ids = eos_ids if eos_ids is not None else ({default_eos} if default_eos is not None else set())
+        self.eos_ids = (
+            eos_ids if eos_ids is not None else ({default_eos} if default_eos is not None else set())
+        )
         # A loaded model's tokenizer.json knows its own special tokens (e.g. BOS): let it add them.
         self.add_special_tokens = add_special_tokens
 
