@@ -220,7 +220,7 @@ def _direct_request(
     scope = {"headers": list(headers)}
     state = observer.on_request_start(record, scope)
     observer.on_request_end(record, state)
-    return state[0], scope["headers"]
+    return state[0], scope["headers"]  # the request span's context comes first
 
 
 def test_tracestate_and_baggage_pass_through(tmp_path: Path) -> None:
@@ -231,13 +231,11 @@ def test_tracestate_and_baggage_pass_through(tmp_path: Path) -> None:
         (b"tracestate", b"vendor=abc"),
         (b"baggage", b"tenant=42"),
     ]
-    span, headers = _direct_request(built.observer, incoming)
+    context, headers = _direct_request(built.observer, incoming)
     as_dict = dict(headers)
     assert as_dict[b"tracestate"] == b"vendor=abc" and as_dict[b"baggage"] == b"tenant=42"
-    assert span.get_span_context().trace_state.get("vendor") == "abc"
-    assert as_dict[b"traceparent"].startswith(
-        b"00-" + b"1" * 32 + b"-%016x-" % span.get_span_context().span_id
-    )
+    assert context.trace_state.get("vendor") == "abc"
+    assert as_dict[b"traceparent"].startswith(b"00-" + b"1" * 32 + b"-%016x-" % context.span_id)
     assert [name for name, _ in headers].count(b"traceparent") == 1
     built.observer.shutdown()
 
@@ -268,12 +266,42 @@ def test_other_configured_propagators_are_honoured(tmp_path: Path) -> None:
         built = Stack(tmp_path)
     finally:
         propagate.set_global_textmap(previous)
-    span, headers = _direct_request(built.observer, [(b"x-tenant-trace", b"old"), (b"host", b"h")])
+    context, headers = _direct_request(built.observer, [(b"x-tenant-trace", b"old"), (b"host", b"h")])
     as_dict = dict(headers)
     assert as_dict[b"x-tenant-trace"] == b"seen" and as_dict[b"host"] == b"h"
     assert as_dict[b"traceparent"] == b"00-%032x-%016x-%02x" % (
-        span.get_span_context().trace_id,
-        span.get_span_context().span_id,
-        span.get_span_context().trace_flags,
+        context.trace_id,
+        context.span_id,
+        context.trace_flags,
     )
     built.observer.shutdown()
+
+
+def test_an_unsampled_incoming_trace_stays_unsampled(stack: Stack) -> None:
+    unsampled = f"00-{'5' * 32}-{'6' * 16}-00"
+    with httpx.Client() as client:
+        seen = client.get(stack.url + "/headers", headers={"traceparent": unsampled}).json()["traceparent"]
+        assert client.get(stack.url + "/hello").status_code == 200
+    # The default sampler follows the caller's decision: no span, and the app is told so.
+    assert [s.name for s in stack.spans()] == ["GET /hello"]
+    assert seen.startswith(f"00-{'5' * 32}-") and seen.endswith("-00") and f"-{'6' * 16}-" not in seen
+
+
+def test_app_attributes_are_filtered_and_bounded() -> None:
+    from servprof.telemetry.attributes import MAX_APP_ATTRIBUTES, app_attributes
+
+    given = {
+        "gen_ai.response.finish_reasons": ["stop"],
+        "bad": {"a": 1},
+        "mixed": [1, "x"],
+        "empty": [],
+        "gen_ai.output.messages": "the completion text",
+        **{f"k{i}": i for i in range(100)},
+    }
+    kept = app_attributes(given, capture_content=False)
+    assert kept["gen_ai.response.finish_reasons"] == ("stop",)
+    assert not {"bad", "mixed", "empty", "gen_ai.output.messages"} & set(kept)
+    assert len(kept) == MAX_APP_ATTRIBUTES
+    assert app_attributes({"gen_ai.output.messages": "text"}, capture_content=True) == {
+        "gen_ai.output.messages": "text"
+    }

@@ -152,13 +152,23 @@ def _valid_value(value: Any) -> bool:
     )
 
 
+MAX_APP_ATTRIBUTES = 64  # with servprof's own, under the SDK's default limit of 128 per span
+
+
 def app_attributes(record_attributes: dict[str, Any], capture_content: bool) -> dict[str, Any]:
-    """What serving code attached with annotate_request, keeping only values OTel accepts."""
-    return {
-        key: value
-        for key, value in record_attributes.items()
-        if isinstance(key, str) and _valid_value(value) and (capture_content or key not in CONTENT_ATTRIBUTES)
-    }
+    """What serving code attached with annotate_request, keeping only values OTel accepts
+    (sequences as tuples, as the SDK stores them) and at most MAX_APP_ATTRIBUTES."""
+    kept: dict[str, Any] = {}
+    for key, value in record_attributes.items():
+        if len(kept) == MAX_APP_ATTRIBUTES:
+            break
+        if (
+            isinstance(key, str)
+            and _valid_value(value)
+            and (capture_content or key not in CONTENT_ATTRIBUTES)
+        ):
+            kept[key] = tuple(value) if isinstance(value, list) else value
+    return kept
 
 
 def error_type(record: RequestRecord) -> str | None:

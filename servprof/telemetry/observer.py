@@ -12,13 +12,18 @@ import time
 from typing import Any
 
 from opentelemetry import propagate, trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from servprof import __version__
 from servprof.observers import RequestRecord
 from servprof.telemetry import attributes as attrs
 from servprof.telemetry.analysis_spans import AnalysisSpanEmitter, SampledParent, SampledParents
+from servprof.telemetry.request_span import DirectServerSpans
 from servprof.telemetry.setup import Pipeline
+
+_UNSET = Status(StatusCode.UNSET)
 
 # Recommended explicit bucket boundaries from the GenAI metrics semantic conventions.
 REQUEST_DURATION_BUCKETS = [
@@ -77,6 +82,10 @@ class TelemetryObserver:
             b"tracestate",
             b"baggage",
         }
+        self._direct: DirectServerSpans | None = None
+        if isinstance(pipeline.tracer_provider, TracerProvider) and pipeline.span_processor is not None:
+            scope = InstrumentationScope("servprof", __version__)
+            self._direct = DirectServerSpans(pipeline.tracer_provider, pipeline.span_processor, scope)
         self._parents = SampledParents(max_sampled_parents)
         self._analysis = AnalysisSpanEmitter(self._tracer, self._parents)
         self.requests_started = 0
@@ -84,7 +93,7 @@ class TelemetryObserver:
 
     # -- per request -----------------------------------------------------------------
 
-    def on_request_start(self, record: RequestRecord, scope: dict[str, Any]) -> tuple[trace.Span, Any]:
+    def on_request_start(self, record: RequestRecord, scope: dict[str, Any]) -> tuple[Any, ...]:
         self.requests_started += 1
         headers = scope.get("headers") or []
         if self._w3c_only:
@@ -94,8 +103,8 @@ class TelemetryObserver:
             parent_context = None
             if len(kept) != len(headers):
                 parent_context = self._propagator.extract(self._carrier(headers))
-            span = self._start_span(record, parent_context)
-            context = span.get_span_context()
+            state = self._start(record, parent_context)
+            context = state[0]
             traceparent = b"00-%032x-%016x-%02x" % (context.trace_id, context.span_id, context.trace_flags)
             kept.append((b"traceparent", traceparent))
         else:
@@ -103,13 +112,14 @@ class TelemetryObserver:
             parent_context = (
                 self._propagator.extract(self._carrier(headers)) if len(kept) != len(headers) else None
             )
-            span = self._start_span(record, parent_context)
+            state = self._start(record, parent_context)
+            span = trace.NonRecordingSpan(state[0])
             outgoing: dict[str, str] = {}
             self._propagator.inject(outgoing, context=trace.set_span_in_context(span, parent_context))
             kept.extend((name.encode("latin-1"), value.encode("latin-1")) for name, value in outgoing.items())
         # The app (and a server under it, like vLLM) sees this span as its parent.
         scope["headers"] = kept
-        return span, scope.get("http_version")
+        return (*state, scope.get("http_version"))
 
     def _carrier(self, headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
         return {
@@ -118,19 +128,22 @@ class TelemetryObserver:
             if name in self._propagation_headers
         }
 
-    def _start_span(self, record: RequestRecord, parent_context: Any) -> trace.Span:
-        # No attributes yet: all are set once at the end, which costs less than twice.
-        return self._tracer.start_span(
+    def _start(self, record: RequestRecord, parent_context: Any) -> tuple[Any, ...]:
+        """(span context, then what the end needs): a deferred span on servprof's own provider,
+        an API span (its attributes all set at the end, cheaper than twice) on a host's."""
+        if self._direct is not None:
+            return self._direct.start(record.method, parent_context)
+        span = self._tracer.start_span(
             record.method, context=parent_context, kind=SpanKind.SERVER, start_time=record.arrival_ns or None
         )
+        return span.get_span_context(), span
 
     def on_request_end(self, record: RequestRecord, state: Any) -> None:
         if state is None:
             return
-        span, http_version = state
         self.requests_ended += 1
-        span.update_name(f"{record.method} {record.route}" if record.route else record.method)
-        attributes = attrs.request_attributes(record, http_version)
+        name = f"{record.method} {record.route}" if record.route else record.method
+        attributes = attrs.request_attributes(record, state[-1])
         genai = (
             attrs.genai_request_attributes(
                 record.method, record.path, record.request_body_head, self.capture_content
@@ -141,21 +154,31 @@ class TelemetryObserver:
         attributes.update(genai)
         if record.attributes:
             attributes.update(attrs.app_attributes(record.attributes, self.capture_content))
-        span.set_attributes(attributes)
         error = attributes.get(attrs.ERROR_TYPE)
-        if error:
-            span.set_status(Status(StatusCode.ERROR, error))
+        status = Status(StatusCode.ERROR, error) if error else _UNSET
         end_perf_ns = record.end_ns or record.last_byte_ns
         if end_perf_ns is not None and record.arrival_ns:
             end_ns = record.arrival_ns + (end_perf_ns - record.arrival_perf_ns)
         else:
             end_ns = time.time_ns()
-        span.end(end_time=end_ns)
+        start_ns = record.arrival_ns or end_ns
+        context = state[0]
+        if self._direct is not None:
+            _, parent, sampler_attributes, _ = state
+            if sampler_attributes:
+                attributes.update(sampler_attributes)
+            self._direct.end(name, context, parent, start_ns, end_ns, attributes, status)
+        else:
+            span = state[1]
+            span.update_name(name)
+            span.set_attributes(attributes)
+            if error:
+                span.set_status(status)
+            span.end(end_time=end_ns)
         if genai:
             self._record_metrics(record, attributes, end_perf_ns)
-        if record.sampled:
-            start_ns = record.arrival_ns or end_ns
-            self._parents.put(record.request_id, SampledParent(span.get_span_context(), start_ns, end_ns))
+        if record.sampled and context.trace_flags.sampled:
+            self._parents.put(record.request_id, SampledParent(context, start_ns, end_ns))
 
     def _record_metrics(
         self, record: RequestRecord, attributes: dict[str, Any], end_perf_ns: int | None

@@ -109,6 +109,8 @@ class CountingBatchSpanProcessor(SpanProcessor):
         pass
 
     def on_end(self, span: ReadableSpan) -> None:
+        if not span.context.trace_flags.sampled:
+            return  # the batch processor ignores it too: nothing to export, nothing lost
         self.counts.add("ended", 1)
         if self._max_queue is not None and len(self._queue) >= self._max_queue:
             self.counts.add("dropped_queue_full", 1)
