@@ -38,6 +38,8 @@ def test_batched_decode_of_different_lengths_matches_each_alone(model):
     model.prefill(3, second[:-1])
     # One decode step serves both requests, each at its own position.
     batched = model.decode(torch.tensor([5, 7]), torch.tensor([2, 3]), torch.tensor([4, 2]), 5)
+    in_place = model.decode(torch.tensor([5, 7]), torch.tensor([2, 3]), torch.tensor([4, 2]), 5, slice(2, 4))
+    torch.testing.assert_close(in_place, batched)
     assert batched.shape == (2, model.config.vocab_size)
     torch.testing.assert_close(batched[0], alone[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(batched[1], alone[1], rtol=1e-4, atol=1e-4)

@@ -14,6 +14,7 @@ launched step N+1 (one step behind, like asynchronous schedulers do). The
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 import queue
 import threading
@@ -197,7 +198,7 @@ class Engine:
     def _admit(self, launched: list[_Launch]) -> None:
         while self._waiting and self._free_slots:
             request = self._waiting.popleft()
-            request.slot = self._free_slots.pop()
+            request.slot = heapq.heappop(self._free_slots)  # lowest first keeps the batch consecutive
             started = time.perf_counter_ns()
             self.stats.record_queue(started - request.enqueued_ns)
             with phase("prefill", request_id=request.request_id):
@@ -223,8 +224,11 @@ class Engine:
         if self.step_delay_ns:
             _host_delay(self.step_delay_ns)
         start = time.perf_counter_ns()
-        batch = list(self._batch)
+        # In slot order: when the slots are consecutive, attention reads the KV cache in place.
+        batch = sorted(self._batch, key=lambda r: r.slot)
         slots = [r.slot for r in batch]
+        first = slots[0]
+        rows = slice(first, first + len(slots)) if slots[-1] - first == len(slots) - 1 else None
         with phase("decode_step", request_ids=[r.request_id for r in batch]):
             host_index = torch.tensor([slots, [r.length for r in batch]], dtype=torch.long)
             if self.device.type == "cuda":
@@ -232,7 +236,7 @@ class Engine:
             index = host_index.to(self.device, non_blocking=True)
             slot_index, lengths = index[0], index[1]
             logits = self.model.decode(
-                self.last_token[slot_index], slot_index, lengths, max(r.length for r in batch) + 1
+                self.last_token[slot_index], slot_index, lengths, max(r.length for r in batch) + 1, rows
             )
             tokens = self.sampler.sample(logits, slots, slot_index)
             self.last_token[slot_index] = tokens
@@ -304,7 +308,7 @@ class Engine:
             request.in_batch = False
             self._batch = [r for r in self._batch if r is not request]
         if request.slot >= 0:
-            self._free_slots.append(request.slot)
+            heapq.heappush(self._free_slots, request.slot)
             request.slot = -1
         self.stats.record_finish(request, reason)
         if reason != "cancelled":

@@ -128,9 +128,7 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         cache: KVCache,
         layer: int,
-        slots: torch.Tensor,
-        positions: torch.Tensor,
-        span: int,
+        view: CacheView,
         attn_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -138,7 +136,7 @@ class Attention(nn.Module):
         kv = self.wkv(x).view(batch, seq, 2, self.n_kv_heads, self.head_dim)
         k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        keys, values = cache.write_and_read(layer, slots, positions, k, v, span)
+        keys, values = cache.write_and_read(layer, view, k, v)
         gqa: dict[str, bool] = {}
         groups = self.n_heads // self.n_kv_heads
         if groups > 1 and _SDPA_HAS_GQA:
@@ -179,13 +177,22 @@ class Block(nn.Module):
         sin: torch.Tensor,
         cache: KVCache,
         layer: int,
-        slots: torch.Tensor,
-        positions: torch.Tensor,
-        span: int,
+        view: CacheView,
         attn_mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer, slots, positions, span, attn_mask)
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer, view, attn_mask)
         return x + self.mlp(self.mlp_norm(x))
+
+
+@dataclass(frozen=True)
+class CacheView:
+    """Which cache rows a forward pass uses: `slots` [B] (device), `positions` [B, seq] to
+    write, `span` positions to attend over, and `rows` when the slots are consecutive."""
+
+    slots: torch.Tensor
+    positions: torch.Tensor
+    span: int
+    rows: slice | None = None
 
 
 class KVCache:
@@ -200,21 +207,17 @@ class KVCache:
         self.slots, self.context = slots, context
 
     def write_and_read(
-        self,
-        layer: int,
-        slots: torch.Tensor,
-        positions: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        span: int,
+        self, layer: int, view: CacheView, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k/v ([batch, kv_heads, seq, hd]) at `positions` ([batch, seq]) of `slots` ([batch]);
-        return the cached keys/values of those slots up to `span` positions."""
+        """Store k/v ([batch, kv_heads, seq, hd]) at the view's positions of its slots;
+        return the cached keys/values of those slots up to `view.span` positions."""
         keys_cache, values_cache = self.keys[layer], self.values[layer]
-        slot_index = slots[:, None].expand_as(positions)
-        keys_cache[slot_index, :, positions] = k.transpose(1, 2)
-        values_cache[slot_index, :, positions] = v.transpose(1, 2)
-        return keys_cache[slots, :, :span], values_cache[slots, :, :span]
+        slot_index = view.slots[:, None].expand_as(view.positions)
+        keys_cache[slot_index, :, view.positions] = k.transpose(1, 2)
+        values_cache[slot_index, :, view.positions] = v.transpose(1, 2)
+        if view.rows is not None:  # consecutive slots: a view of the cache, nothing copied
+            return keys_cache[view.rows, :, : view.span], values_cache[view.rows, :, : view.span]
+        return keys_cache[view.slots, :, : view.span], values_cache[view.slots, :, : view.span]
 
 
 class Transformer(nn.Module):
@@ -262,18 +265,11 @@ class LlamaLikeModel:
         self.cos, self.sin = rotary_tables(config, context, self.device)
         self.slot_ids = torch.arange(slots, device=self.device)
 
-    def _run(
-        self,
-        tokens: torch.Tensor,
-        slots: torch.Tensor,
-        positions: torch.Tensor,
-        span: int,
-        attn_mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+    def _run(self, tokens: torch.Tensor, view: CacheView, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        cos, sin = self.cos[view.positions][:, None], self.sin[view.positions][:, None]
         x = self.module.embed(tokens)
         for index, block in enumerate(self.module.layers):
-            x = block(x, cos, sin, self.cache, index, slots, positions, span, attn_mask)
+            x = block(x, cos, sin, self.cache, index, view, attn_mask)
         return self.module.lm_head(self.module.norm(x[:, -1]))
 
     @torch.inference_mode()
@@ -282,15 +278,22 @@ class LlamaLikeModel:
         length = prompt.shape[0]
         slots = self.slot_ids[slot : slot + 1]  # a view of a device tensor: no host-to-device copy
         positions = torch.arange(length, device=self.device)[None]
-        return self._run(prompt[None].to(self.device), slots, positions, length, None)[0]
+        view = CacheView(slots, positions, length, slice(slot, slot + 1))
+        return self._run(prompt[None].to(self.device), view, None)[0]
 
     @torch.inference_mode()
     def decode(
-        self, tokens: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, max_length: int
+        self,
+        tokens: torch.Tensor,
+        slots: torch.Tensor,
+        lengths: torch.Tensor,
+        max_length: int,
+        rows: slice | None = None,
     ) -> torch.Tensor:
         """One step for a batch: `tokens` [B] at position `lengths` [B] of `slots` [B].
-        `max_length` (a host int, the longest length + 1) bounds attention without a sync."""
-        positions = lengths[:, None]
+        `max_length` (a host int, the longest length + 1) bounds attention without a sync;
+        `rows` (slots[0]..slots[-1] when they are consecutive) lets attention read the cache in place."""
         visible = torch.arange(max_length, device=self.device)[None, :] <= lengths[:, None]
         attn_mask = visible[:, None, None, :]  # [B, 1, 1, span]: each row sees its own prefix
-        return self._run(tokens[:, None], slots, positions, max_length, attn_mask)
+        view = CacheView(slots, lengths[:, None], max_length, rows)
+        return self._run(tokens[:, None], view, attn_mask)
