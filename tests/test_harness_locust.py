@@ -69,6 +69,9 @@ def test_streaming_ttft_and_itl_agree_with_server_side_timings(tmp_path: Path, e
     # Requests cut off by the end of the run may have finished server-side only.
     assert 0 < summary["completed"] <= completed_server_side <= summary["completed"] + 3
     assert summary["failed"] == 0
+    print(f"{endpoint}: {summary['completed']} requests; median harness-minus-server TTFT "
+          f"{np.median(paired['ttft_gap']):.2f} ms, last chunk {np.median(paired['last_chunk_gap']):.2f} ms, "
+          f"ITL p50 harness {metrics['itl_ms']['p50']:.2f} vs server {np.median(paired['server_itl']):.2f} ms")
     assert len(paired["ttft_gap"]) == summary["completed"]
     assert -1.0 <= np.median(paired["ttft_gap"]) <= TTFT_TOLERANCE_MS
     assert -1.0 <= np.median(paired["last_chunk_gap"]) <= CHUNK_ARRIVAL_TOLERANCE_MS
@@ -135,6 +138,8 @@ def test_open_loop_pacer_keeps_the_rate_while_the_server_slows_down(tmp_path: Pa
     assert process.returncode == 0, stderr[-3000:]
     arrivals = np.array(sorted(r.received_unix for r in server.requests))
     in_window = int(((arrivals >= arrivals[0]) & (arrivals < arrivals[0] + window_s)).sum())
+    print(f"open loop: {in_window} arrivals in {window_s:g} s (target {rate * window_s:g}), "
+          f"server max in flight {server.max_in_flight}, late starts {read_summary(tmp_path / 's.json')['arrivals']}")
     assert abs(in_window - rate * window_s) <= 0.05 * rate * window_s, in_window
     assert server.max_in_flight >= 20  # the server really was slow: many requests at once
     summary = read_summary(tmp_path / "s.json")

@@ -86,6 +86,8 @@ def test_demo_produces_every_artifact_and_finds_the_injected_decode_gap(tmp_path
         first_token_gaps.append((row["send_unix_s"] + row["ttft_s"] - span_start_s - attrs["servprof.ttft_ms"] / 1000) * 1000)
         end_gaps.append((row["end_unix_s"] - span_end_s) * 1000)
         trips.append((span_start_s - row["send_unix_s"]) * 1000)
+    print(f"demo: {len(first_token_gaps)} requests paired; median first-token gap {np.median(first_token_gaps):.2f} ms, "
+          f"end gap {np.median(end_gaps):.2f} ms, request trip {np.median(trips):.2f} ms")
     assert len(first_token_gaps) >= 0.9 * summary["completed"]
     assert abs(np.median(first_token_gaps)) <= FIRST_TOKEN_TOLERANCE_MS
     assert abs(np.median(end_gaps)) <= END_TOLERANCE_MS

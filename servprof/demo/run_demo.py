@@ -243,19 +243,28 @@ class Demo:
                    TimeElapsedColumn()]
         with Progress(*columns, console=self.console, transient=True) as progress:
             task = progress.add_task("load", total=self.args.duration, info="")
-            start = time.monotonic()
+            # The clock starts with the harness's first request (locust takes seconds to
+            # start), so the sample lands in steady load, not in the first burst.
+            spawned = time.monotonic()
+            served_before = status["counters"]["requests"] if status else 0
+            start: float | None = None
             analysis_deadline: float | None = None
             while True:
-                elapsed = time.monotonic() - start
                 locust_running = self.locust is not None and self.locust.poll() is None
                 status = self.status() if controllable else None
+                if start is None and (not status or status["counters"]["requests"] > served_before
+                                      or time.monotonic() - spawned > 30 or not locust_running):
+                    start = time.monotonic()
+                elapsed = time.monotonic() - start if start is not None else 0.0
                 if status is not None and not ordered and elapsed >= sample_at:
                     note, ordered = self.order_sample(), True
                 if status is not None and ordered and session is None:
                     session = self._session_done(status, before)
                     current = status.get("current_session")
                     if session is not None:
-                        note = f"session {session['session_id']} {session['state']}"
+                        note = (f"session {session['session_id']} {session['state']}: "
+                                f"{len(session.get('requests') or [])} requests, {session.get('steps')} steps, "
+                                f"stopped by {session.get('stop_reason')}")
                     elif current:
                         note = (f"session {current['session_id']}: {current['state']}, "
                                 f"{len(current['requests'])}/{current['target_requests']} requests")
