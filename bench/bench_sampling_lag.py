@@ -44,9 +44,9 @@ TICK_S = 0.001
 # (label, overrides): the budgets compared. The first session runs on the assumed event rate
 # (Settings.assumed_events_per_s); later ones on the rate the previous session measured.
 BUDGETS: list[tuple[str, dict[str, Any]]] = [
-    ("events=2500 (default)", {}),
+    ("events=2000 (default)", {}),
     ("events=1000", {"max_session_events": 1000}),
-    ("events=2500", {"max_session_events": 2500}),
+    ("events=2000", {"max_session_events": 2000}),
     ("events=4000", {"max_session_events": 4000}),
     ("events=8000", {"max_session_events": 8000}),
     ("events=16000", {"max_session_events": 16000}),
@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--users", type=int, default=8, help="concurrent streaming clients")
     parser.add_argument("--baseline-s", type=float, default=8.0, help="seconds of unsampled load measured")
+    parser.add_argument("--window-s", type=float, default=4.0, help="unsampled seconds measured before each session")
     parser.add_argument("--requests", type=int, default=4, help="requests per ordered session")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     while not server.started or not get_controller().warm:
         time.sleep(0.05)
 
-    total_s = args.baseline_s + 5 + len(BUDGETS) * 40
+    total_s = args.baseline_s + 5 + len(BUDGETS) * (40 + args.window_s)
     locust = subprocess.Popen(
         [sys.executable, "-m", "locust", "-f", "servprof/harness/locustfile.py", "-H", url, "--headless",
          "-u", str(args.users), "-r", str(args.users), "-t", f"{int(total_s)}s", "--only-summary",
@@ -126,12 +127,17 @@ def main(argv: list[str] | None = None) -> int:
         tokens_1, t1 = demo_server.engine.stats.output_tokens, time.perf_counter_ns()
         base_tps = (tokens_1 - tokens_0) / ((t1 - t0) / 1e9)
         base_lags = [lag for ts, lag, state in ticker.samples if t0 <= ts <= t1 and state == "none"]
-        rows.append(("no sampling", "-", base_lags, base_tps, None))
+        rows.append(("no sampling", "-", base_lags, base_tps, base_tps, base_lags))
         with httpx.Client(timeout=30) as client:
             for label, overrides in BUDGETS:
                 middleware.runtime.settings = dataclasses.replace(middleware.runtime.settings, **overrides)
+                # An unsampled window right before each session: the machine's load drifts.
+                tokens_p, tp = demo_server.engine.stats.output_tokens, time.perf_counter_ns()
+                time.sleep(args.window_s)
                 done_before = len(middleware.runtime.history)
                 tokens_a, ta = demo_server.engine.stats.output_tokens, time.perf_counter_ns()
+                pre_tps = (tokens_a - tokens_p) / ((ta - tp) / 1e9)
+                pre_lags = [lag for ts, lag, state in ticker.samples if tp <= ts <= ta and state == "none"]
                 response = client.post(f"{url}/servprof/sample?n={args.requests}",
                                        headers={"Authorization": f"Bearer {TOKEN}"})
                 response.raise_for_status()
@@ -141,9 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                 tokens_b, tb = demo_server.engine.stats.output_tokens, time.perf_counter_ns()
                 session = middleware.runtime.history[-1] if len(middleware.runtime.history) > done_before else {}
                 window = [(lag, state) for ts, lag, state in ticker.samples if ta <= ts <= tb]
-                rows.append((label, session, window, (tokens_b - tokens_a) / ((tb - ta) / 1e9), overrides))
+                rows.append((label, session, window, (tokens_b - tokens_a) / ((tb - ta) / 1e9), pre_tps, pre_lags))
                 console.print(f"{label}: session {session.get('stop_reason')} in {(tb - ta) / 1e9:.1f} s window")
-                time.sleep(2)  # let the loop settle between sessions
     finally:
         locust.terminate()
         try:
@@ -160,14 +165,13 @@ def main(argv: list[str] | None = None) -> int:
 def _report(console: Console, rows: list[Any], base_tps: float, base_lags: list[int]) -> None:
     base_median, base_p99, base_max = lag_stats(base_lags)
     table = Table(title="event-loop lag (ms, 1 ms ticker) and output tokens/s under streaming load")
-    for column in ("budget", "stop reason", "events", "window s", "state", "ticks", "median", "p99", "max",
-                   "tok/s", "tok/s ratio"):
+    for column in ("budget", "stop reason", "events", "capture s", "state", "ticks", "median", "p99", "max",
+                   "tok/s", "vs unsampled before"):
         table.add_column(column, justify="left" if column in ("budget", "stop reason", "state") else "right")
     table.add_row("no sampling", "-", "-", "-", "none", str(len(base_lags)), f"{base_median:.2f}",
                   f"{base_p99:.2f}", f"{base_max:.2f}", f"{base_tps:.0f}", "1.00")
     verdicts = []
-    for label, session, window, tps, _overrides in rows[1:]:
-        summary = ((session.get("error") and {"error": session["error"]}) or {})
+    for label, session, window, tps, pre_tps, pre_lags in rows[1:]:
         events = _event_count(session)
         all_lags = [lag for lag, _ in window]
         span_s = session.get("duration_s") or 0.0
@@ -177,14 +181,19 @@ def _report(console: Console, rows: list[Any], base_tps: float, base_lags: list[
                 median, p99, worst = lag_stats(lags)
                 table.add_row(label, str(session.get("stop_reason")), str(events), f"{span_s:.2f}", state,
                               str(len(lags)), f"{median:.2f}", f"{p99:.2f}", f"{worst:.2f}", "", "")
+        pre_median, pre_p99, pre_max = lag_stats(pre_lags)
+        table.add_row(label, "(unsampled, just before)", "", "", "none", str(len(pre_lags)), f"{pre_median:.2f}",
+                      f"{pre_p99:.2f}", f"{pre_max:.2f}", f"{pre_tps:.0f}", "")
         median, p99, worst = lag_stats(all_lags)
-        ratio = tps / base_tps if base_tps else float("nan")
+        ratio = tps / pre_tps if pre_tps else float("nan")
         table.add_row(label, str(session.get("stop_reason")), str(events), f"{span_s:.2f}", "whole window",
                       str(len(all_lags)), f"{median:.2f}", f"{p99:.2f}", f"{worst:.2f}", f"{tps:.0f}", f"{ratio:.2f}")
-        added_max = worst - base_max
-        ok = added_max <= 20 and p99 <= 5 and ratio >= 0.9
-        verdicts.append(f"{label}: max added lag {added_max:+.1f} ms, p99 {p99:.2f} ms, throughput {ratio:.2f} "
-                        f"-> {'meets' if ok else 'misses'} the goals{' ' + str(summary) if summary else ''}")
+        # servprof's own stalls: stop() and export hold the GIL (the analysis runs in another process).
+        stall = max((lag for lag, s in window if s in ("starting", "stopping", "exporting")), default=0) / 1e6
+        ok = stall <= 20 and p99 - pre_p99 <= 5 and ratio >= 0.9
+        verdicts.append(f"{label}: worst stall at start/stop/export {stall:.1f} ms; whole-window max {worst:.1f} ms "
+                        f"(unsampled before: {pre_max:.1f}), p99 {p99:.2f} ms (before: {pre_p99:.2f}), "
+                        f"throughput {ratio:.2f} of unsampled -> {'meets' if ok else 'misses'} the goals")
     console.print(table)
     for line in verdicts:
         console.print(line)

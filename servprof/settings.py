@@ -39,14 +39,15 @@ class Settings:
     on_demand_min_interval_s: float = 1.0  # rate limit on POST /servprof/sample
 
     # Session bounds: a session ends at whichever comes first. stop() and export hold the GIL
-    # ~5-7 us per captured event and export ~4 us, so max_session_events is what bounds the serving
-    # loop's stall (2500 events: ~15 ms on 2 CPU cores; see bench/bench_sampling_lag.py).
+    # ~3-7 us per captured event and export ~2-4 us, so max_session_events is what bounds the serving
+    # loop's stall (2000 events: ~10-15 ms on 2 CPU cores; see bench/bench_sampling_lag.py).
     requests_per_session: int = 4
     max_session_s: float = 10.0
-    max_session_events: int = 2_500  # estimated from the event rate the previous session measured
+    max_session_events: int = 2_000  # estimated from the event rate the previous session measured
     max_session_steps: int = 32  # decode steps, estimated as streamed chunks of the sampled requests
-    # Event rate assumed until a session has measured this server's (the demo makes ~70k/s on 2 cores).
-    assumed_events_per_s: float = 50_000.0
+    # Event rate assumed until a session has measured this server's (the demo makes ~60-75k/s on
+    # 2 cores); set high so that a first session errs on the short side.
+    assumed_events_per_s: float = 100_000.0
     record_shapes: bool = False
     with_stack: bool = False
     warmup: bool = True  # warm Kineto up in the background at start-up
