@@ -18,7 +18,7 @@ import numpy as np
 
 from servprof.detect.devices import DeviceSpec, resolve_device
 from servprof.detect.finding import Finding
-from servprof.detect.steps import Step
+from servprof.detect.steps import Step, step_index
 from servprof.trace.model import Trace
 
 ELEMENT_BYTES = {
@@ -87,10 +87,7 @@ def detect_bandwidth_bound(trace: Trace, steps: list[Step], device: str | None
     decode_steps = [s for s in steps if s.kind == "decode"]
     scope = "decode steps" if decode_steps else "whole trace (no decode steps found)"
     if decode_steps:
-        inside = np.zeros(rows.shape, dtype=bool)
-        for s in decode_steps:
-            inside |= (trace.rank[rows] == s.rank) & (trace.ts[rows] >= s.start_us) & (trace.ts[rows] < s.end_us)
-        rows = rows[inside]
+        rows = rows[step_index(decode_steps, trace.rank[rows], trace.ts[rows]) >= 0]
     kernel_time = _kernel_time_by_external_id(trace)
     points: list[dict[str, Any]] = []
     for row in rows:

@@ -20,7 +20,7 @@ import numpy as np
 from servprof.detect.causes import HostActivity, union_length
 from servprof.detect.finding import Finding
 from servprof.detect.idle_split import idle_split
-from servprof.detect.steps import Step
+from servprof.detect.steps import Step, step_index
 from servprof.trace.model import Trace
 
 CPU_MIN_GAP_US = 1000.0  # host gaps below 1 ms are the ordinary cost of a Python engine loop
@@ -66,15 +66,14 @@ def _device_windows(trace: Trace, steps: list[Step]) -> list[tuple[float, float]
     launch = trace.launch_row_for(dev)
     linked = launch >= 0
     dev, launch = dev[linked], launch[linked]
-    launch_ts = trace.ts[launch]
-    out: list[tuple[float, float] | None] = []
-    for step in steps:
-        mine = dev[(trace.rank[dev] == step.rank) & (launch_ts >= step.start_us) & (launch_ts <= step.end_us)]
-        if mine.size == 0:
-            out.append(None)
-            continue
-        out.append((float(trace.ts[mine].min()), float((trace.ts[mine] + trace.dur[mine]).max())))
-    return out
+    owner = step_index(steps, trace.rank[dev], trace.ts[launch])
+    inside = owner >= 0
+    owner, dev = owner[inside], dev[inside]
+    first = np.full(len(steps), np.inf)
+    last = np.full(len(steps), -np.inf)
+    np.minimum.at(first, owner, trace.ts[dev])
+    np.maximum.at(last, owner, trace.ts[dev] + trace.dur[dev])
+    return [(float(a), float(b)) if np.isfinite(a) else None for a, b in zip(first, last, strict=True)]
 
 
 def find_gaps(trace: Trace, steps: list[Step]) -> tuple[list[Gap], dict[str, Any]]:

@@ -134,3 +134,25 @@ def find_steps(trace: Trace) -> list[Step]:
                 break
     found.sort(key=lambda s: (s.rank, s.start_us))
     return found
+
+
+def step_index(steps: list[Step], ranks: np.ndarray, times: np.ndarray) -> np.ndarray:
+    """For each (rank, time): the index in ``steps`` of the step that contains it, -1 if none.
+
+    One binary search per rank instead of a scan per step; where steps of one rank
+    overlap, the latest-starting one that contains the time is taken.
+    """
+    out = np.full(times.shape, -1, dtype=np.int64)
+    for rank in {s.rank for s in steps}:
+        indices = np.array([i for i, s in enumerate(steps) if s.rank == rank], dtype=np.int64)
+        starts = np.array([steps[i].start_us for i in indices])
+        order = np.argsort(starts, kind="stable")
+        indices, starts = indices[order], starts[order]
+        ends = np.array([steps[i].end_us for i in indices])
+        mine = np.flatnonzero(ranks == rank)
+        pos = np.searchsorted(starts, times[mine], side="right") - 1
+        ok = pos >= 0
+        pos_ok = np.maximum(pos, 0)
+        ok &= times[mine] <= ends[pos_ok]
+        out[mine[ok]] = indices[pos_ok[ok]]
+    return out

@@ -52,8 +52,16 @@ def _tokenize_spans(trace: Trace) -> list[tuple[str | None, float, float, int, i
 
 def detect_tokenization_stalls(trace: Trace, steps: list[Step], gaps: list[Gap]) -> tuple[list[Finding], dict[str, Any]]:
     spans = _tokenize_spans(trace)
-    decode_durations = [s.dur_us for s in steps if s.kind == "decode"]
-    typical_step = float(np.median(decode_durations)) if decode_durations else 0.0
+    decode_steps = [s for s in steps if s.kind == "decode"]
+    typical_step = float(np.median([s.dur_us for s in decode_steps])) if decode_steps else 0.0
+    # Decode steps more than 20% slower than the median: the ones a tokenizer may have delayed.
+    slow_steps = np.array([i for i, s in enumerate(decode_steps) if s.dur_us > 1.2 * typical_step], dtype=np.int64)
+    slow_rank = np.array([decode_steps[i].rank for i in slow_steps], dtype=np.int64)
+    slow_start = np.array([decode_steps[i].start_us for i in slow_steps])
+    slow_end = np.array([decode_steps[i].end_us for i in slow_steps])
+    gap_rank = np.array([g.rank for g in gaps], dtype=np.int64)
+    gap_start = np.array([g.start_us for g in gaps])
+    gap_end = np.array([g.end_us for g in gaps])
     loop_tid = trace.servprof_metadata().get("event_loop_tid")
     per_request: dict[str, dict[str, Any]] = {}
     findings: list[Finding] = []
@@ -70,18 +78,19 @@ def detect_tokenization_stalls(trace: Trace, steps: list[Step], gaps: list[Gap])
         entry["end_us"] = max(entry["end_us"], end)
         if first_model is not None:
             entry["to_first_model_step_ms"] = round((first_model - entry["start_us"]) / 1000.0, 3)
-        # Other requests' steps that ran meanwhile and were slower than a typical decode step.
-        for step in steps:
-            if step.rank != rank or step.end_us <= start or step.start_us >= end or (rid and rid in step.request_ids):
-                continue
-            if step.kind == "decode" and typical_step and step.dur_us > 1.2 * typical_step:
+        # Other requests' decode steps that ran meanwhile and were slower than a typical one.
+        if slow_steps.size:
+            hit = slow_steps[(slow_rank == rank) & (slow_end > start) & (slow_start < end)]
+            for index in hit.tolist():
+                step = decode_steps[index]
+                if rid and rid in step.request_ids:
+                    continue
                 entry["delayed_steps"] += 1
                 entry["delayed_step_ms"] += (step.dur_us - typical_step) / 1000.0
                 entry["delayed_request_ids"].update(step.request_ids)
-        for gap in gaps:
-            overlap = min(gap.end_us, end) - max(gap.start_us, start)
-            if gap.rank == rank and overlap > 0:
-                entry["overlapping_gap_ms"] += overlap / 1000.0
+        if gap_start.size:
+            overlap = np.minimum(gap_end, end) - np.maximum(gap_start, start)
+            entry["overlapping_gap_ms"] += float(overlap[(gap_rank == rank) & (overlap > 0)].sum()) / 1000.0
     for entry in per_request.values():
         entry["delayed_request_ids"] = sorted(entry["delayed_request_ids"])
         entry["tokenize_ms"] = round(entry["tokenize_ms"], 4)

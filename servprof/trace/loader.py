@@ -101,16 +101,22 @@ def parse_document(path: Path, data: bytes) -> tuple[dict[str, Any], list[Any]]:
     return document, events
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
 def _int_or(value: Any, default: int) -> int:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, float) and math.isfinite(value):
-        return int(value)
-    if isinstance(value, str):
+    """``value`` as an int64 where it is one (or a whole number in a float or string), else default."""
+    if isinstance(value, bool):
+        return default
+    if isinstance(value, float):
+        value = int(value) if math.isfinite(value) else default
+    elif isinstance(value, str):
         try:
-            return int(value)
+            value = int(value)
         except ValueError:
             return default
+    if isinstance(value, int) and INT64_MIN <= value <= INT64_MAX:
+        return value
     return default
 
 
@@ -137,10 +143,13 @@ class _Interner:
     def process_ids(self, values: list[Any]) -> np.ndarray:
         """pid/tid: integers stay, anything else (e.g. "Spans") becomes a negative interned id."""
         try:
-            return np.array(values, dtype=np.int64)
+            column = np.array(values, dtype=np.int64)
+            if column.shape == (len(values),):
+                return column
         except (TypeError, ValueError, OverflowError):
             pass
-        return np.array([v if type(v) is int else self._foreign_process_id(v) for v in values], dtype=np.int64)
+        return np.array([v if type(v) is int and INT64_MIN <= v <= INT64_MAX else self._foreign_process_id(v)
+                         for v in values], dtype=np.int64)
 
     def _foreign_process_id(self, value: Any) -> int:
         return -(int(self.ids([str(value)])[0]) + 2)
@@ -149,19 +158,23 @@ class _Interner:
 def _int_column(values: list[Any]) -> np.ndarray:
     """Integers with -1 for absent; odd values (strings, floats, bools) are converted one by one."""
     try:
-        return np.array(values, dtype=np.int64)
+        column = np.array(values, dtype=np.int64)
+        if column.shape == (len(values),):  # lists as values would make a 2-D array
+            return column
     except (TypeError, ValueError, OverflowError):
-        return np.array([_int_or(v, -1) for v in values], dtype=np.int64)
+        pass
+    return np.array([_int_or(v, -1) for v in values], dtype=np.int64)
 
 
 def _float_column(values: list[Any], default: float) -> np.ndarray:
     try:
-        return np.array(values, dtype=np.float64)
-    except (TypeError, ValueError):
-        out = []
-        for v in values:
-            out.append(float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else default)
-        return np.array(out, dtype=np.float64)
+        column = np.array(values, dtype=np.float64)
+        if column.shape == (len(values),):  # lists as values would make a 2-D array
+            return column
+    except (TypeError, ValueError, OverflowError):
+        pass
+    return np.array([float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else default
+                     for v in values], dtype=np.float64)
 
 
 _NO_ARGS: dict[str, Any] = {}
@@ -187,7 +200,8 @@ def _columns(events: list[Any], rank: int, interner: _Interner, file: Path) -> d
     np.nan_to_num(dur, copy=False, nan=0.0)
     np.maximum(dur, 0.0, out=dur)
     args = [e.get("args") or _NO_ARGS for e in events]
-    ph = np.array([ord(p[0]) if isinstance(p, str) and p else 0 for p in phases], dtype=np.uint8)
+    # Chrome-trace phases are single ASCII letters; anything else is no known phase (0).
+    ph = np.array([ord(p[0]) if isinstance(p, str) and p and p[0] < "\x80" else 0 for p in phases], dtype=np.uint8)
     flow = (ph == ord("s")) | (ph == ord("f")) | (ph == ord("t"))
     flow_ids = np.full(n, -1, dtype=np.int64)
     if flow.any():
