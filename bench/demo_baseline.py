@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for column in (
         "streams",
-        "requests",
+        "reqs",
         "out tok/s",
         "TTFT p50 ms",
         "TTFT p90 ms",

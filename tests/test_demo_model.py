@@ -187,3 +187,5 @@ def test_engine_stops_on_end_of_text_unless_ignore_eos():
         assert engine.snapshot()["free_slots"] == 2
     finally:
         engine.stop()
+    # A stopped engine answers at once (an error), never leaves the caller waiting.
+    assert asyncio.run(run(True)) == ("error", 0)

@@ -100,6 +100,8 @@ class Engine:
         self._free_slots = list(range(model.slots))
         self._pending: list[_Launch] = []
         self._stopping = False
+        self._closing = threading.Lock()  # submit() against the engine's exit
+        self._closed = False
         self._last_step_end_ns = 0
         self._thread = threading.Thread(target=self._run, name="servprof-demo-engine", daemon=True)
         self._error: BaseException | None = None
@@ -119,8 +121,12 @@ class Engine:
 
     def submit(self, request: EngineRequest) -> None:
         request.enqueued_ns = time.perf_counter_ns()
-        self.stats.submitted += 1
-        self._incoming.put(request)
+        with self._closing:
+            self.stats.submitted += 1
+            if not self._closed:
+                self._incoming.put(request)
+                return
+        self._finish(request, "error")  # the engine has stopped: answer now rather than never
 
     def cancel(self, request: EngineRequest) -> None:
         """The client went away: the engine drops the request at its next iteration."""
@@ -147,10 +153,15 @@ class Engine:
                     self._iteration()
         except BaseException as exc:  # the engine must not die silently: fail what it holds
             self._error = exc
-            self._fail_outstanding()
+            self._close()
             raise
+        self._close()  # stopped (server shutdown): nobody waits forever
+
+    def _close(self) -> None:
+        with self._closing:
+            self._closed = True
         self._take_incoming(block=False)
-        self._fail_outstanding()  # stopped (server shutdown): nobody waits forever
+        self._fail_outstanding()
 
     def _fail_outstanding(self) -> None:
         in_flight = (r for launch in self._pending for r in launch.requests)
