@@ -70,6 +70,14 @@ def test_phases_in_a_real_profile(tmp_path: Path):
         for request_id in ids:
             phases[name][request_id] += 1
 
+    # Thread ids in /demo/stats are the ones the trace shows: tokenization ran off the loop,
+    # the decode steps on the engine thread.
+    threads = {
+        name: {e["tid"] for e in events if e.get("name", "").startswith(f"servprof:{name}|")}
+        for name in ("tokenize", "decode_step")
+    }
+    assert threads["decode_step"] == {after["engine_thread_native_id"]}
+    assert after["event_loop_thread_native_id"] not in threads["tokenize"]
     requests = after["recent_requests"][-2:]
     request_ids = {r["request_id"] for r in requests}
     assert len(request_ids) == 2

@@ -89,6 +89,7 @@ class DemoServer:
             timeline_size=config.step_timeline,
         )
         self.loop_thread_id = 0
+        self.loop_thread_native_id = 0
         self.created = int(time.time())
 
     async def tokenize(self, text: str, request_id: str) -> list[int]:
@@ -121,6 +122,7 @@ def create_app(config: DemoConfig | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         server.loop_thread_id = threading.get_ident()
+        server.loop_thread_native_id = threading.get_native_id()  # the tid a profiler trace shows
         server.engine.start()
         probe = asyncio.create_task(server.probe_loop_lag())
         try:
@@ -168,8 +170,9 @@ def create_app(config: DemoConfig | None = None) -> FastAPI:
     @app.get("/demo/stats")
     async def stats(steps: int | None = None) -> Response:
         body = server.engine.snapshot(steps)
-        body["config"] = {k: v for k, v in vars(config).items()}
+        body["config"] = dict(vars(config))
         body["model"] = config.served_model_name
+        body["event_loop_thread_native_id"] = server.loop_thread_native_id
         return JSONResponse(body)
 
     if config.servprof:

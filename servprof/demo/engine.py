@@ -143,6 +143,7 @@ class Engine:
             slots=self.model.slots,
             engine_alive=self.alive,
             engine_error=repr(self._error) if self._error else None,
+            engine_thread_native_id=self._thread.native_id,
         )
 
     # -- the engine thread ------------------------------------------------------------
