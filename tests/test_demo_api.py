@@ -163,6 +163,9 @@ def test_sixteen_concurrent_streams_all_complete_in_one_batch(base_url):
     # Continuous batching: decode steps served many requests at once.
     assert max(step["batch_size"] for step in new_steps) >= 8
     assert stats["batch_size"] == 0 and stats["free_slots"] == MAX_BATCH
+    # Each request's own timeline: queued, then admitted (prefill), then its first token.
+    for record in stats["recent_requests"][-16:]:
+        assert record["enqueued_ns"] <= record["admitted_ns"] <= record["first_token_ns"]
 
 
 def test_disconnect_frees_the_slot_and_the_batch_shrinks():

@@ -57,6 +57,7 @@ class EngineRequest:
     in_batch: bool = False
     finished: bool = False
     cancelled: bool = False
+    admitted_ns: int = 0  # prefill start; admitted_ns - enqueued_ns is the time queued
     first_token_ns: int = 0
     detokenizer: IncrementalDetokenizer | None = None
 
@@ -211,7 +212,7 @@ class Engine:
         while self._waiting and self._free_slots:
             request = self._waiting.popleft()
             request.slot = heapq.heappop(self._free_slots)  # lowest first keeps the batch consecutive
-            started = time.perf_counter_ns()
+            request.admitted_ns = started = time.perf_counter_ns()
             self.stats.record_queue(started - request.enqueued_ns)
             with phase("prefill", request_id=request.request_id):
                 prompt = torch.tensor(request.prompt_ids, dtype=torch.long)

@@ -60,6 +60,7 @@ class EngineStats:
                 "output_tokens": len(request.output_ids),
                 "finish_reason": reason,
                 "enqueued_ns": request.enqueued_ns,
+                "admitted_ns": request.admitted_ns,
                 "first_token_ns": request.first_token_ns,
             }
         )
