@@ -52,7 +52,7 @@ class ServprofMiddleware:
         self._control_prefix_slash = f"{settings.control_prefix}/"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self._enabled:
+        if scope["type"] != "http":
             if scope["type"] == "lifespan" and self._enabled:
                 receive = _shutdown_hook(receive, self.runtime)
             await self.app(scope, receive, send)
@@ -60,8 +60,12 @@ class ServprofMiddleware:
         if self._control_prefix is not None:
             path = scope["path"]
             if path.startswith(self._control_prefix_slash) or path == self._control_prefix:
+                # Served even when servprof is disabled, so status can say so.
                 await control.handle(self.runtime, scope, receive, send)
                 return
+        if not self._enabled:
+            await self.app(scope, receive, send)
+            return
         await _RequestResponder(self, scope, receive, send).run()
 
 

@@ -56,3 +56,14 @@ def test_custom_prefix(tmp_path: Path) -> None:
             httpx.Client(timeout=10) as client:
         assert client.get(url + "/_ops/prof/status", headers=AUTH).status_code == 200
         assert client.get(url + "/servprof/status", headers=AUTH).status_code == 404
+
+
+def test_disabled_servprof_passes_requests_through_and_says_so(tmp_path: Path) -> None:
+    with tiny_server(tmp_path, control_token=TOKEN, enabled=False, sample_every=1) as (url, mw, _e), \
+            httpx.Client(timeout=10) as client:
+        response = client.get(url + "/hello")
+        assert response.status_code == 200 and "x-request-id" not in response.headers
+        status = client.get(url + "/servprof/status", headers=AUTH).json()
+        assert status["paused"].startswith("servprof is disabled")
+        assert client.post(url + "/servprof/sample?n=1", headers=AUTH).status_code == 409
+    assert mw.runtime.counters["requests"] == 0
