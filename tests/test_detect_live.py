@@ -1,6 +1,11 @@
 """End to end, live: the demo engine with a fault knob on, under the real torch.profiler,
 and the detectors on the trace it wrote (what bench/record_fixtures.py does, run now, so
-a change in the engine or the profiler that breaks detection shows up here)."""
+a change in the engine or the profiler that breaks detection shows up here).
+
+Only lower bounds on sizes here: the injected delays are busy-waits to a deadline, so
+a gap or a tokenization lasts at least that long, but a live run on a shared 2-core
+host can be preempted for any time on top. The 10% accuracy checks run on the
+committed fixtures (test_detect_accuracy.py)."""
 
 from __future__ import annotations
 
@@ -21,9 +26,12 @@ def test_live_step_delay_is_found_with_its_size(tmp_path: Path):
     knobs = {"step_delay_ms": 15.0}
     path = record_fixtures.record("live_step_delay", knobs, tmp_path, requests=2, max_tokens=6)
     analysis = analyse(load_trace(path))
-    (gap,) = [f for f in analysis.findings if f.kind == "decode_gap"]
-    assert abs(gap.evidence["median_gap_ms"] - knobs["step_delay_ms"]) <= 0.10 * knobs["step_delay_ms"]
-    assert gap.evidence["gaps"] >= 4
+    gaps = [f for f in analysis.findings if f.kind == "decode_gap"]
+    assert gaps
+    assert sum(f.evidence["gaps"] for f in gaps) >= 4
+    for f in gaps:
+        assert f.evidence["where"] == "between_steps"
+        assert f.evidence["median_gap_ms"] >= 0.99 * knobs["step_delay_ms"]
 
 
 @pytest.mark.slow
@@ -36,7 +44,5 @@ def test_live_slow_tokenizer_is_found_with_its_size(tmp_path: Path):
     assert set(stalls) == set(tokens)
     for rid, count in tokens.items():
         injected = count * knobs["slow_tokenizer_us_per_token"] / 1000
-        # Wall time: at least the injected work. Only a loose upper bound here: a live run on a
-        # shared 2-core CI host can be preempted mid-tokenization (the 10% accuracy check runs
-        # on the committed fixtures in test_detect_accuracy.py).
-        assert 0.95 * injected <= stalls[rid].evidence["tokenize_ms"] <= 2.0 * injected
+        assert stalls[rid].evidence["tokenize_ms"] >= 0.99 * injected
+        assert stalls[rid].evidence["on_event_loop"] is False
