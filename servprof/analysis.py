@@ -154,6 +154,8 @@ def analyse(trace_path: Path, session: dict[str, Any]) -> dict[str, Any]:
     except ImportError as exc:
         # The detectors are another stage; until they are importable, phase timings only.
         requests, findings, summary = _without_detectors(trace_path, str(exc))
+    except Exception as exc:  # noqa: BLE001 - a detector bug still leaves the phase timings
+        requests, findings, summary = _without_detectors(trace_path, f"failed: {type(exc).__name__}: {exc}")
     base_ns = summary.pop("base_ns", None)
     sampled = [r.get("request_id") for r in session.get("requests", [])]
     summary.update({"sampled_request_ids": sampled, "requests_with_phases": len(requests),

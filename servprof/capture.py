@@ -334,6 +334,8 @@ class CaptureController:
         session.started.set()
         try:
             session.on_finished(session)
+        except Exception as exc:  # noqa: BLE001 - reported, never re-entered
+            session.error = session.error or f"session hand-off failed: {type(exc).__name__}: {exc}"
         finally:
             session.finished.set()
 

@@ -1,0 +1,70 @@
+"""The analysis hand-off on its own: the phase scan used when the detectors are not importable,
+and the parent's handling of a child that fails on a bad trace."""
+
+from __future__ import annotations
+
+import gzip
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+import torch
+from _middleware_helpers import wait_idle, wait_warm
+from torch._C._profiler import _ExperimentalConfig
+from torch.profiler import ProfilerActivity, profile
+
+from servprof import analysis
+from servprof.phases import phase
+
+
+@pytest.fixture(scope="module")
+def real_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real profiler capture with servprof phases, gzipped as the store writes it."""
+    folder = tmp_path_factory.mktemp("trace")
+    wait_warm()
+    wait_idle()  # never start a second profiler while servprof's own one (or its warm-up) runs
+    prof = profile(activities=[ProfilerActivity.CPU],
+                   experimental_config=_ExperimentalConfig(profile_all_threads=True))
+    prof.start()
+    with phase("tokenize", request_id="r1"):
+        torch.ones(8).sum()
+    with phase("decode_step", request_ids=["r1", "r2"]):
+        torch.ones(8) * 2
+    prof.stop()
+    raw = folder / "t.json"
+    prof.export_chrome_trace(str(raw))
+    path = folder / "s1.pt.trace.json.gz"
+    path.write_bytes(gzip.compress(raw.read_bytes()))
+    return path
+
+
+def test_phase_scan_without_detectors(real_trace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_detectors(*_args: object) -> None:
+        raise ImportError("servprof.detect is not installed")
+
+    monkeypatch.setattr(analysis, "_with_detectors", no_detectors)
+    session = tmp_path / "s1.session.json"
+    session.write_bytes(orjson.dumps({"session_id": "s1", "requests": [{"request_id": "r1"}]}))
+    result_path = tmp_path / "s1.analysis.json"
+    assert analysis.main([str(real_trace), str(session), str(result_path)]) == 0
+    result = orjson.loads(result_path.read_bytes())
+    assert result["error"] is None and result["findings"] == []
+    assert result["summary"]["detectors"].startswith("unavailable: servprof.detect is not installed")
+    assert [p["name"] for p in result["requests"]["r1"]["phases"]] == ["tokenize", "decode_step"]
+    assert [p["name"] for p in result["requests"]["r2"]["phases"]] == ["decode_step"]
+    tokenize = result["requests"]["r1"]["phases"][0]
+    assert tokenize["end_us"] >= tokenize["start_us"]
+    # unix_ns = ts_us * 1000 + offset: the phase happened in the last minute.
+    unix_ns = tokenize["start_us"] * 1000 + result["clock"]["trace_us_to_unix_ns_offset"]
+    assert abs(unix_ns - time.time_ns()) < 60e9
+
+
+def test_child_failing_on_a_bad_trace_is_a_failed_result(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.pt.trace.json.gz"
+    bad.write_bytes(gzip.compress(b"not json at all"))
+    session = tmp_path / "bad.session.json"
+    session.write_bytes(orjson.dumps({"session_id": "bad", "requests": []}))
+    result = analysis.run_analysis("bad", bad, session, tmp_path / "bad.analysis.json", timeout_s=60)
+    assert result["session_id"] == "bad" and result["requests"] == {} and result["findings"] == []
+    assert result["error"].startswith("analysis process exited with status 1: servprof analysis failed:")
