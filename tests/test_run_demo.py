@@ -62,7 +62,7 @@ def test_demo_produces_every_artifact_and_finds_the_injected_decode_gap(tmp_path
 
     report = orjson.loads((out / "report.json").read_bytes())
     kinds = {f["kind"] for f in report["findings"]}
-    assert "decode_gap" in kinds
+    assert "decode_gap" in kinds, (report["summary"].get("steps"), result.stdout[-2000:])
     assert "decode_gap" in result.stdout  # the findings table
     assert "<html" in (out / "report.html").read_text().lower()
 

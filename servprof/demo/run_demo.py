@@ -35,6 +35,10 @@ INJECT_FLAGS: dict[str, list[str]] = {
     "decode-gap": ["--step-delay-ms", "20"],
     "sync": ["--sync-per-step"],
 }
+# The server's default session budget is sized for production (a few ms of capture, so
+# serving barely notices); the demo wants a trace with tens of decode steps so that each
+# detector has something to judge. An env var the user set wins.
+DEMO_SESSION_ENV = {"SERVPROF_MAX_SESSION_EVENTS": "50000", "SERVPROF_MAX_SESSION_STEPS": "64"}
 HEALTH_TIMEOUT_S = 180.0
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -127,8 +131,8 @@ class Demo:
         flags = [flag for fault in self.args.inject for flag in INJECT_FLAGS[fault]]
         command = [sys.executable, "-m", "servprof.demo.server", "--host", "127.0.0.1", "--port", str(self.port),
                    "--size", self.args.size, "--device", self.args.device, "--log-level", "warning", *flags]
-        env = {**os.environ, "SERVPROF_CONTROL_TOKEN": self.token, "SERVPROF_OUT_DIR": str(self.out),
-               "SERVPROF_REQUESTS_PER_SESSION": str(self.args.sample)}
+        env = {**DEMO_SESSION_ENV, **os.environ, "SERVPROF_CONTROL_TOKEN": self.token,
+               "SERVPROF_OUT_DIR": str(self.out), "SERVPROF_REQUESTS_PER_SESSION": str(self.args.sample)}
         self.server = self._spawn("server", command, env)
 
     def _log_tail(self, name: str) -> str:
