@@ -18,7 +18,7 @@ import anyio.to_thread
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from servprof import control
-from servprof.capture import Session
+from servprof.capture import CaptureController, Session
 from servprof.observers import RequestRecord
 from servprof.request_context import accept_request_id, request_id_var, request_record_var
 from servprof.runtime import ServprofRuntime, create_observers
@@ -37,7 +37,8 @@ class ServprofMiddleware:
     arguments override single settings.
     """
 
-    def __init__(self, app: ASGIApp, settings: Settings | None = None, **overrides: Any) -> None:
+    def __init__(self, app: ASGIApp, settings: Settings | None = None, *,
+                 controller: CaptureController | None = None, **overrides: Any) -> None:
         if settings is None:
             settings = Settings.from_env(**overrides)
         elif overrides:
@@ -46,7 +47,7 @@ class ServprofMiddleware:
         self.app = app
         self.settings = settings
         observers, problem = create_observers(settings) if settings.enabled else ([], None)
-        self.runtime = ServprofRuntime(settings, observers, problem)
+        self.runtime = ServprofRuntime(settings, observers, problem, controller)
         self._enabled = settings.enabled
         self._control_prefix = settings.control_prefix if settings.control_token else None
         self._control_prefix_slash = f"{settings.control_prefix}/"

@@ -16,7 +16,7 @@ from typing import Any
 
 import anyio.to_thread
 
-from servprof.capture import CAPTURING, Session, get_controller
+from servprof.capture import CAPTURING, CaptureController, Session, get_controller
 from servprof.observers import RequestObserver, RequestRecord
 from servprof.sampling import REASON_ON_DEMAND, Sampler
 from servprof.settings import Settings
@@ -42,11 +42,12 @@ def create_observers(settings: Settings) -> tuple[list[RequestObserver], str | N
 
 class ServprofRuntime:
     def __init__(self, settings: Settings, observers: list[RequestObserver] | None = None,
-                 observer_problem: str | None = None):
+                 observer_problem: str | None = None, controller: CaptureController | None = None):
         self.settings = settings
         self.sampler = Sampler(settings)
         self.store = TraceStore(settings.out_dir, settings.trace_max_files, settings.trace_max_mb)
-        self.controller = get_controller()
+        # Integrations (vLLM) bring a controller that captures elsewhere than this process.
+        self.controller = controller or get_controller()
         self.observers = observers or []
         self.observer_problem = observer_problem
         self.counters = {"requests": 0, "sampled": 0, "skipped": 0, "observer_errors": 0, "disconnects": 0,
