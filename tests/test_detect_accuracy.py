@@ -112,6 +112,17 @@ def test_run_detectors_matches_the_contract(analyses):
         assert d["end_us"] >= d["start_us"]
 
 
+def test_session_requests_name_findings_in_traces_without_phase_markers():
+    trace = load_trace(shared_trace("sglang_qwen3_8b_decode_bs32_mi300x.json.gz"))
+    (gap,) = [f for f in run_detectors(trace, requests=[{"request_id": "s1"}, {"request_id": "s2"}])
+              if f.kind == "decode_gap"]
+    assert gap.request_ids == ["s1", "s2"] and "session records" in gap.evidence["request_ids_from"]
+    # Where phase markers name the requests, the session's list does not replace them.
+    marked = load_trace(fixture("step_delay_20ms"))
+    (gap,) = [f for f in run_detectors(marked, requests=[{"request_id": "other"}]) if f.kind == "decode_gap"]
+    assert "other" not in gap.request_ids and "request_ids_from" not in gap.evidence
+
+
 def test_hta_idle_split_reference_on_resnet():
     trace = load_trace(shared_trace("resnet_ddp_training_v100.json.gz"))
     (stream,) = idle_split(trace)

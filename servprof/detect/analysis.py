@@ -29,6 +29,7 @@ def analyse(trace: Trace, requests: list[dict[str, Any]] | None = None, device: 
     token_findings, token_summary = detect_tokenization_stalls(trace, steps, gaps)
     bw_findings, bw_summary, kernels = detect_bandwidth_bound(trace, steps, device)
     findings = sorted([*gap_findings, *token_findings, *bw_findings], key=lambda f: f.cost_ms, reverse=True)
+    _attribute_to_session(findings, requests)
     summary = {
         "source": trace.source,
         "events": len(trace),
@@ -47,3 +48,15 @@ def analyse(trace: Trace, requests: list[dict[str, Any]] | None = None, device: 
         "requests_given": len(requests or []),
     }
     return Analysis(findings, summary, steps, gaps, kernels)
+
+
+def _attribute_to_session(findings: list[Finding], requests: list[dict[str, Any]] | None) -> None:
+    """Traces without phase markers (e.g. vLLM's worker traces) name no request: a gap or a
+    slow kernel in the session's window then concerns the requests the session sampled."""
+    sampled = [str(r["request_id"]) for r in requests or [] if isinstance(r, dict) and r.get("request_id")]
+    if not sampled:
+        return
+    for finding in findings:
+        if not finding.request_ids and finding.kind != "tokenization_stall":
+            finding.request_ids = sampled[:100]
+            finding.evidence["request_ids_from"] = "session records (the trace carries no phase markers)"
