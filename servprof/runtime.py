@@ -137,7 +137,7 @@ class ServprofRuntime:
         controller = self.controller
         current = controller.session
         last = self.last_result or {}
-        return {
+        status = {
             "settings": self.settings.public_dict(),
             "counters": dict(self.counters),
             "skipped_by_reason": dict(self.skipped_by_reason),
@@ -156,6 +156,10 @@ class ServprofRuntime:
                           "problem": self.observer_problem, "dropped_spans": self._dropped_spans()},
             "telemetry": self._telemetry_status(),
         }
+        extra = getattr(controller, "extra_status", None)  # what an integration's controller adds
+        if extra is not None:
+            status.update(extra())
+        return status
 
     def _telemetry_status(self) -> dict[str, Any] | None:
         # Telemetry's own report (exporter, span counts, dropped spans) when it is loaded.
