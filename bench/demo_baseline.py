@@ -96,9 +96,14 @@ async def run_level(url: str, concurrency: int, requests_per_stream: int, max_to
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         await one_stream(client, url, 4)  # warm-up
+        steps_before = (await client.get(f"{url}/demo/stats", params={"steps": 0})).json()["decode_steps"]
         started = time.perf_counter()
         per_worker = await asyncio.gather(*(worker(client) for _ in range(concurrency)))
         elapsed = time.perf_counter() - started
+        stats = (await client.get(f"{url}/demo/stats")).json()
+    # The server's own view: how many requests each decode step of this level served.
+    level_steps = stats["steps"][-(stats["decode_steps"] - steps_before) :]
+    mean_batch = float(np.mean([s["batch_size"] for s in level_steps])) if level_steps else float("nan")
     results = [r for rs in per_worker for r in rs]
     ttft = np.array([r["ttft"] for r in results]) * 1000
     itl = np.array([x for r in results for x in r["itl"]]) * 1000
@@ -109,6 +114,7 @@ async def run_level(url: str, concurrency: int, requests_per_stream: int, max_to
         "output_tokens": tokens,
         "seconds": elapsed,
         "output_tokens_per_s": tokens / elapsed,
+        "mean_decode_batch": mean_batch,
         "ttft_ms_p50": float(np.percentile(ttft, 50)),
         "ttft_ms_p90": float(np.percentile(ttft, 90)),
         "itl_ms_p50": float(np.percentile(itl, 50)) if itl.size else float("nan"),
@@ -163,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     for column in (
         "streams",
         "reqs",
+        "mean batch",
         "out tok/s",
         "TTFT p50 ms",
         "TTFT p90 ms",
@@ -175,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         table.add_row(
             str(row["concurrency"]),
             str(row["requests"]),
+            f"{row['mean_decode_batch']:.1f}",
             f"{row['output_tokens_per_s']:.0f}",
             f"{row['ttft_ms_p50']:.1f}",
             f"{row['ttft_ms_p90']:.1f}",
@@ -182,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['itl_ms_p90']:.2f}",
             f"{row['throughput_vs_first']:.2f}x",
         )
-    Console().print(table)
+    Console(width=120).print(table)
     return 0
 
 
