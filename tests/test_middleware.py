@@ -136,9 +136,14 @@ def test_servprof_token_header_is_not_passed_to_the_app(tmp_path: Path) -> None:
         headers = {"x-servprof-sample": "1", "x-servprof-token": TOKEN}
         assert httpx.get(url + "/", headers=headers).status_code == 200
         wait_idle()
+        # The token may also come as a bearer token (then the app sees its own Authorization header).
+        bearer = {"x-servprof-sample": "1", "Authorization": f"Bearer {TOKEN}"}
+        assert httpx.get(url + "/", headers=bearer).status_code == 200
+        wait_idle()
     assert all(name != b"x-servprof-token" for name, _ in seen_headers[0])
     assert (b"x-servprof-sample", b"1") in seen_headers[0]
-    assert middleware.runtime.counters["sampled"] == 1
+    assert (b"authorization", f"Bearer {TOKEN}".encode()) in seen_headers[1]
+    assert middleware.runtime.counters["sampled"] == 2
 
 
 def test_lifespan_and_websocket_pass_through(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
