@@ -116,8 +116,17 @@ class HostActivity:
         self.is_sync = np.isin(self.names, trace.ids_matching(lambda s: SYNC_NAMES.search(s) is not None))
         self.is_phase = np.isin(self.names, trace.ids_matching(lambda s: s.startswith(PHASE_PREFIX)))
         dev = np.flatnonzero(trace.device_mask() & (trace.rank == rank))
-        self.dev_start = trace.ts[dev]
+        dev = dev[np.argsort(trace.ts[dev], kind="stable")]
+        self.dev_start = trace.ts[dev]  # sorted, so windows are found by binary search
         self.dev_end = self.dev_start + trace.dur[dev]
+        self.dev_longest = float(trace.dur[dev].max()) if dev.size else 0.0
+
+    def device_overlapping(self, start_us: float, end_us: float) -> np.ndarray:
+        """Indices (into dev_start/dev_end) of device events overlapping [start, end)."""
+        lo = int(np.searchsorted(self.dev_start, start_us - self.dev_longest, side="left"))
+        hi = int(np.searchsorted(self.dev_start, end_us, side="left"))
+        idx = np.arange(lo, hi)
+        return idx[self.dev_end[idx] > start_us]
 
     def window(self, start_us: float, end_us: float) -> HostWindow:
         out = HostWindow(start_us, end_us)
@@ -142,10 +151,11 @@ class HostActivity:
                 name = self.trace.names[int(self.names[i])]
                 per_name[name] = per_name.get(name, 0.0) + clip
             out.top_ops = sorted(per_name.items(), key=lambda kv: -kv[1])[:5]
-        in_window = (self.dev_start >= start_us) & (self.dev_end <= end_us)
-        tiny = in_window & ((self.dev_end - self.dev_start) < TINY_KERNEL_US)
+        near = self.device_overlapping(start_us, end_us)
+        s_dev, e_dev = self.dev_start[near], self.dev_end[near]
+        tiny = (s_dev >= start_us) & (e_dev <= end_us) & ((e_dev - s_dev) < TINY_KERNEL_US)
         out.tiny_kernels = int(tiny.sum())
-        out.tiny_kernel_busy_us = union_length(self.dev_start[tiny], self.dev_end[tiny])
+        out.tiny_kernel_busy_us = union_length(s_dev[tiny], e_dev[tiny])
         return out
 
 

@@ -123,7 +123,8 @@ def _device_gaps(trace: Trace, steps: list[Step], activity: HostActivity, median
         if win is None:
             continue
         # Idle stretches inside this step's device window.
-        inside = (dev_s >= win[0]) & (dev_e <= win[1])
+        near = activity.device_overlapping(win[0], win[1])
+        inside = near[(dev_s[near] >= win[0]) & (dev_e[near] <= win[1])]
         for start, end in _idle_intervals(dev_s[inside], dev_e[inside]):
             if end - start >= max(GPU_MIN_GAP_US, DEVICE_RELATIVE_MIN_GAP * (win[1] - win[0])):
                 out.append(_device_gap(step, start, end, end - start, "inside_step", activity))
@@ -133,7 +134,7 @@ def _device_gaps(trace: Trace, steps: list[Step], activity: HostActivity, median
         start, end = win[1], windows[nxt][0]  # type: ignore[index]
         if end <= start:
             continue
-        between = (dev_s < end) & (dev_e > start)
+        between = activity.device_overlapping(start, end)
         busy = union_length(np.maximum(dev_s[between], start), np.minimum(dev_e[between], end))
         idle = (end - start) - busy
         if idle >= max(GPU_MIN_GAP_US, DEVICE_RELATIVE_MIN_GAP * median_step):
