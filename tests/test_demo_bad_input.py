@@ -110,6 +110,26 @@ def test_chat_longer_than_context_gets_400(base_url):
     assert_openai_400(response, "messages")
 
 
+@pytest.mark.parametrize("declared", [True, False])
+def test_oversized_body_gets_413(base_url, declared):
+    from servprof.demo.app import MAX_BODY_BYTES
+
+    body = b'{"prompt": "' + b"a" * (MAX_BODY_BYTES + 10) + b'"}'
+    if declared:
+        content: bytes | object = body
+    else:  # chunked: no Content-Length to refuse up front
+
+        def chunks():
+            for start in range(0, len(body), 1 << 20):
+                yield body[start : start + (1 << 20)]
+
+        content = chunks()
+    response = httpx.post(f"{base_url}{COMPLETIONS}", content=content, timeout=60)
+    assert response.status_code == 413
+    error = response.json()["error"]
+    assert error["code"] == "request_too_large" and error["type"] == "invalid_request_error"
+
+
 def test_server_still_serves_after_bad_input(base_url):
     for path, body, _ in BAD_REQUESTS[:5]:
         httpx.post(f"{base_url}{path}", content=body, timeout=30)

@@ -36,6 +36,7 @@ from servprof.request_context import annotate_request, current_request_id, new_r
 
 logger = logging.getLogger("servprof.demo")
 LOOP_PROBE_INTERVAL_S = 0.01
+MAX_BODY_BYTES = 8 << 20
 
 
 class JSONResponse(Response):
@@ -193,7 +194,7 @@ def _add_servprof(app: FastAPI) -> None:
 
 async def _generate(server: DemoServer, request: Request, *, chat: bool) -> Response:
     config = server.config
-    parsed = parse_request(await request.body(), chat=chat, max_tokens_limit=config.tokens_limit)
+    parsed = parse_request(await _read_body(request), chat=chat, max_tokens_limit=config.tokens_limit)
     if not server.engine.alive:
         raise APIError("the engine has stopped", status=503, type_="server_error", code="engine_stopped")
     request_id = current_request_id() or new_request_id()
@@ -236,6 +237,23 @@ async def _generate(server: DemoServer, request: Request, *, chat: bool) -> Resp
         chat=chat,
     )
     return JSONResponse(body)
+
+
+async def _read_body(request: Request) -> bytes:
+    # A bounded read: a huge body is refused before it is buffered and tokenized.
+    too_large = APIError(
+        f"the request body is over {MAX_BODY_BYTES // (1 << 20)} MiB", status=413, code="request_too_large"
+    )
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _cancel_on_disconnect(server: DemoServer, request: Request, engine_request: EngineRequest) -> None:
