@@ -217,3 +217,30 @@ def test_disconnect_of_a_non_streamed_request_frees_the_slot():
         stats = wait_for(lambda: (s := get_stats(url))["requests_finished"].get("cancelled") and s)
         assert stats["free_slots"] == 2 and stats["batch_size"] == 0
         assert stats["recent_requests"][-1]["output_tokens"] < 400
+
+
+def test_requests_beyond_the_slots_queue_and_all_complete():
+    with start_demo_server(size="tiny", max_batch=2) as url:
+
+        async def main() -> list[str]:
+            async with httpx.AsyncClient(timeout=60) as client:
+
+                async def one(index: int) -> str:
+                    payload = {"prompt": f"Queue {index}", "max_tokens": 12, "temperature": 0, "stream": True}
+                    response = await client.post(f"{url}/v1/completions", json=payload)
+                    return parse_sse(response.text)[-1]
+
+                return await asyncio.gather(*(one(i) for i in range(6)))
+
+        assert asyncio.run(main()) == ["[DONE]"] * 6
+        stats = get_stats(url)
+    assert stats["requests_finished"] == {"length": 6}
+    # Never more in a step than there are slots; the rest waited in the queue.
+    assert max(step["batch_size"] for step in stats["steps"]) == 2
+    records = stats["recent_requests"]
+    for record in records:  # at each admission, at most 2 requests hold a slot (this one included)
+        holding = [r for r in records if r["admitted_ns"] <= record["admitted_ns"] < r["finished_ns"]]
+        assert len(holding) <= 2
+    # At least 4 of the 6 were admitted only once an earlier request had left.
+    first_exit = min(r["finished_ns"] for r in records)
+    assert sum(r["admitted_ns"] >= first_exit for r in records) >= 4

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +63,7 @@ class EngineStats:
                 "enqueued_ns": request.enqueued_ns,
                 "admitted_ns": request.admitted_ns,
                 "first_token_ns": request.first_token_ns,
+                "finished_ns": time.perf_counter_ns(),
             }
         )
 
