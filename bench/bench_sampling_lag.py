@@ -41,11 +41,12 @@ from servprof.settings import Settings
 
 TOKEN = "bench-token"
 TICK_S = 0.001
-# (label, overrides): the budgets compared. The first session runs on the assumed event rate
+# (label, overrides): the budgets compared; overrides accumulate from row to row. The first session runs on the assumed event rate
 # (Settings.assumed_events_per_s); later ones on the rate the previous session measured.
 BUDGETS: list[tuple[str, dict[str, Any]]] = [
     ("events=2000 (default)", {}),
-    ("events=1000", {"max_session_events": 1000}),
+    ("events=2000, analysis off", {"analysis": False}),
+    ("events=1000", {"max_session_events": 1000, "analysis": True}),
     ("events=2000", {"max_session_events": 2000}),
     ("events=4000", {"max_session_events": 4000}),
     ("events=8000", {"max_session_events": 8000}),
