@@ -31,7 +31,13 @@ from servprof.demo.config import DemoConfig
 def start_demo_server(**config: Any) -> Iterator[str]:
     """Serve the demo app on 127.0.0.1:<free port>; yields the base URL, stops on exit."""
     config.setdefault("servprof", False)
-    app = create_app(DemoConfig(**config))
+    with serve_app(create_app(DemoConfig(**config))) as url:
+        yield url
+
+
+@contextmanager
+def serve_app(app: Any) -> Iterator[str]:
+    """Serve any ASGI app (e.g. one from create_app) on a free loopback port; yields its URL."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]

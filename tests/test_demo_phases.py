@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import orjson
 import torch
-from _demo_helpers import get_stats, start_demo_server, wait_for
+from _demo_helpers import get_stats, serve_app, start_demo_server, wait_for
 from torch._C._profiler import _ExperimentalConfig
 
 from servprof.capture import get_controller
@@ -112,3 +112,60 @@ def test_request_id_comes_from_the_servprof_middleware(monkeypatch, tmp_path: Pa
         assert response.status_code == 200
         assert response.json()["id"] == "cmpl-demo-test-id-42"
         assert get_stats(url)["recent_requests"][-1]["request_id"] == "demo-test-id-42"
+
+
+class _RecordProbe:
+    """A RequestObserver that keeps what the middleware hands it at request end."""
+
+    def __init__(self) -> None:
+        self.ended: dict[str, dict] = {}
+
+    def on_request_start(self, record, scope):
+        return None
+
+    def on_request_end(self, record, state) -> None:
+        self.ended[record.request_id] = dict(record.attributes)
+
+    def on_analysis(self, result, records) -> None:
+        pass
+
+
+def test_token_counts_reach_the_middlewares_request_record(monkeypatch, tmp_path: Path):
+    from servprof.demo.app import create_app
+    from servprof.demo.config import DemoConfig
+    from servprof.middleware import ServprofMiddleware
+
+    monkeypatch.setenv("SERVPROF_OUT_DIR", str(tmp_path))
+    monkeypatch.setenv("SERVPROF_TELEMETRY", "0")
+    monkeypatch.setenv("SERVPROF_WARMUP", "0")
+    app = create_app(DemoConfig(size="tiny", max_batch=2, servprof=True))
+    probe = _RecordProbe()
+    with serve_app(app) as url:
+        httpx.get(f"{url}/health")  # the middleware stack is built on the first request
+        layer = app.middleware_stack
+        while not isinstance(layer, ServprofMiddleware):
+            layer = layer.app
+        layer.runtime.observers.append(probe)
+        plain = httpx.post(
+            f"{url}/v1/completions",
+            json={"prompt": "hi there", "max_tokens": 4},
+            headers={"x-request-id": "plain-1"},
+            timeout=60,
+        ).json()
+        payload = {
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 5,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        streamed = httpx.post(
+            f"{url}/v1/chat/completions", json=payload, headers={"x-request-id": "stream-1"}, timeout=60
+        ).text
+        wait_for(lambda: len(probe.ended) == 2)
+    usage = orjson.loads(streamed.split("data: ")[-2])["usage"]
+    for request_id, expected in (("plain-1", plain["usage"]), ("stream-1", usage)):
+        attributes = probe.ended[request_id]
+        assert attributes["gen_ai.usage.input_tokens"] == expected["prompt_tokens"]
+        assert attributes["gen_ai.usage.output_tokens"] == expected["completion_tokens"]
+        assert attributes["gen_ai.response.model"] == "servprof-demo-tiny"
+        assert attributes["gen_ai.response.finish_reasons"] in (["length"], ["stop"])
