@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 import torch
 import uvicorn
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -273,18 +274,23 @@ def serve(app: Any) -> Iterator[str]:
 
 
 class OtlpHttpReceiver:
-    """A minimal real OTLP/HTTP trace receiver (protobuf bodies on /v1/traces) that can be
+    """A minimal real OTLP/HTTP receiver (protobuf bodies on /v1/traces and /v1/metrics) that can be
     stopped and started again on the same port, to play a backend that restarts."""
 
     def __init__(self, port: int | None = None) -> None:
         self.port = port or free_port()
         self.spans: list[Any] = []
+        self.metrics: list[Any] = []
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
     @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1/traces"
+        return f"{self.base_url}/v1/traces"
 
     def start(self) -> None:
         receiver = self
@@ -292,10 +298,16 @@ class OtlpHttpReceiver:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 - the http.server API
                 body = self.rfile.read(int(self.headers.get("content-length", 0)))
-                message = ExportTraceServiceRequest.FromString(body)
-                for resource_spans in message.resource_spans:
-                    for scope_spans in resource_spans.scope_spans:
-                        receiver.spans.extend(scope_spans.spans)
+                if self.path == "/v1/metrics":
+                    metrics = ExportMetricsServiceRequest.FromString(body)
+                    for resource_metrics in metrics.resource_metrics:
+                        for scope_metrics in resource_metrics.scope_metrics:
+                            receiver.metrics.extend(scope_metrics.metrics)
+                else:
+                    message = ExportTraceServiceRequest.FromString(body)
+                    for resource_spans in message.resource_spans:
+                        for scope_spans in resource_spans.scope_spans:
+                            receiver.spans.extend(scope_spans.spans)
                 self.send_response(200)
                 self.send_header("content-type", "application/x-protobuf")
                 self.send_header("content-length", "0")

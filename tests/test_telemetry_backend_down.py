@@ -75,7 +75,9 @@ def test_connection_refused_costs_no_request(tmp_path: Path, monkeypatch: Any, p
         assert status["spans_exported"] == 0
         assert status["spans_dropped"] >= status["spans_export_failed"] > 0
         assert observer.dropped_spans == status["spans_dropped"]
-        assert app.runtime.status()["observers"]["dropped_spans"] == status["spans_dropped"]  # /servprof/status
+        assert (
+            app.runtime.status()["observers"]["dropped_spans"] == status["spans_dropped"]
+        )  # /servprof/status
     finally:
         telemetry.shutdown()
 
@@ -137,3 +139,33 @@ def _received_request_ids(receiver: OtlpHttpReceiver) -> set[str]:
         for a in span.attributes
         if a.key == "servprof.request_id"
     }
+
+
+def test_spans_and_genai_metrics_reach_an_otlp_http_receiver(tmp_path: Path, monkeypatch: Any) -> None:
+    receiver = OtlpHttpReceiver()
+    receiver.start()
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    # One base endpoint: the SDK exporters add /v1/traces and /v1/metrics to it.
+    environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.base_url}
+    observer = telemetry.create_observer(Settings(out_dir=tmp_path), environ=environ)
+    app, keeper = behind_middleware(make_app(), observer, tmp_path)
+    try:
+        with serve(app) as url:
+            assert _load(url, 6) == [200] * 6  # 3 streamed completions, 3 plain requests
+            keeper.wait_records(6)
+    finally:
+        telemetry.shutdown()  # exports what the metric reader collected
+        receiver.stop()
+    assert len(receiver.spans) == 6
+    histograms = {m.name: m.histogram for m in receiver.metrics}
+    assert set(histograms) == {
+        "gen_ai.server.request.duration",
+        "gen_ai.server.time_to_first_token",
+        "gen_ai.server.time_per_output_token",
+    }
+    assert sum(p.count for p in histograms["gen_ai.server.request.duration"].data_points) == 3
+    assert list(histograms["gen_ai.server.time_to_first_token"].data_points[0].explicit_bounds)[:3] == [
+        0.001,
+        0.005,
+        0.01,
+    ]
