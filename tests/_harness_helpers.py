@@ -41,6 +41,7 @@ class ServedRequest:
     chunk_unix: list[float] = field(default_factory=list)
     completed: bool = False
     max_tokens: int = 0
+    body: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -72,6 +73,7 @@ class TimedServer:
         record = ServedRequest(request.headers.get(REQUEST_ID_HEADER), time.time())
         body = orjson.loads(await request.body())
         record.max_tokens = int(body.get("max_tokens", 16))
+        record.body = body
         tokens = max(1, min(record.max_tokens, self.max_chunks))
         chat = request.url.path.endswith("chat/completions")
         self.requests.append(record)
@@ -139,11 +141,12 @@ def locust_command(host: str, *args: str, locustfile: Path = LOCUSTFILE) -> list
     return [sys.executable, "-m", "locust", "-f", str(locustfile), "-H", host, *args]
 
 
-def run_locust(host: str, *args: str, timeout: float = 120, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def run_locust(
+    host: str, *args: str, timeout: float = 120, cwd: Path | None = None, locustfile: Path = LOCUSTFILE
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(
-        locust_command(host, *args), capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO_ROOT, env=env
-    )
+    command = locust_command(host, *args, locustfile=locustfile)
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO_ROOT, env=env)
 
 
 def read_summary(path: Path) -> dict[str, Any]:

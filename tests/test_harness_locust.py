@@ -95,14 +95,28 @@ def test_streaming_ttft_and_itl_agree_with_server_side_timings(tmp_path: Path, e
     assert ("POST", path) in stats
 
 
+USER_LOCUSTFILE = """
+from servprof.harness import OpenAIUser
+
+
+class MyUser(OpenAIUser):
+    def build_payload(self, spec):
+        payload = super().build_payload(spec)
+        payload["temperature"] = 0.25
+        return payload
+"""
+
+
 @pytest.mark.slow
-def test_non_streaming_requests_report_e2el_and_tokens(tmp_path: Path) -> None:
+def test_users_own_locustfile_without_streaming_reports_e2el_and_tokens(tmp_path: Path) -> None:
+    locustfile = tmp_path / "my_locustfile.py"
+    locustfile.write_text(USER_LOCUSTFILE)
     server = TimedServer(ttft_s=0.02, itl_s=0.005, max_chunks=6)
     with running_server(server):
         summary_path = tmp_path / "s.json"
         result = run_locust(
-            server.url, "--headless", "-u", "2", "-r", "2", "-t", "3s", "--no-stream",
-            "--summary-json", str(summary_path), "--max-output-tokens", "6",
+            server.url, "--headless", "-u", "2", "-r", "2", "-t", "3s", "--no-stream", "--endpoint", "chat",
+            "--summary-json", str(summary_path), "--max-output-tokens", "6", "--model", "m1", locustfile=locustfile,
         )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = read_summary(summary_path)
@@ -110,6 +124,9 @@ def test_non_streaming_requests_report_e2el_and_tokens(tmp_path: Path) -> None:
     assert summary["metrics"]["ttft_ms"]["count"] == 0  # no stream, no first token to time
     assert summary["metrics"]["e2el_ms"]["count"] == summary["completed"]
     assert summary["total_output_tokens"] > 0
+    bodies = [r.body for r in server.requests]
+    assert all(b["temperature"] == 0.25 and b["model"] == "m1" and b["stream"] is False for b in bodies)
+    assert all(b["messages"][0]["role"] == "user" and "stream_options" not in b for b in bodies)
 
 
 @pytest.mark.slow
