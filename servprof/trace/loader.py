@@ -7,6 +7,7 @@ Every way a file can be unusable ends in a one-line TraceError.
 
 from __future__ import annotations
 
+import gc
 import gzip
 import math
 import os
@@ -180,7 +181,7 @@ def _float_column(values: list[Any], default: float) -> np.ndarray:
 _NO_ARGS: dict[str, Any] = {}
 
 
-def _columns(events: list[Any], rank: int, interner: _Interner, file: Path) -> dict[str, Any] | None:
+def _columns(events: list[Any], rank: int, interner: _Interner, file: Path) -> dict[str, Any]:
     nan = float("nan")
     try:
         ts = _float_column([e.get("ts", nan) for e in events], nan)
@@ -188,7 +189,9 @@ def _columns(events: list[Any], rank: int, interner: _Interner, file: Path) -> d
         raise TraceError(f"{file}: an entry of 'traceEvents' is not an object") from None
     phases = [e.get("ph", "") for e in events]
     # Timed events only: metadata ("M") events and events without a usable ts are dropped.
-    keep = np.isfinite(ts) & np.array([p != "M" for p in phases], dtype=bool)
+    is_metadata = np.array([p == "M" for p in phases], dtype=bool)
+    metadata_events = [events[i] for i in np.flatnonzero(is_metadata).tolist()]
+    keep = np.isfinite(ts) & ~is_metadata
     if not keep.all():
         index = np.flatnonzero(keep).tolist()
         events = [events[i] for i in index]
@@ -219,6 +222,7 @@ def _columns(events: list[Any], rank: int, interner: _Interner, file: Path) -> d
         "flow_id": flow_ids,
         "rank": np.full(n, rank, dtype=np.int32),
         "raw_args": args,
+        "metadata_events": metadata_events,
     }
 
 
@@ -253,10 +257,24 @@ def load_trace(
 ) -> Trace:
     """Load a trace file or a directory of per-rank trace files.
 
-    Raises TraceError (one line) for anything that is not a usable chrome trace.
+    Raises TraceError (one line) for anything that is not a usable chrome trace. Pauses
+    Python's cyclic garbage collector while it runs: call it in an analysis process or
+    a CLI, never on a serving process's threads (the serving process never parses traces).
     """
     files = trace_files(path)
     limit = max_trace_bytes() if max_bytes is None else max_bytes
+    # Parsing makes millions of small dicts and lists, none of them cyclic garbage; with the
+    # cyclic collector on, its repeated passes over them cost as much as the parse itself.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _load(path, files, limit, progress)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _load(path: str | os.PathLike[str], files: list[Path], limit: int, progress: ProgressCallback | None) -> Trace:
     interner = _Interner()
     parts: list[dict[str, Any]] = []
     metadata: dict[int, dict[str, Any]] = {}
@@ -274,8 +292,9 @@ def load_trace(
         if rank in metadata:  # two files claim one rank: keep them apart
             rank = max(metadata) + 1
         metadata[rank] = document
-        thread_names.update(_thread_names(events, rank))
-        parts.append(_columns(events, rank, interner, file))
+        columns = _columns(events, rank, interner, file)
+        thread_names.update(_thread_names(columns.pop("metadata_events"), rank))
+        parts.append(columns)
         del events
         if progress:
             progress("columns")

@@ -8,7 +8,16 @@ import numpy as np
 
 from servprof.trace.model import Trace
 
-PHASE_PREFIX = "servprof:"  # same as servprof.phases.PHASE_PREFIX, without importing torch
+PHASE_PREFIX = "servprof:"  # servprof.phases.PHASE_PREFIX
+
+
+def parse_phase_event_name(event_name: str) -> tuple[str, list[str]] | None:
+    """servprof.phases.parse_phase_event_name, repeated here because servprof.phases imports
+    torch (seconds) and loading a trace must not; tests check the two agree."""
+    if not event_name.startswith(PHASE_PREFIX):
+        return None
+    name, _, ids = event_name[len(PHASE_PREFIX):].partition("|")
+    return name, [i for i in ids.split(",") if i]
 
 
 @dataclass(frozen=True)
@@ -26,9 +35,6 @@ def phase_events(trace: Trace) -> list[PhaseEvent]:
     ids = trace.ids_matching(lambda s: s.startswith(PHASE_PREFIX))
     if ids.size == 0:
         return []
-    # servprof.phases pulls in torch; only traces that carry phase markers pay for it.
-    from servprof.phases import parse_phase_event_name
-
     parsed: dict[int, tuple[str, list[str]] | None] = {int(i): parse_phase_event_name(trace.names[int(i)]) for i in ids}
     rows = np.flatnonzero(np.isin(trace.name_id, ids) & trace.complete())
     rows = rows[np.argsort(trace.ts[rows], kind="stable")]
