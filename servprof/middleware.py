@@ -96,7 +96,7 @@ class _RequestResponder:
         middleware = self.middleware
         runtime = middleware.runtime
         arrival_perf = _perf_ns()
-        raw_request_id = user_agent = presented_token = None
+        raw_request_id = user_agent = presented_token = servprof_token = None
         sample_asked = False
         for name, value in scope["headers"]:
             if name == b"x-request-id":
@@ -106,9 +106,13 @@ class _RequestResponder:
             elif name == b"x-servprof-sample":
                 sample_asked = value.strip() == b"1"
             elif name == _TOKEN_HEADER:
-                presented_token = value
-            elif name == b"authorization" and presented_token is None and value[:7].lower() == b"bearer ":
+                servprof_token = value
+            elif name == b"authorization" and value[:7].lower() == b"bearer ":
                 presented_token = value[7:].strip()
+        if servprof_token is not None:
+            # The servprof token is for servprof only: the app never sees it.
+            presented_token = servprof_token
+            scope = self.scope = {**scope, "headers": [(n, v) for n, v in scope["headers"] if n != _TOKEN_HEADER]}
         # os.urandom is ~4x cheaper than uuid4 for the common case of no client id.
         request_id = accept_request_id(raw_request_id.decode("latin-1")) if raw_request_id else _urandom(8).hex()
         self.request_id_bytes = request_id.encode()
@@ -121,9 +125,6 @@ class _RequestResponder:
         )
         self.body_head_left = middleware.settings.body_head_bytes if method == "POST" else 0
         runtime.counters["requests"] += 1
-        if sample_asked and presented_token is not None:
-            # The servprof token is for servprof only: the app never sees it.
-            scope["headers"] = [(n, v) for n, v in scope["headers"] if n != _TOKEN_HEADER]
 
         session: Session | None = None
         reason = runtime.sampler.decide(sample_asked, presented_token if sample_asked else None)

@@ -91,8 +91,13 @@ class ServprofRuntime:
             return None
         if not session.started.is_set():
             # Only a sampled request waits for the profiler; the wait happens off the loop.
-            await anyio.to_thread.run_sync(session.started.wait, START_WAIT_S)
+            try:
+                await anyio.to_thread.run_sync(session.started.wait, START_WAIT_S)
+            except BaseException:  # cancelled: the session must not wait for this request
+                self.controller.request_finished(session)
+                raise
         if session.state != CAPTURING:
+            self.controller.request_finished(session)
             self._skip("start_failed", reason)
             return None
         self.paused_reason = None
