@@ -220,3 +220,41 @@ def test_foreign_profiler_active_skips_sampling_with_a_reason(tmp_path: Path) ->
     assert "another torch profiler is active" in status["paused"]
     assert status["counters"]["sampled"] == 0 and status["profiler"]["sessions_started_in_process"] == 0
     assert status["skipped_by_reason"]["foreign_profiler"] == 3
+
+
+EXIT_DURING_SESSION_SCRIPT = textwrap.dedent("""
+    import sys, threading, httpx, uvicorn, socket
+    from pathlib import Path
+    from _middleware_helpers import TOKEN, TinyEngine, make_app, sse_post, wait_warm
+    from servprof.capture import get_controller
+    from servprof.middleware import ServprofMiddleware
+    engine = TinyEngine()
+    engine.start()
+    app = ServprofMiddleware(make_app(engine), out_dir=Path(sys.argv[1]), telemetry=False, control_token=TOKEN,
+                             requests_per_session=4, max_session_s=60, max_session_events=10**9)
+    wait_warm()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning"))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    while not server.started:
+        pass
+    url = "http://127.0.0.1:%d" % sock.getsockname()[1]
+    with httpx.Client(timeout=30) as client:
+        status, lines, _ = sse_post(client, url, tokens=4, headers={"x-servprof-sample": "1", "x-servprof-token": TOKEN})
+    assert status == 200 and get_controller().session is not None
+    print("EXITING", flush=True)
+    sys.exit(0)  # no server shutdown, no lifespan: only servprof's atexit hook can save the trace
+""")
+
+
+def test_process_exit_during_a_session_keeps_the_trace(tmp_path: Path) -> None:
+    tests_dir = Path(__file__).parent
+    env = {**os.environ, "KINETO_LOG_LEVEL": "6", "PYTHONPATH": str(tests_dir)}
+    child = subprocess.run([sys.executable, "-c", EXIT_DURING_SESSION_SCRIPT, str(tmp_path / "out")],
+                           capture_output=True, timeout=120, cwd=tests_dir, env=env)
+    assert child.returncode == 0 and b"EXITING" in child.stdout, child.stderr.decode()[-2000:]
+    (trace,) = (tmp_path / "out" / "traces").glob("*.pt.trace.json.gz")
+    meta = _trace_events(trace)["servprof"]
+    meta = orjson.loads(meta) if isinstance(meta, str) else meta
+    assert meta["stop_reason"] == "shutdown: process exit" and len(meta["request_ids"]) == 1
