@@ -1,9 +1,10 @@
 """The RequestObserver that turns request records into spans and GenAI metrics.
 
-Per request: one SERVER span started when the request arrives (so its context can be
-re-injected into the headers the app sees) and ended with an explicit end time when the
-response is complete. Nothing happens per body chunk. Sampled requests keep their span
-context until the session's analysis has been turned into child spans.
+Per request: one SERVER span whose context exists from the request's arrival (so it can be
+re-injected into the headers the app sees) and which is ended with explicit start and end
+times when the response is complete (see request_span.py for why it is built in one piece).
+Nothing happens per body chunk. Sampled requests keep their span context until the
+session's analysis has been turned into child spans.
 """
 
 from __future__ import annotations
@@ -26,22 +27,7 @@ from servprof.telemetry.setup import Pipeline
 _UNSET = Status(StatusCode.UNSET)
 
 # Recommended explicit bucket boundaries from the GenAI metrics semantic conventions.
-REQUEST_DURATION_BUCKETS = [
-    0.01,
-    0.02,
-    0.04,
-    0.08,
-    0.16,
-    0.32,
-    0.64,
-    1.28,
-    2.56,
-    5.12,
-    10.24,
-    20.48,
-    40.96,
-    81.92,
-]
+REQUEST_DURATION_BUCKETS = [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92]  # fmt: skip
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]
 TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
 
