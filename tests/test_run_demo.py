@@ -25,8 +25,11 @@ FIRST_TOKEN_TOLERANCE_MS = 5.0
 END_TOLERANCE_MS = 5.0
 
 
-def run_demo(out: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def run_demo(
+    out: Path, *args: str, timeout: float = 240, extra_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_EXPORTER_OTLP")}
+    env.update(extra_env or {})
     command = [sys.executable, "-m", "servprof.cli", "demo", "--out", str(out), *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=out.parent)
 
@@ -108,4 +111,17 @@ def test_demo_names_the_server_failure_and_its_log(tmp_path: Path) -> None:
     assert "the demo server exited with status 2" in result.stderr
     assert "invalid choice: 'enormous'" in result.stderr  # the server's own words, from its log
     assert str(out / "logs" / "server.log") in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_demo_without_the_middleware_still_loads_and_says_what_is_missing(tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    env_off = {"SERVPROF_DEMO_SERVPROF": "0"}  # the demo server's own switch: serve without servprof
+    result = run_demo(out, "--duration", "2", "--users", "2", extra_env=env_off)
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "no servprof control endpoints: not sampling" in result.stdout
+    assert "traces                    missing: the server runs without servprof's middleware" in result.stdout
+    assert orjson.loads((out / "harness-summary.json").read_bytes())["completed"] > 0
+    assert (out / "locust" / "locust_stats.csv").is_file()
     assert "Traceback" not in result.stderr

@@ -293,7 +293,8 @@ class Demo:
 
     def analyze(self, trace_file: str | None) -> None:
         if not trace_file or not Path(trace_file).is_file():
-            self.artifacts.notes["report HTML"] = self.artifacts.notes["report JSON"] = "no session trace to analyse"
+            for name in ("report HTML", "report JSON"):
+                self.artifacts.notes.setdefault(name, "no session trace to analyse")
             return
         paths = self.artifacts.paths
         command = [sys.executable, "-m", "servprof.cli", "analyze", trace_file,
@@ -378,6 +379,13 @@ def run(args: argparse.Namespace) -> int:
         note, session = demo.load_and_sample()
         console.print(f"servprof demo: {note}")
         status = demo.status()
+        if status is None:
+            why = "the server runs without servprof's middleware (no /servprof/status)"
+            for name in ("findings (live analysis)", "traces", "spans", "report HTML", "report JSON"):
+                demo.artifacts.notes[name] = why
+        elif session is None:
+            for name in ("findings (live analysis)", "traces", "report HTML", "report JSON"):
+                demo.artifacts.notes[name] = f"no analysed session ({note})"
         demo.write_analysis(status)
         if demo.locust is not None and demo.locust.returncode not in (0, None):
             console.print(f"servprof demo: [yellow]locust exited with {demo.locust.returncode}[/] "
