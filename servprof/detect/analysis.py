@@ -10,6 +10,7 @@ from servprof.detect.decode_gap import detect_decode_gaps, find_gaps
 from servprof.detect.finding import Finding
 from servprof.detect.steps import Step, find_steps
 from servprof.detect.tokenization_stall import detect_tokenization_stalls
+from servprof.trace.loader import paused_gc
 from servprof.trace.model import Trace
 
 
@@ -23,6 +24,11 @@ class Analysis:
 
 
 def analyse(trace: Trace, requests: list[dict[str, Any]] | None = None, device: str | None = None) -> Analysis:
+    with paused_gc():  # the trace's args are a large object graph the collector would rescan
+        return _analyse(trace, requests, device)
+
+
+def _analyse(trace: Trace, requests: list[dict[str, Any]] | None, device: str | None) -> Analysis:
     steps = find_steps(trace)
     gaps, gap_stats = find_gaps(trace, steps)
     gap_findings, gap_summary = detect_decode_gaps(trace, steps, (gaps, gap_stats))

@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 import numpy as np
+import orjson
 
 from servprof.detect.devices import DeviceSpec, resolve_device
 from servprof.detect.finding import Finding
@@ -90,9 +91,14 @@ def detect_bandwidth_bound(trace: Trace, steps: list[Step], device: str | None
         rows = rows[step_index(decode_steps, trace.rank[rows], trace.ts[rows]) >= 0]
     kernel_time = _kernel_time_by_external_id(trace)
     points: list[dict[str, Any]] = []
+    costs: dict[bytes, tuple[float, float] | None] = {}  # decode repeats the same shapes every step
     for row in rows:
         args = trace.args(row)
-        cost = op_cost(trace.name(row), args.get("Input Dims") or [], args.get("Input type") or [])
+        name, dims, types = trace.name(row), args.get("Input Dims") or [], args.get("Input type") or []
+        shape_key = orjson.dumps([name, dims, types])
+        if shape_key not in costs:
+            costs[shape_key] = op_cost(name, dims, types)
+        cost = costs[shape_key]
         if cost is None or cost[1] <= 0:
             continue
         key = (int(trace.rank[row]), int(trace.external_id[row]))

@@ -12,7 +12,8 @@ import gzip
 import math
 import os
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -263,12 +264,19 @@ def load_trace(
     """
     files = trace_files(path)
     limit = max_trace_bytes() if max_bytes is None else max_bytes
-    # Parsing makes millions of small dicts and lists, none of them cyclic garbage; with the
-    # cyclic collector on, its repeated passes over them cost as much as the parse itself.
+    with paused_gc():
+        return _load(path, files, limit, progress)
+
+
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """Pause the cyclic garbage collector. A parsed trace is millions of small dicts and
+    lists, none of them cyclic garbage; with the collector on, its full passes over them
+    cost as much as the parse (and, later, the detectors) themselves."""
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return _load(path, files, limit, progress)
+        yield
     finally:
         if collecting:
             gc.enable()
