@@ -91,6 +91,24 @@ def test_another_requests_tokenization_in_a_gap_is_named(tmp_path: Path):
     assert "tokenization" in gap.title
 
 
+def test_a_run_of_tiny_kernels_between_steps_is_named(tmp_path: Path):
+    trace = StandInGpuTrace()
+    t = 1000.0
+    for _ in range(4):
+        end = trace.step(t, kernels=10)
+        # Sampling bookkeeping as 30 tiny kernels, each 4 µs with 16 µs of launch latency between.
+        for i in range(30):
+            trace.kernel(end + i * 20, end + 16 + i * 20, 4.0, name="tiny_elementwise")
+        t = end + 30 * 20
+    analysis = analyse(load_trace(trace.write(tmp_path / "gpu.json")))
+    (gap,) = [f for f in analysis.findings if f.kind == "decode_gap"]
+    assert gap.evidence["cause"] == "tiny_kernels"
+    assert gap.evidence["worst_gaps"][0]["tiny_kernels"] == 30
+    # Idle is the window minus the tiny kernels' busy time: 30 x 16 µs of launch latency, + 20 µs
+    # before the next step's first kernel.
+    assert gap.evidence["median_gap_ms"] == pytest.approx((30 * 16 + 20 - 0) / 1000, abs=1e-6)
+
+
 def test_clean_device_timeline_has_no_gap(tmp_path: Path):
     trace = StandInGpuTrace()
     t = 1000.0
