@@ -122,6 +122,12 @@ def roofline_svg(analysis: Analysis) -> str:
     return "".join(parts)
 
 
+def _legend() -> str:
+    items = [*COLORS.items(), ("reported gap", "#e45756")]
+    return " ".join(f'<span style="display:inline-block;width:10px;height:10px;background:{color}"></span> '
+                    f"{_esc(label)}" for label, color in items)
+
+
 def render(analysis: Analysis, tokenize_spans: list[tuple[float, float, str]]) -> str:
     rows = "".join(
         f"<tr><td>{_esc(f.severity)}</td><td>{_esc(f.kind)}</td><td>{f.cost_ms:.2f}</td>"
@@ -138,7 +144,8 @@ td,th{{border:1px solid #ccc;padding:4px 8px;font-size:13px;vertical-align:top}}
 {s["steps"]["count"]} model steps ({_esc(s["steps"]["by_kind"])}, from {_esc(", ".join(s["steps"]["source"]))}).</p>
 <h2>Findings</h2>
 <table><tr><th>severity</th><th>kind</th><th>cost ms</th><th>requests</th><th>what</th></tr>{rows}</table>
-<h2>Timeline: steps, gaps, tokenization</h2>{timeline_svg(analysis, tokenize_spans)}
+<h2>Timeline: steps, gaps, tokenization</h2>
+<p>{_legend()} Hover a bar for its name, length and, for gaps, the cause.</p>{timeline_svg(analysis, tokenize_spans)}
 <h2>Gaps between consecutive steps</h2>{histogram_svg(analysis)}
 <h2>Roofline of decode ops</h2>{roofline_svg(analysis)}
 </body></html>
