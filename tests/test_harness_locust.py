@@ -134,7 +134,7 @@ def test_open_loop_pacer_keeps_the_rate_while_the_server_slows_down(tmp_path: Pa
     rate, window_s = 10.0, 20.0
     # Each request takes ~1.5 s, then ~3 s after the knob turns: a closed loop of a few
     # users would fall far below 10 req/s; the open loop must not.
-    server = TimedServer(ttft_s=0.6, itl_s=0.1, max_chunks=10)
+    server = TimedServer(ttft_s=0.6, itl_s=0.3, max_chunks=4)  # few chunks: the server stays cheap to run
     with running_server(server):
         command = locust_command(
             server.url, "--headless", "-u", "60", "-r", "60", "-t", f"{window_s + 3:.0f}s", "--arrival", "gamma",
