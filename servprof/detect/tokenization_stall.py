@@ -85,8 +85,10 @@ def detect_tokenization_stalls(trace: Trace, steps: list[Step], gaps: list[Gap])
                 step = decode_steps[index]
                 if rid and rid in step.request_ids:
                     continue
+                # Only the part of the step's excess that fell while this tokenization ran.
+                overlap = min(step.end_us, end) - max(step.start_us, start)
                 entry["delayed_steps"] += 1
-                entry["delayed_step_ms"] += (step.dur_us - typical_step) / 1000.0
+                entry["delayed_step_ms"] += (step.dur_us - typical_step) * overlap / step.dur_us / 1000.0
                 entry["delayed_request_ids"].update(step.request_ids)
         if gap_start.size:
             overlap = np.minimum(gap_end, end) - np.maximum(gap_start, start)
