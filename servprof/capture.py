@@ -105,6 +105,8 @@ def _record_summary(record: RequestRecord) -> dict[str, Any]:
 
 
 class CaptureController:
+    wait_for_start = True  # a sampled request waits (off the loop) until its session captures
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -170,10 +172,10 @@ class CaptureController:
         session = self.session
         if session is None:
             return None
-        if session.state in (STARTING, CAPTURING):
-            session.stop_requested = f"{STOP_SHUTDOWN}: {reason}"
-            self._wake.set()
-        else:
+        # Also read by a session already stopping or exporting: it then skips its analysis.
+        session.stop_requested = f"{STOP_SHUTDOWN}: {reason}"
+        self._wake.set()
+        if session.state == ANALYSING:
             kill_running_analyses()
         session.finished.wait(timeout_s)
         return session
@@ -286,8 +288,9 @@ class CaptureController:
             return
         del prof
         session_file = session.store.write_json(session.session_id, ".session.json", session.description())
-        if why.startswith(STOP_SHUTDOWN) or not session.settings.analysis:
-            skipped = "shutdown" if why.startswith(STOP_SHUTDOWN) else "analysis is off"
+        shutting_down = session.stop_requested is not None
+        if shutting_down or not session.settings.analysis:
+            skipped = "shutdown" if shutting_down else "analysis is off"
             result = {"session_id": session.session_id, "trace_file": str(session.trace_path), "error": None,
                       "requests": {}, "findings": [], "summary": {"analysis_skipped": skipped}, "clock": {}}
         else:
