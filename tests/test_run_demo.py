@@ -62,6 +62,8 @@ def test_demo_produces_every_artifact_and_finds_the_injected_decode_gap(tmp_path
         assert str(out / name) in result.stdout or name.startswith("logs/"), name
     traces = list((out / "traces").glob("*.pt.trace.json.gz"))
     assert traces
+    manifest = orjson.loads((out / "demo.json").read_bytes())
+    assert manifest["complete"] and all(entry["present"] for entry in manifest["artifacts"].values())
 
     report = orjson.loads((out / "report.json").read_bytes())
     kinds = {f["kind"] for f in report["findings"]}
@@ -124,4 +126,7 @@ def test_demo_without_the_middleware_still_loads_and_says_what_is_missing(tmp_pa
     assert "traces                    missing: the server runs without servprof's middleware" in result.stdout
     assert orjson.loads((out / "harness-summary.json").read_bytes())["completed"] > 0
     assert (out / "locust" / "locust_stats.csv").is_file()
+    manifest = orjson.loads((out / "demo.json").read_bytes())
+    assert not manifest["complete"]
+    assert "without servprof's middleware" in manifest["artifacts"]["traces"]["missing_because"]
     assert "Traceback" not in result.stderr

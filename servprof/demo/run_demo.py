@@ -331,15 +331,22 @@ class Demo:
         self.console.print(f"[bold]servprof demo: artifacts in {self.out}[/]", soft_wrap=True)
         width = max(len(name) for name in self.artifacts.paths)
         all_there = True
+        manifest: dict[str, dict[str, Any]] = {}
         for name, path in self.artifacts.paths.items():
-            if self.artifacts.present(name):
+            entry: dict[str, Any] = {"path": str(path), "present": self.artifacts.present(name)}
+            if entry["present"]:
                 where = str(path)
             elif name == "spans" and os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
-                where = f"sent to {os.environ['OTEL_EXPORTER_OTLP_ENDPOINT']} (OTLP)"
+                where = entry["sent_to"] = f"sent to {os.environ['OTEL_EXPORTER_OTLP_ENDPOINT']} (OTLP)"
             else:
                 all_there = False
-                where = f"[red]missing[/]: {self.artifacts.notes.get(name, 'not produced')}"
+                entry["missing_because"] = self.artifacts.notes.get(name, "not produced")
+                where = f"[red]missing[/]: {entry['missing_because']}"
+            manifest[name] = entry
             self.console.print(f"  {name:<{width}}  {where}", soft_wrap=True, highlight=False)
+        # The same list for tools: which artifact is where, or why it is missing.
+        (self.out / "demo.json").write_bytes(orjson.dumps({"complete": all_there, "artifacts": manifest},
+                                                          option=orjson.OPT_INDENT_2))
         return all_there
 
 
