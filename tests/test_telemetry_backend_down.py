@@ -46,7 +46,12 @@ def _wait_until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
 
 
 def _observer(
-    tmp_path: Path, monkeypatch: Any, endpoint: str, protocol: str = "http/protobuf", **bsp: str
+    tmp_path: Path,
+    monkeypatch: Any,
+    endpoint: str,
+    protocol: str = "http/protobuf",
+    timeout_s: str = "1",
+    **bsp: str,
 ) -> Any:
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # the SDK's batch processor reads OTEL_BSP_*
     for name, value in bsp.items():
@@ -55,7 +60,7 @@ def _observer(
         "SERVPROF_TELEMETRY_EXPORTER": "otlp",
         "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint,
-        "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "1",
+        "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": timeout_s,
     }
     return telemetry.create_observer(Settings(out_dir=tmp_path), environ=environ)
 
@@ -89,7 +94,12 @@ def test_hung_backend_fills_the_bounded_queue_and_drops_are_counted(tmp_path: Pa
         hung.listen(64)
         endpoint = f"http://127.0.0.1:{hung.getsockname()[1]}/v1/traces"
         observer = _observer(
-            tmp_path, monkeypatch, endpoint, OTEL_BSP_MAX_QUEUE_SIZE="16", OTEL_BSP_MAX_EXPORT_BATCH_SIZE="4"
+            tmp_path,
+            monkeypatch,
+            endpoint,
+            timeout_s="0.3",
+            OTEL_BSP_MAX_QUEUE_SIZE="8",
+            OTEL_BSP_MAX_EXPORT_BATCH_SIZE="4",
         )
         app, keeper = behind_middleware(make_app(), observer, tmp_path)
         try:
@@ -116,13 +126,17 @@ def test_backend_restart_mid_load(tmp_path: Path, monkeypatch: Any) -> None:
 
             receiver.stop()
             assert _load(url, 20) == [200] * 20
-            _wait_until(lambda: telemetry.status()["spans_export_failed"] > 0)
+            # Every span of that load has been tried (and failed) before the backend returns.
+            _wait_until(
+                lambda: _settled(telemetry.status()) == 40 and telemetry.status()["spans_export_failed"] > 0
+            )
 
             receiver.start()  # same port, as a restarted collector
             failed_before = telemetry.status()["spans_export_failed"]
             assert _load(url, 20) == [200] * 20
             last_ids = {record.request_id for record in keeper.wait_records(60)[-20:]}
             _wait_until(lambda: last_ids <= _received_request_ids(receiver))
+            _wait_until(lambda: _settled(telemetry.status()) == 60)  # counted once export returned
         status = telemetry.status()
         assert status["spans_export_failed"] == failed_before > 0
         assert status["spans_exported"] == len(receiver.spans) >= 40
@@ -169,3 +183,7 @@ def test_spans_and_genai_metrics_reach_an_otlp_http_receiver(tmp_path: Path, mon
         0.005,
         0.01,
     ]
+
+
+def _settled(status: dict[str, Any]) -> int:
+    return status["spans_exported"] + status["spans_export_failed"] + status["spans_dropped_queue_full"]
