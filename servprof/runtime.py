@@ -16,7 +16,7 @@ from typing import Any
 
 import anyio.to_thread
 
-from servprof.capture import CAPTURING, CaptureController, Session, get_controller
+from servprof.capture import CAPTURING, STARTING, CaptureController, Session, get_controller
 from servprof.observers import RequestObserver, RequestRecord
 from servprof.sampling import REASON_ON_DEMAND, Sampler
 from servprof.settings import Settings
@@ -89,14 +89,20 @@ class ServprofRuntime:
         if session is None:
             self._skip("busy", reason)
             return None
-        if not session.started.is_set():
-            # Only a sampled request waits for the profiler; the wait happens off the loop.
-            try:
-                await anyio.to_thread.run_sync(session.started.wait, START_WAIT_S)
-            except BaseException:  # cancelled: the session must not wait for this request
-                self.controller.request_finished(session)
-                raise
-        if session.state != CAPTURING:
+        if self.controller.wait_for_start:
+            if not session.started.is_set():
+                # Only a sampled request waits for the profiler; the wait happens off the loop.
+                try:
+                    await anyio.to_thread.run_sync(session.started.wait, START_WAIT_S)
+                except BaseException:  # cancelled: the session must not wait for this request
+                    self.controller.request_finished(session)
+                    raise
+            capturing = session.state == CAPTURING
+        else:
+            # The profiler runs elsewhere (vLLM's engine) and picks the request up at its next
+            # step: the request goes on at once and counts as sampled unless the start failed.
+            capturing = session.state in (STARTING, CAPTURING)
+        if not capturing:
             self.controller.request_finished(session)
             self._skip("start_failed", reason)
             return None

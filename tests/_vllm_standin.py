@@ -166,6 +166,7 @@ def make_standin_engine_client_class():
             self.tokenizer = self.renderer.get_tokenizer()
             self.step_delay_s = step_delay_s
             self.steps = 0
+            self.trace_headers: dict[str, Any] = {}  # what vLLM's serving layer passed per request
             self._profile_session_active = False
             self._profile_lock = asyncio.Lock()
             self._pending: list[_Request] = []
@@ -245,6 +246,7 @@ def make_standin_engine_client_class():
 
         async def generate(self, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any):
             self._loop = asyncio.get_running_loop()
+            self.trace_headers[request_id] = kwargs.get("trace_headers")
             prompt_ids = list(prompt.get("prompt_token_ids") or []) if isinstance(prompt, dict) else []
             request = _Request(request_id, prompt_ids or [0], sampling_params.max_tokens or 16, asyncio.Queue())
             with self._lock:
@@ -313,7 +315,8 @@ def make_standin_engine_client_class():
             raise NotImplementedError("pooling is not part of the stand-in")
 
         async def is_tracing_enabled(self) -> bool:
-            return False
+            # As AsyncLLM: tracing is on when vLLM was given --otlp-traces-endpoint.
+            return bool(getattr(self.vllm_config.observability_config, "otlp_traces_endpoint", None))
 
         async def do_log_stats(self) -> None:
             return None
