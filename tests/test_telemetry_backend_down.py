@@ -75,7 +75,8 @@ def test_connection_refused_costs_no_request(tmp_path: Path, monkeypatch: Any, p
         with serve(app) as url:
             statuses = _load(url, 40)
             assert statuses == [200] * 40
-            _wait_until(lambda: telemetry.status()["spans_export_failed"] > 0)
+            keeper.wait_records(40)
+            _wait_until(lambda: _settled(telemetry.status()) == 40)  # every span tried
         status = telemetry.status()
         assert status["spans_exported"] == 0
         assert status["spans_dropped"] >= status["spans_export_failed"] > 0
