@@ -21,6 +21,7 @@ a GPU build (`vllm._C`). It is kept thin:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -74,8 +75,6 @@ def make_tiny_model_dir(path: Path) -> Path:
 def _worker_main(rank: int, vocab_size: int, profiler_config: Any, conn: Any) -> None:
     """One 'GPU worker': a real tiny torch model and vLLM's real profiler wrapper."""
     import torch
-
-    from vllm.distributed.utils import get_worker_rank_suffix  # noqa: F401 - vLLM's naming, used below
     from vllm.profiler.wrapper import create_worker_profiler
 
     torch.manual_seed(rank)
@@ -301,10 +300,8 @@ def make_standin_engine_client_class():
             self._running = False
             self._wake.set()
             self._thread.join(timeout=5)
-            try:
+            with contextlib.suppress(OSError, EOFError, RuntimeError):
                 self._rpc(("stop",))
-            except (OSError, EOFError, RuntimeError):
-                pass
             for process, _ in self._workers:
                 process.join(timeout=10)
                 if process.is_alive():

@@ -71,7 +71,10 @@ def test_slow_tokenizer_found_with_the_injected_time_per_request(analyses):
         assert abs(measured - injected) <= 0.10 * injected, (rid, measured, injected)
         assert stalls[rid].evidence["on_event_loop"] is False  # a worker thread in this scenario
         assert stalls[rid].evidence["to_first_model_step_ms"] >= measured
-    assert kinds(analysis, "decode_gap") == []
+    # No gap between steps. The one stall inside a step is the recording host's preemption
+    # documented in tests/fixtures/README.md: nothing ran in the process meanwhile.
+    for gap in kinds(analysis, "decode_gap"):
+        assert gap.evidence["where"] == "inside_step" and gap.evidence["cause"] == "untraced_host_time"
 
 
 def test_tokenize_on_event_loop_is_named_and_its_harm_measured(analyses):

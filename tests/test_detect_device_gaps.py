@@ -134,6 +134,29 @@ def test_per_request_step_markers_are_merged_into_batches(tmp_path: Path):
     assert gap.evidence["gaps"] == 4 and gap.evidence["median_gap_ms"] == pytest.approx(3.0)
 
 
+def test_cpu_step_stalled_by_another_threads_tokenization(tmp_path: Path):
+    # Engine thread: 8 decode steps of 2 ms fully covered by ops; in step 5 the engine thread
+    # runs ops for only 2 ms of 12 while the loop thread tokenizes (holding the GIL).
+    trace = StandInGpuTrace()
+    t = 0.0
+    for k in range(8):
+        length = 12000.0 if k == 5 else 2000.0
+        trace.host("servprof:decode_step|r1", t, length)
+        trace.host("aten::mm", t, 1000.0)
+        trace.host("aten::mm", t + length - 1000.0, 1000.0)
+        if k == 5:
+            trace.host("servprof:tokenize|late", t + 1000.0, 10000.0, tid=LOOP)
+        t += length + 100
+    analysis = analyse(load_trace(trace.write(tmp_path / "cpu.json")))
+    (gap,) = [f for f in analysis.findings if f.kind == "decode_gap"]
+    assert gap.evidence["where"] == "inside_step" and gap.evidence["cause"] == "tokenization"
+    assert gap.cost_ms == pytest.approx(10.0)
+    assert gap.evidence["worst_gaps"][0]["tokenize_request_ids"] == ["late"]
+    (stall,) = [f for f in analysis.findings if f.kind == "tokenization_stall"]
+    assert stall.request_ids[0] == "late" and stall.evidence["delayed_steps"] == 1
+    assert stall.evidence["overlapping_gap_ms"] == pytest.approx(10.0)
+
+
 events_strategy = st.lists(
     st.dictionaries(
         st.sampled_from(["ph", "cat", "name", "pid", "tid", "ts", "dur", "args", "id"]),

@@ -77,7 +77,8 @@ class HostWindow:
         cause = next((name for name, covered in candidates if covered >= 0.2 * length), "")
         if not cause:
             return "untraced_host_time", (
-                "the host ran nothing the profiler recorded (a sleep, pure-Python work, or waiting for the GIL)"
+                "the host ran nothing the profiler recorded (a sleep, pure-Python work, waiting for the GIL, "
+                "or the thread was off the CPU)"
             )
         if cause == "tokenization":
             who = ", ".join(self.tokenize_request_ids[:5]) or "unmarked tokenizer calls"
@@ -114,6 +115,7 @@ class HostActivity:
         self.end = self.start + trace.dur[self.rows]
         self.longest = float(trace.dur[self.rows].max()) if self.rows.size else 0.0
         self.names = trace.name_id[self.rows]
+        self.tids = trace.tid[self.rows]
         self.is_tokenize = np.isin(self.names, trace.ids_matching(_is_tokenizer_name))
         self.is_sync = np.isin(self.names, trace.ids_matching(lambda s: SYNC_NAMES.search(s) is not None))
         self.is_phase = np.isin(self.names, trace.ids_matching(lambda s: s.startswith(PHASE_PREFIX)))
@@ -130,13 +132,20 @@ class HostActivity:
         idx = np.arange(lo, hi)
         return idx[self.dev_end[idx] > start_us]
 
-    def window(self, start_us: float, end_us: float) -> HostWindow:
+    def window(self, start_us: float, end_us: float, tid: int | None = None, exclude_tid: int | None = None
+               ) -> HostWindow:
+        """Host activity clipped to [start, end): on every thread, only on ``tid``, or on
+        every thread but ``exclude_tid``."""
         out = HostWindow(start_us, end_us)
         # Events are sorted by start; any overlapping one starts after start - longest.
         lo = int(np.searchsorted(self.start, start_us - self.longest, side="left"))
         hi = int(np.searchsorted(self.start, end_us, side="left"))
         idx = np.arange(lo, hi)
         idx = idx[self.end[idx] > start_us]
+        if tid is not None:
+            idx = idx[self.tids[idx] == tid]
+        if exclude_tid is not None:
+            idx = idx[self.tids[idx] != exclude_tid]
         if idx.size:
             s, e = np.maximum(self.start[idx], start_us), np.minimum(self.end[idx], end_us)
             tok, sync = self.is_tokenize[idx], self.is_sync[idx]

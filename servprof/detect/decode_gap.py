@@ -91,6 +91,7 @@ def find_gaps(trace: Trace, steps: list[Step]) -> tuple[list[Gap], dict[str, Any
             gaps.extend(_device_gaps(trace, rank_steps, activity, median_step))
         else:
             gaps.extend(_host_gaps(rank_steps, activity, median_step))
+            gaps.extend(_stalled_steps(trace, rank_steps, activity))
     stats["median_step_us"] = round(float(np.median([s.dur_us for s in steps])), 1) if steps else None
     return gaps, stats
 
@@ -112,6 +113,31 @@ def _host_gaps(steps: list[Step], activity: HostActivity, median_step: float) ->
             cause, why = window.cause()
             out.append(Gap(nxt.rank, prev.end_us, nxt.start_us, length, "between_steps", cause, why,
                            list(nxt.request_ids), window.to_evidence()))
+    return out
+
+
+def _stalled_steps(trace: Trace, steps: list[Step], activity: HostActivity) -> list[Gap]:
+    """CPU traces: decode steps whose own thread ran no recorded op for much of the step
+    (the thread was waiting for the GIL, or off the CPU). The uncovered time is a gap
+    inside the step; what other threads did meanwhile names its cause."""
+    decode = [s for s in steps if s.kind == "decode"]
+    if len(decode) < 3:
+        return []
+    typical = float(np.median([s.dur_us for s in decode]))
+    out = []
+    for step in decode:
+        if step.dur_us < 1.5 * typical:
+            continue
+        own = activity.window(step.start_us, step.end_us, tid=step.tid)
+        stalled = step.dur_us - own.op_us
+        if stalled < max(CPU_MIN_GAP_US, RELATIVE_MIN_GAP * typical):
+            continue
+        others = activity.window(step.start_us, step.end_us, exclude_tid=step.tid)
+        cause, why = others.cause()
+        if cause == "host_ops":
+            cause, why = "gil_or_cpu_contention", f"the engine thread ran nothing while other threads ran {why}"
+        out.append(Gap(step.rank, step.start_us, step.end_us, stalled, "inside_step", cause, why,
+                       list(step.request_ids), others.to_evidence()))
     return out
 
 
