@@ -4,7 +4,9 @@ On a trace with device events, a gap is device idle time: between the last devic
 event of step k and the first of step k+1, minus any device work that ran in
 between; inside a single step, idle stretches between device events count too
 (graph replays and blocking copies leave those). On a CPU-only trace, a gap is
-the host time between the end of one model step and the start of the next.
+the host time between the end of one model step and the start of the next, and
+also the part of an unusually slow decode step in which its own thread ran no
+recorded op (it waited for the GIL held by another thread, or was off the CPU).
 
 Each gap's cause is named from what the host was doing meanwhile (causes.py);
 gaps are grouped by cause into one finding each.
