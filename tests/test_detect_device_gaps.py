@@ -157,6 +157,16 @@ def test_cpu_step_stalled_by_another_threads_tokenization(tmp_path: Path):
     assert stall.evidence["overlapping_gap_ms"] == pytest.approx(10.0)
 
 
+def test_both_vllm_step_annotation_forms(tmp_path: Path):
+    trace = StandInGpuTrace()
+    trace.host("execute_32_context_0(sq0sk0sqsq0sqsk0)_generation_32(sq32sk55086sqsq32sqsk55086)", 0.0, 100.0,
+               cat="user_annotation")
+    trace.host("execute_context_1(7)_generation_3(3)", 200.0, 100.0, cat="user_annotation")
+    steps = analyse(load_trace(trace.write(tmp_path / "vllm.json"))).steps
+    assert [(s.kind, s.batch, s.source) for s in steps] == [("decode", 32, "vllm"), ("mixed", 4, "vllm")]
+    assert steps[0].attention == {"decode_sum_q": 32, "decode_sum_kv": 55086} and steps[1].attention == {}
+
+
 events_strategy = st.lists(
     st.dictionaries(
         st.sampled_from(["ph", "cat", "name", "pid", "tid", "ts", "dur", "args", "id"]),

@@ -18,7 +18,8 @@ import numpy as np
 from servprof.trace.model import Trace
 from servprof.trace.phases import phase_events
 
-VLLM_STEP = re.compile(r"^execute_(\d+)_context_(\d+)\(([^)]*)\)_generation_(\d+)\(([^)]*)\)")
+# vLLM writes "execute_<T>_context_..." with attention sums, or "execute_context_..." with token counts.
+VLLM_STEP = re.compile(r"^execute_(?:(\d+)_)?context_(\d+)\(([^)]*)\)_generation_(\d+)\(([^)]*)\)")
 # ΣN_Q, ΣN_KV, ΣN_Q², ΣN_Q·N_KV inside the parentheses: "sq32sk55086sqsq32sqsk55086"
 VLLM_SEQ_SUMS = re.compile(r"sq(\d+)sk(\d+)sqsq(\d+)sqsk(\d+)")
 SGLANG_STEP = re.compile(r"^step\[(DECODE|EXTEND|MIXED|PREFILL|IDLE)[^\]]*?(?:bs=(\d+))?\]", re.IGNORECASE)
