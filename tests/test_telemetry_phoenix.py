@@ -154,9 +154,9 @@ def test_demo_server_spans_in_phoenix(
                 )
                 assert response.status_code == 200
             spans = _wait_for(phoenix, ids, analysed=1)
-            status = telemetry.status()
     finally:
         telemetry.shutdown()
+    status = telemetry.status()  # final counts: shutdown flushed what was still queued
     assert status["exporter"] == "otlp" and status["protocol"] == protocol
     assert status["spans_dropped"] == 0 and status["spans_exported"] == status["spans_ended"]
 

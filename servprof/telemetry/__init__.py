@@ -58,8 +58,7 @@ def status() -> dict[str, Any]:
 
 def shutdown() -> None:
     """Flush and stop the current observer's exporters (a server's shutdown hook may call it;
-    servprof's providers also shut down at interpreter exit)."""
-    global _current
+    servprof's providers also shut down at interpreter exit). status() still reports the
+    final counts afterwards."""
     if _current is not None:
         _current.shutdown()
-        _current = None
