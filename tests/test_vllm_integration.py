@@ -117,6 +117,15 @@ def test_sampled_requests_profile_every_rank_and_tie_findings(profiled_server) -
     analysis = status["last_analysis"]
     assert analysis["error"] is None
     assert len(analysis["summary"]["rank_files"]) == 2
+    # The rank files hold vLLM's own step annotations, which the detectors read as model steps
+    # (vLLM writes "execute_context_N(tokens)_generation_M(tokens)" in this mode).
+    from servprof.detect.steps import find_steps
+    from servprof.trace import load_trace
+
+    steps = find_steps(load_trace(Path(session["trace_file"])))
+    assert {s.source for s in steps} == {"vllm"}
+    assert {s.rank for s in steps} == {0, 1}
+    assert any(s.kind == "decode" for s in steps) and any(s.kind in ("prefill", "mixed") for s in steps)
     # Tokenization was timed in the API process for each sampled request.
     api = status["last_api_process"]
     assert set(api["tokenize"]) == {"req-0", "req-1"}
