@@ -305,3 +305,37 @@ def test_app_attributes_are_filtered_and_bounded() -> None:
     assert app_attributes({"gen_ai.output.messages": "text"}, capture_content=True) == {
         "gen_ai.output.messages": "text"
     }
+
+
+def test_a_downstream_server_span_nests_under_the_request_span(tmp_path: Path) -> None:
+    """As vLLM does for its llm_request span: the app extracts traceparent from the headers
+    it was given and starts its own span (here with its own provider and exporter)."""
+    from opentelemetry import propagate
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    app_exporter = InMemorySpanExporter()
+    app_provider = TracerProvider()
+    app_provider.add_span_processor(SimpleSpanProcessor(app_exporter))
+    app_tracer = app_provider.get_tracer("downstream")
+
+    async def generate(request: Any) -> PlainTextResponse:
+        context = propagate.extract(dict(request.headers))
+        with app_tracer.start_as_current_span("llm_request", context=context, kind=SpanKind.SERVER):
+            return PlainTextResponse("ok")
+
+    built = Stack(tmp_path)
+    app, keeper = behind_middleware(
+        Starlette(routes=[Route("/generate", generate)]), built.observer, tmp_path
+    )
+    built.keeper = keeper
+    with serve(app) as url, httpx.Client() as client:
+        assert client.get(url + "/generate").status_code == 200
+    (request_span,) = built.spans()
+    (downstream,) = app_exporter.get_finished_spans()
+    assert downstream.context.trace_id == request_span.context.trace_id
+    assert downstream.parent.span_id == request_span.context.span_id
+    built.observer.shutdown()
