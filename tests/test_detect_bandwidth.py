@@ -107,3 +107,17 @@ def test_calibrated_device_is_used(decode_like_trace: Path, tmp_path: Path, monk
     device = analysis.summary["bandwidth"]["device"]
     assert device["source"].startswith("measured by servprof calibrate")
     assert analyse(load_trace(decode_like_trace), device="calibrated").summary["bandwidth"]["device"] == device
+
+
+def test_calibrate_refuses_a_device_it_cannot_use(capsys: pytest.CaptureFixture[str]):
+    import argparse
+
+    from servprof.detect import calibrate
+
+    parser = argparse.ArgumentParser()
+    calibrate.add_arguments(parser)
+    device = "meta" if torch.cuda.is_available() else "cuda"
+    assert calibrate.run(parser.parse_args(["--device", device, "--no-save"])) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("servprof calibrate: ") and len(err.strip().splitlines()) == 1
+    assert calibrate.run(parser.parse_args(["--repeats", "0"])) == 2

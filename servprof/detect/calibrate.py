@@ -52,6 +52,10 @@ def measure(device_name: str | None, copy_mib: int, matmul_n: int, repeats: int)
 
     device = torch.device(device_name or ("cuda" if torch.cuda.is_available() else "cpu"))
     on_gpu = device.type == "cuda"
+    if on_gpu and not torch.cuda.is_available():
+        raise ValueError(f"{device}: this torch has no usable CUDA device")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{device}: only cpu and cuda devices can be calibrated")
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     bandwidth_gbs = _copy_bandwidth_gbs(torch, device, copy_mib, repeats, sync)
     n = matmul_n or (8192 if on_gpu else 1024)
