@@ -3,12 +3,15 @@
 The demo LLM server runs behind ServprofMiddleware with a fault knob on (a host delay
 before every decode step), samples every second request under torch.profiler, analyses
 the trace in a subprocess, and exports over OTLP HTTP or gRPC. The spans are read back
-through Phoenix's REST API. Needs the 'phoenix' extra: pip install -e '.[phoenix]'."""
+through Phoenix's REST API. Phoenix runs as its own server process, so it may live in
+its own environment: `scripts/dev test` puts it in `.venv-phoenix` (vLLM's tier pins a
+FastAPI older than Phoenix accepts); `SERVPROF_PHOENIX=/path/to/phoenix` names another,
+and a `phoenix` next to this Python (the 'phoenix' extra) is used too."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -20,12 +23,25 @@ import httpx
 import pytest
 from _telemetry_helpers import chat_body, free_port
 
+
+def _phoenix_executable() -> str | None:
+    candidates = [os.environ.get("SERVPROF_PHOENIX"),
+                  str(Path(__file__).resolve().parents[1] / ".venv-phoenix" / "bin" / "phoenix"),
+                  str(Path(sys.executable).parent / "phoenix")]
+    for candidate in candidates:
+        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    return shutil.which("phoenix")
+
+
+PHOENIX = _phoenix_executable()
 pytestmark = [
     pytest.mark.phoenix,
     pytest.mark.slow,
     pytest.mark.skipif(
-        importlib.util.find_spec("phoenix") is None,
-        reason="arize-phoenix is not installed (the 'phoenix' extra: pip install -e '.[phoenix]')",
+        PHOENIX is None,
+        reason="arize-phoenix is not installed (scripts/dev test installs it in .venv-phoenix; "
+               "or pip install -e '.[phoenix]'; SERVPROF_SKIP_PHOENIX=1 skips it)",
     ),
 ]
 
@@ -58,7 +74,7 @@ def phoenix(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Phoenix]:
     log_path = workdir / "phoenix.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [str(Path(sys.executable).parent / "phoenix"), "serve"],
+            [str(PHOENIX), "serve"],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
