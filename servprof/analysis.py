@@ -136,14 +136,43 @@ def scan_phases(document: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], in
 
 
 def _with_detectors(trace_path: Path, session: dict[str, Any]) -> tuple[dict[str, Any], list[Any], dict[str, Any]]:
-    from servprof.detect import run_detectors
+    from servprof.detect.analysis import analyse as run_all_detectors
     from servprof.trace import load_trace, request_phases
 
     trace = load_trace(trace_path)
-    requests = {rid: {"phases": phases} for rid, phases in request_phases(trace).items()}
-    findings = [f.to_dict() for f in run_detectors(trace, session.get("requests", []))]
     base_ns = next((m.get("baseTimeNanoseconds") for m in trace.metadata.values()), None)
-    return requests, findings, {"event_count": len(trace), "detectors": "servprof.detect", "base_ns": base_ns}
+    detected = run_all_detectors(trace, session.get("requests", []))
+    requests = {rid: {"phases": phases} for rid, phases in request_phases(trace).items()}
+    if not requests and isinstance(base_ns, (int, float)):
+        # Traces without servprof's phase markers (vLLM's workers) still show the model steps
+        # each sampled request was in flight for.
+        requests = steps_by_request(detected.steps, session, int(base_ns))
+    findings = [f.to_dict() for f in detected.findings]
+    return requests, findings, {"event_count": len(trace), "detectors": "servprof.detect", "base_ns": base_ns,
+                                "detect": detected.summary}
+
+
+def steps_by_request(steps: list[Any], session: dict[str, Any], base_ns: int) -> dict[str, Any]:
+    """Each sampled request's model steps, by time window (trace µs = (unix ns - base) / 1000).
+    One rank's steps are enough: every rank runs the same steps."""
+    if not steps:
+        return {}
+    rank = min(step.rank for step in steps)
+    session_end_ns = (session.get("wall_start_ns") or 0) + int((session.get("duration_s") or 0) * 1e9)
+    names = {"decode": "decode_step", "prefill": "prefill"}
+    requests: dict[str, Any] = {}
+    for record in session.get("requests", []):
+        arrival, arrival_perf = record.get("arrival_ns"), record.get("arrival_perf_ns")
+        if not isinstance(arrival, int) or not isinstance(arrival_perf, int):
+            continue
+        end = record.get("end_ns")
+        end_ns = arrival + (end - arrival_perf) if isinstance(end, int) else session_end_ns
+        lo, hi = (arrival - base_ns) / 1e3, (end_ns - base_ns) / 1e3
+        phases = [{"name": names.get(step.kind, "model_step"), "start_us": step.start_us, "end_us": step.end_us}
+                  for step in steps if step.rank == rank and step.start_us < hi and step.end_us > lo]
+        if phases:
+            requests[str(record["request_id"])] = {"phases": phases, "phases_from": "time window"}
+    return requests
 
 
 def _without_detectors(trace_path: Path, reason: str) -> tuple[dict[str, Any], list[Any], dict[str, Any]]:

@@ -125,7 +125,16 @@ def test_sampled_requests_profile_every_rank_and_tie_findings(profiled_server) -
     steps = find_steps(load_trace(Path(session["trace_file"])))
     assert {s.source for s in steps} == {"vllm"}
     assert {s.rank for s in steps} == {0, 1}
-    assert any(s.kind == "decode" for s in steps) and any(s.kind in ("prefill", "mixed") for s in steps)
+    # (prefills may come before vLLM's workers have started profiling: requests do not wait for it)
+    assert any(s.kind == "decode" for s in steps)
+    # Each sampled request gets the model steps it was in flight for (spans are made from these).
+    import orjson
+
+    result = orjson.loads((out / "traces" / f"{session['session_id']}.analysis.json").read_bytes())
+    assert set(result["requests"]) == {"req-0", "req-1"}
+    for info in result["requests"].values():
+        assert info["phases_from"] == "time window"
+        assert any(p["name"] == "decode_step" for p in info["phases"]), info
     # Tokenization was timed in the API process for each sampled request.
     api = status["last_api_process"]
     assert set(api["tokenize"]) == {"req-0", "req-1"}
