@@ -180,7 +180,9 @@ class _RequestResponder:
                 body = message.get("body", b"")[: self.body_head_left]
                 self.record.request_body_head += body
                 self.body_head_left = self.body_head_left - len(body) if message.get("more_body") else 0
-        elif message_type == "http.disconnect":
+        elif message_type == "http.disconnect" and self.record.last_byte_ns is None:
+            # Servers also say "disconnect" after a complete response (Starlette's streaming
+            # responses listen for it): only one before the last byte is a client that left.
             self.record.disconnected = True
         return message
 

@@ -188,3 +188,24 @@ def test_bad_settings_are_a_clear_error() -> None:
         ServprofMiddleware(JSONResponse({}), sample_rate=2.0)
     with pytest.raises(SettingsError, match="unknown servprof setting"):
         ServprofMiddleware(JSONResponse({}), sample_evry=3)
+
+
+def test_complete_stream_is_not_a_disconnect_but_a_client_leaving_is(tmp_path: Path) -> None:
+    # Starlette's streaming responses wait for "http.disconnect", which uvicorn also sends
+    # after a complete response: only one that comes before the last byte is a client leaving.
+    observer = RecordingObserver()
+    with tiny_server(tmp_path) as (url, mw, engine), httpx.Client(timeout=10) as client:
+        mw.runtime.observers.append(observer)
+        status, lines, _ = sse_post(client, url, tokens=4)
+        assert status == 200 and lines[-1] == "data: [DONE]"
+        (complete,) = _wait_for(observer, 1)
+        with client.stream("POST", url + "/v1/generate", json={"prompt": "hi", "max_tokens": 60}) as response:
+            next(response.iter_lines())  # the first token, then hang up
+        (_, left) = _wait_for(observer, 2)
+        last_step = -1
+        while engine.steps != last_step:  # the test engine finishes the abandoned request before shutdown
+            last_step = engine.steps
+            time.sleep(0.2)
+    assert not complete.disconnected and complete.chunks == 5
+    assert left.disconnected and left.last_byte_ns is None
+    assert mw.runtime.counters["disconnects"] == 1
