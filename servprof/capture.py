@@ -69,6 +69,7 @@ class Session:
         self.trace_path: Any = None
         self.trace_raw_bytes = 0
         self.result: dict[str, Any] | None = None
+        self.event_loop_tid: int | None = None  # the serving loop's thread, so analysis can tell loop work apart
         self.started = threading.Event()  # set once capturing, or failed before capturing
         self.finished = threading.Event()
 
@@ -275,7 +276,7 @@ class CaptureController:
         assert prof is not None
         metadata = {"session_id": session.session_id, "request_ids": [r.request_id for r in session.records],
                     "wall_start_ns": session.wall_start_ns, "perf_start_ns": session.perf_start_ns,
-                    "stop_reason": why, "reason": session.reason}
+                    "stop_reason": why, "reason": session.reason, "event_loop_tid": session.event_loop_tid}
         prof.add_metadata_json("servprof", orjson.dumps(metadata).decode())
         session.capture_end_ns = time.perf_counter_ns()
         prof.stop()  # holds the GIL ~5-9 us per captured event: why the sessions are bounded

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+import threading
 import time
 from collections import deque
 from typing import Any
@@ -110,6 +111,8 @@ class ServprofRuntime:
         self.counters["sampled"] += 1
         record.sampled = True
         record.session_id = session.session_id
+        if session.event_loop_tid is None:
+            session.event_loop_tid = threading.get_native_id()  # join_session runs on the serving loop
         return session
 
     # --- the capture thread calls these ---------------------------------------------------------
