@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import faulthandler
 import os
 import socket
 import statistics
@@ -160,7 +161,12 @@ def _one_session(args: argparse.Namespace, url: str, client: httpx.Client, middl
     # An unsampled window right before each session: the machine's load drifts.
     tokens_p, tp = demo_server.engine.stats.output_tokens, time.perf_counter_ns()
     time.sleep(args.window_s)
-    done_before = len(middleware.runtime.history)
+    counters = middleware.runtime.counters
+
+    def finished() -> int:  # the history keeps only the last 10 sessions; the counters count all
+        return counters["sessions_done"] + counters["sessions_failed"]
+
+    done_before = finished()
     tokens_a, ta = demo_server.engine.stats.output_tokens, time.perf_counter_ns()
     pre_tps = (tokens_a - tokens_p) / ((ta - tp) / 1e9)
     pre_lags = [lag for ts, lag, state in ticker.samples if tp <= ts <= ta and state == "none"]
@@ -168,12 +174,18 @@ def _one_session(args: argparse.Namespace, url: str, client: httpx.Client, middl
                            headers={"Authorization": f"Bearer {TOKEN}"})
     response.raise_for_status()
     deadline = time.monotonic() + 120
-    while len(middleware.runtime.history) == done_before and time.monotonic() < deadline:
+    while finished() == done_before and time.monotonic() < deadline:
         time.sleep(0.02)
+    if finished() == done_before:
+        current = get_controller().session
+        print(f"no session finished within 120 s: current {current.description() if current else None}, "
+              f"sampler {middleware.runtime.sampler.status()}, skipped {middleware.runtime.skipped_by_reason}",
+              file=sys.stderr)
+        faulthandler.dump_traceback(all_threads=True)
     # The sampled window is at least as long as the unsampled one, so both average alike.
     time.sleep(max(0.0, args.window_s - (time.perf_counter_ns() - ta) / 1e9))
     tokens_b, tb = demo_server.engine.stats.output_tokens, time.perf_counter_ns()
-    session = middleware.runtime.history[-1] if len(middleware.runtime.history) > done_before else {}
+    session = middleware.runtime.history[-1] if finished() > done_before else {}
     window = [(lag, state) for ts, lag, state in ticker.samples if ta <= ts <= tb]
     return label, session, window, (tokens_b - tokens_a) / ((tb - ta) / 1e9), pre_tps, pre_lags
 
