@@ -23,9 +23,8 @@ from typing import Any
 
 import orjson
 
-# Low priority, not idle priority: under SCHED_IDLE (+ nice 19) the analysis got no CPU for as long
-# as serving kept both cores busy (no result within 60 s under 8 streaming clients on 2 cores);
-# at nice 10 it gets ~10% of a core from a saturated server, and finishes.
+# Low priority, not idle priority: under SCHED_IDLE the analysis would get no CPU for as long as
+# serving keeps every core busy; at nice 10 it gets ~10% of a core from a saturated server.
 CHILD_NICENESS = 10
 PHASE_PREFIX = "servprof:"  # servprof.phases.PHASE_PREFIX, kept here so the child does not import torch
 
