@@ -26,11 +26,12 @@ from _harness_helpers import (
 # Stated tolerances, per request, at the median. The harness's TTFT also holds the
 # request's own trip (client serialisation, loopback, server parsing: 2-15 ms measured on
 # this shared 2-core machine), which the server's TTFT cannot see. Chunk arrival has no
-# such trip: the harness must see the last chunk within a few ms of the server sending
-# it, which a client reading 1024-byte blocks (4+ chunks of 25 ms late) would fail.
+# such trip: the harness must see the last chunk well within one chunk interval (25 ms)
+# of the server sending it, which a client reading 1024-byte blocks (4+ chunks, 100+ ms
+# late) fails by far. Half an interval leaves room for a loaded CI machine's scheduling.
 TTFT_TOLERANCE_MS = 15.0
-CHUNK_ARRIVAL_TOLERANCE_MS = 3.0
-ITL_TOLERANCE_MS = 3.0
+CHUNK_ARRIVAL_TOLERANCE_MS = 12.5
+ITL_TOLERANCE_MS = 5.0
 
 
 def locust_stats(prefix: Path) -> dict[tuple[str, str], dict[str, str]]:
