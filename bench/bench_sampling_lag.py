@@ -185,7 +185,8 @@ def _one_session(args: argparse.Namespace, url: str, client: httpx.Client, middl
     # The sampled window is at least as long as the unsampled one, so both average alike.
     time.sleep(max(0.0, args.window_s - (time.perf_counter_ns() - ta) / 1e9))
     tokens_b, tb = demo_server.engine.stats.output_tokens, time.perf_counter_ns()
-    session = middleware.runtime.history[-1] if finished() > done_before else {}
+    session = dict(middleware.runtime.history[-1]) if finished() > done_before else {}
+    session["events"] = _event_count(session)  # read now: retention may delete the file later
     window = [(lag, state) for ts, lag, state in ticker.samples if ta <= ts <= tb]
     return label, session, window, (tokens_b - tokens_a) / ((tb - ta) / 1e9), pre_tps, pre_lags
 
@@ -200,7 +201,7 @@ def _report(console: Console, rows: list[Any], base_tps: float, base_lags: list[
                   f"{base_p99:.2f}", f"{base_max:.2f}", f"{base_tps:.0f}", "1.00")
     verdicts = []
     for label, session, window, tps, pre_tps, pre_lags in rows[1:]:
-        events = _event_count(session)
+        events = session.get("events", "-")
         all_lags = [lag for lag, _ in window]
         span_s = session.get("duration_s") or 0.0
         for state in ("starting", "capturing", "stopping", "exporting", "analysing"):
@@ -239,7 +240,7 @@ def _summary(console: Console, rows: list[Any]) -> None:
     for label, group in by_label.items():
         events, stalls, p99s, pre_p99s, maxes, pre_maxes, ratios = [], [], [], [], [], [], []
         for _label, session, window, tps, pre_tps, pre_lags in group:
-            count = _event_count(session)
+            count = session.get("events")
             if isinstance(count, (int, float)):
                 events.append(count)
             stalls.append(max((lag for lag, s in window if s in ("starting", "stopping", "exporting")),
