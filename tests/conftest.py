@@ -1,0 +1,27 @@
+"""Suite-wide guard: torch.profiler is process-wide, and two profilers at once can crash
+the process (see ../shared/facts). A test that leaves servprof's capture controller warming
+up or in a session could collide with the next test's own profiler, so after every test
+the controller, when one was made, is given time to become idle."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+SETTLE_TIMEOUT_S = 60.0
+
+
+@pytest.fixture(autouse=True)
+def _servprof_capture_settles() -> Iterator[None]:
+    yield
+    capture = sys.modules.get("servprof.capture")
+    controller = getattr(capture, "_controller", None) if capture is not None else None
+    if controller is None:
+        return
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while ((controller.warmup_wanted and not controller.warm) or controller.session is not None) \
+            and time.monotonic() < deadline:
+        time.sleep(0.02)
