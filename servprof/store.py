@@ -79,6 +79,8 @@ class TraceStore:
             raise StoreError(exc.errno, f"could not write trace {final}: {exc.strerror or exc}") from exc
         finally:
             raw.unlink(missing_ok=True)
+            # torch's exporter writes <raw>.tmp then renames it: a failed write (disk full) leaves it.
+            raw.with_name(raw.name + ".tmp").unlink(missing_ok=True)
         self.enforce_retention(keep=final)
         return final, raw_size
 
