@@ -66,24 +66,14 @@ def parse_request(body: bytes, *, chat: bool, max_tokens_limit: int) -> ParsedRe
         max_tokens = _optional(data, "max_completion_tokens", int)
     if max_tokens is None:
         max_tokens = min(DEFAULT_MAX_TOKENS, max_tokens_limit)
-    if not 1 <= max_tokens <= max_tokens_limit:
-        raise APIError(
-            f"max_tokens must be between 1 and {max_tokens_limit} (got {max_tokens})",
-            param="max_tokens",
-            code="invalid_value",
-        )
+    _require(1 <= max_tokens <= max_tokens_limit, "max_tokens",
+             f"max_tokens must be between 1 and {max_tokens_limit} (got {max_tokens})")
     temperature = _optional(data, "temperature", float)
     temperature = 1.0 if temperature is None else temperature
-    if not 0.0 <= temperature <= 2.0:
-        raise APIError(
-            f"temperature must be between 0 and 2 (got {temperature})",
-            param="temperature",
-            code="invalid_value",
-        )
+    _require(0.0 <= temperature <= 2.0, "temperature", f"temperature must be between 0 and 2 (got {temperature})")
     top_p = _optional(data, "top_p", float)
     top_p = 1.0 if top_p is None else top_p
-    if not 0.0 < top_p <= 1.0:
-        raise APIError(f"top_p must be in (0, 1] (got {top_p})", param="top_p", code="invalid_value")
+    _require(0.0 < top_p <= 1.0, "top_p", f"top_p must be in (0, 1] (got {top_p})")
     seed = _optional(data, "seed", int)
     stream = _optional(data, "stream", bool) or False
     stream_options = _optional(data, "stream_options", dict) or {}
@@ -109,6 +99,12 @@ def _type_name(expected: type) -> str:
         dict: "an object",
         list: "an array",
     }[expected]
+
+
+def _require(ok: bool, param: str, message: str) -> None:
+    """A field whose value is out of its range: 400 invalid_value naming the field."""
+    if not ok:
+        raise APIError(message, param=param, code="invalid_value")
 
 
 def _optional(data: dict[str, Any], key: str, expected: type, param: str | None = None) -> Any:
