@@ -1,0 +1,145 @@
+"""Fuzzing the trace loader and `servprof analyze` with inputs mutated from real traces.
+
+CI runs a few hundred generated inputs (bench/fuzz_analyze.py runs >= 10,000 and reports
+counts, the slowest input and peak memory). Whatever the input: `load_trace` succeeds or
+raises TraceError; `servprof analyze` exits 0, or 2 with exactly one line on stderr.
+"""
+
+from __future__ import annotations
+
+import gzip
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+from _fuzz_helpers import (
+    analyze_in_process,
+    clean_failure_line,
+    deeply_nested,
+    run_analyze,
+    seed_documents,
+    seed_sources,
+    trace_inputs,
+    write_gzip_bomb,
+    write_sparse,
+)
+from hypothesis import HealthCheck, given, settings
+
+from servprof.trace import TraceError, load_trace
+
+CI_EXAMPLES = 400
+PER_INPUT_LIMIT_S = 5.0
+_FUZZ = settings(max_examples=CI_EXAMPLES, deadline=None, database=None,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                        HealthCheck.function_scoped_fixture])
+
+
+def test_seeds_are_real_traces_that_load() -> None:
+    assert len(seed_documents()) == len(seed_sources()) >= 5
+    for document in seed_documents():
+        assert len(document["traceEvents"]) > 100
+
+
+@_FUZZ
+@given(case=trace_inputs())
+def test_mutated_traces_load_or_fail_cleanly(tmp_path_factory: pytest.TempPathFactory,
+                                            case: tuple[str, bytes]) -> None:
+    suffix, data = case
+    work = tmp_path_factory.mktemp("fuzz")
+    path = work / f"input{suffix}"
+    path.write_bytes(data)
+    started = time.perf_counter()
+    try:
+        trace = load_trace(path)
+    except TraceError as exc:
+        assert "\n" not in str(exc) and str(exc)
+    else:
+        assert len(trace) > 0
+    # The whole command: exit 0, or 2 with one line; any other exception fails this test.
+    status, stderr = analyze_in_process(path, work)
+    assert status == 0 or (status == 2 and clean_failure_line(stderr)), (status, stderr)
+    if status == 0:
+        assert orjson.loads((work / "report.json").read_bytes())["summary"]["events"] >= 0
+    # Not a wall-clock threshold on speed: a guard against a hang (inputs here are a few hundred events).
+    assert time.perf_counter() - started < PER_INPUT_LIMIT_S
+
+
+@pytest.mark.parametrize("depth", [1000, 1025, 5000, 100_000])
+def test_deeply_nested_json_is_a_clean_error(tmp_path: Path, depth: int) -> None:
+    path = tmp_path / "deep.json"
+    path.write_bytes(deeply_nested(depth))
+    if depth <= 1000:  # orjson nests up to 1024 levels
+        load_trace(path)
+        return
+    with pytest.raises(TraceError, match="not valid JSON"):
+        load_trace(path)
+    gz = tmp_path / "deep.json.gz"
+    gz.write_bytes(gzip.compress(deeply_nested(depth)))
+    with pytest.raises(TraceError, match="not valid JSON"):
+        load_trace(gz)
+
+
+def test_gzip_bomb_is_refused_without_inflating_it(tmp_path: Path) -> None:
+    bomb = tmp_path / "bomb.json.gz"
+    write_gzip_bomb(bomb, 3 * 1024**3)  # 3 GiB of JSON (over the default 2 GiB limit) in about 3 MiB
+    assert bomb.stat().st_size < 8 * 1024**2
+    with pytest.raises(TraceError, match="gzip bomb"):
+        load_trace(bomb)
+    run = run_analyze(bomb, timeout_s=60)
+    assert run.returncode == 2 and clean_failure_line(run.stderr), run
+    assert "gzip bomb" in run.stderr
+    # Refused after inflating a few MiB: nowhere near the 2 GiB limit (baseline process: ~270 MiB).
+    assert run.peak_rss_mb < 1024, run
+
+
+def test_gzip_over_the_limit_at_a_trace_like_ratio_is_refused_at_the_limit(tmp_path: Path) -> None:
+    """A trace that inflates like a real one is read up to SERVPROF_MAX_TRACE_BYTES, not past it."""
+    real = gzip.decompress(seed_sources()[0].read_bytes())
+    path = tmp_path / "big.json.gz"
+    path.write_bytes(gzip.compress(real * 6, compresslevel=1))
+    assert len(real) * 6 > 8 * 1024**2 and path.stat().st_size * 20 > len(real) * 6
+    with pytest.raises(TraceError, match="SERVPROF_MAX_TRACE_BYTES"):
+        load_trace(path, max_bytes=8 * 1024**2)
+
+
+def test_gzip_of_whitespace_only_is_an_empty_trace(tmp_path: Path) -> None:
+    for content in (b"", b" \n\t "):
+        path = tmp_path / "blank.json.gz"
+        path.write_bytes(gzip.compress(content))
+        with pytest.raises(TraceError, match="empty trace"):
+            load_trace(path)
+
+
+def test_multi_gb_sparse_json_is_refused_without_reading(tmp_path: Path) -> None:
+    huge = tmp_path / "huge.json"
+    write_sparse(huge, 3 * 1024**3)  # above the default 2 GiB limit
+    assert huge.stat().st_blocks * 512 < 1024**2  # sparse: no real disk used
+    run = run_analyze(huge, timeout_s=60)
+    assert run.returncode == 2 and clean_failure_line(run.stderr), run
+    assert "larger than" in run.stderr
+    assert run.peak_rss_mb < 1024, run
+
+
+def test_sparse_json_under_the_limit_is_a_clean_parse_error(tmp_path: Path) -> None:
+    nul = tmp_path / "nul.json"
+    write_sparse(nul, 200 * 1024**2)
+    with pytest.raises(TraceError, match="not valid JSON"):
+        load_trace(nul)
+
+
+def test_analyze_process_on_mutated_inputs_prints_one_line(tmp_path: Path) -> None:
+    """A handful of broken inputs through the real command line (a process each, ~2 s apiece)."""
+    seed = orjson.dumps(seed_documents()[0])
+    cases = {
+        "cut.json": seed[: len(seed) // 2],
+        "cut.json.gz": gzip.compress(seed)[:-9],
+        "no_events.json": orjson.dumps({"servprof": {"x": 1}}),
+        "events_not_list.json": orjson.dumps({"traceEvents": {"a": 1}}),
+        "nan_ts.json": seed.replace(b'"ts":', b'"ts":NaN,"x":', 1),
+        "deep.json": deeply_nested(100_000),
+    }
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+        run = run_analyze(tmp_path / name, timeout_s=60)
+        assert run.returncode == 2 and clean_failure_line(run.stderr), (name, run)
