@@ -45,17 +45,23 @@ from servprof.trace import TraceError, load_trace  # noqa: E402
 HANG_LIMIT_S = 5.0
 
 
+def _innermost(lines: int = 8) -> str:
+    """The end of the current traceback: where it was raised and what."""
+    return "\n".join(traceback.format_exc().rstrip().splitlines()[-lines:])
+
+
 def fuzz_in_process(examples: int, work: Path) -> dict[str, object]:
     outcomes: Counter[str] = Counter()
     failures: list[str] = []
     slowest = (0.0, "")
+    slowest_input = ("", b"")
     kept: list[tuple[str, bytes]] = []  # a few inputs of each outcome, for the process sample
 
     @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.generate],
               suppress_health_check=list(HealthCheck))
     @given(case=trace_inputs())
     def one(case: tuple[str, bytes]) -> None:
-        nonlocal slowest
+        nonlocal slowest, slowest_input
         suffix, data = case
         path = work / f"input{suffix}"
         path.write_bytes(data)
@@ -66,7 +72,7 @@ def fuzz_in_process(examples: int, work: Path) -> dict[str, object]:
         except TraceError:
             loaded = "trace_error"
         except Exception:  # noqa: BLE001 - any other exception is exactly what we are looking for
-            failures.append(f"load_trace: {traceback.format_exc(limit=3)}")
+            failures.append(f"load_trace: {_innermost()}")
             loaded = "crash"
         try:
             status, stderr = analyze_in_process(path, work)
@@ -75,13 +81,14 @@ def fuzz_in_process(examples: int, work: Path) -> dict[str, object]:
             elif status not in (0, 2):
                 failures.append(f"exit {status}: {stderr!r}")
         except Exception:  # noqa: BLE001
-            failures.append(f"analyze: {traceback.format_exc(limit=3)}")
+            failures.append(f"analyze: {_innermost()}")
             status = -1
         seconds = time.perf_counter() - started
         if seconds > HANG_LIMIT_S:
             failures.append(f"{seconds:.1f} s on one input ({len(data)} bytes)")
         if seconds > slowest[0]:
             slowest = (seconds, f"{len(data)} bytes{suffix}, {loaded}, exit {status}")
+            slowest_input = (suffix, data)
         outcome = f"{loaded}/exit{status}"
         if outcomes[outcome] < 10:
             kept.append((suffix, data))
@@ -90,6 +97,7 @@ def fuzz_in_process(examples: int, work: Path) -> dict[str, object]:
     started = time.perf_counter()
     one()
     return {"outcomes": dict(outcomes), "failures": failures, "slowest": slowest, "kept": kept,
+            "slowest_input": slowest_input,
             "seconds": time.perf_counter() - started,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
@@ -121,6 +129,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=10_000)
     parser.add_argument("--processes", type=int, default=40, help="mutated inputs also run as a process each")
+    parser.add_argument("--save-slowest", metavar="STEM", help="write the slowest input to STEM.json[.gz]")
     args = parser.parse_args()
     print(f"seeds: {len(seed_documents())} real traces ({', '.join(p.name for p in seed_sources())})")
     failures: list[str] = []
@@ -133,6 +142,9 @@ def main() -> int:
         print(f"  failures: {len(result['failures'])}; slowest input {result['slowest'][0] * 1000:.0f} ms "
               f"({result['slowest'][1]}); peak RSS of this process {result['peak_rss_mb']:.0f} MiB")
 
+        if args.save_slowest:
+            suffix, data = result["slowest_input"]
+            Path(args.save_slowest + suffix).write_bytes(data)
         print(f"\nas a process each (`python -m servprof.cli analyze`), {args.processes} mutated inputs:")
         statuses: Counter[str] = Counter()
         slowest_process, peak = 0.0, 0.0

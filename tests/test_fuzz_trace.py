@@ -143,3 +143,24 @@ def test_analyze_process_on_mutated_inputs_prints_one_line(tmp_path: Path) -> No
         (tmp_path / name).write_bytes(data)
         run = run_analyze(tmp_path / name, timeout_s=60)
         assert run.returncode == 2 and clean_failure_line(run.stderr), (name, run)
+
+
+# Inputs the fuzzer found that used to end in a traceback (each fixed in servprof/).
+
+def test_thread_name_metadata_with_list_args_loads(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    path.write_bytes(orjson.dumps({"traceEvents": [
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 2, "args": [None]},
+        {"ph": "X", "name": "a", "pid": 1, "tid": 2, "ts": 1.0, "dur": 1.0}]}))
+    assert load_trace(path).thread_names == {}
+
+
+def test_op_shorter_than_the_trace_resolution_is_skipped_by_the_bandwidth_detector(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    op = {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 2, "ts": 1.0,
+          "args": {"Input Dims": [[64, 64], [64, 64]], "Input type": ["float", "float"]}}
+    path.write_bytes(orjson.dumps({"traceEvents": [{**op, "dur": 5e-324}, {**op, "ts": 10.0, "dur": 4.0}]}))
+    status, stderr = analyze_in_process(path, tmp_path)
+    assert status == 0, stderr
+    bandwidth = orjson.loads((tmp_path / "report.json").read_bytes())["summary"]["bandwidth"]
+    assert bandwidth["ops_modelled"] == 1 and bandwidth["op_time_ms"] == 0.004  # the 4 us op only

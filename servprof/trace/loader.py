@@ -266,7 +266,8 @@ def _thread_names(events: list[Any], rank: int) -> dict[tuple[int, int, int], st
     names = {}
     for event in events:
         if isinstance(event, dict) and event.get("ph") == "M" and event.get("name") == "thread_name":
-            label = (event.get("args") or {}).get("name")
+            args = event.get("args")
+            label = args.get("name") if isinstance(args, dict) else None
             if isinstance(label, str):
                 names[(rank, _int_or(event.get("pid"), -1), _int_or(event.get("tid"), -1))] = label
     return names
