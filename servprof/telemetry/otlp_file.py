@@ -10,6 +10,7 @@ Writes happen on the SDK's export thread, never on the serving event loop.
 from __future__ import annotations
 
 import base64
+import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -95,7 +96,8 @@ class _JsonLinesFile:
                 size = 0
             if size and size + len(line) > self.max_bytes:
                 self.path.replace(self.path.with_name(self.path.name + ".1"))
-            with self.path.open("ab") as handle:
+            # 0600: spans can carry prompts (SERVPROF_CAPTURE_CONTENT) and always carry routes and ids.
+            with os.fdopen(os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as handle:
                 handle.write(line)
 
 
