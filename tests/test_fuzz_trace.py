@@ -164,3 +164,13 @@ def test_op_shorter_than_the_trace_resolution_is_skipped_by_the_bandwidth_detect
     assert status == 0, stderr
     bandwidth = orjson.loads((tmp_path / "report.json").read_bytes())["summary"]["bandwidth"]
     assert bandwidth["ops_modelled"] == 1 and bandwidth["op_time_ms"] == 0.004  # the 4 us op only
+
+
+@pytest.mark.parametrize("properties", [True, 3, "gpu", {"name": "H100"}, [1, None, {"name": 7}]])
+def test_device_properties_that_are_not_a_list_of_objects(tmp_path: Path, properties: object) -> None:
+    path = tmp_path / "t.json"
+    path.write_bytes(orjson.dumps({"deviceProperties": properties, "traceEvents": [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 2, "ts": 1.0, "dur": 4.0,
+         "args": {"Input Dims": [[64, 64], [64, 64]], "Input type": ["float", "float"]}}]}))
+    status, stderr = analyze_in_process(path, tmp_path)
+    assert status == 0, stderr

@@ -77,7 +77,8 @@ def op_cost(name: str, dims: list[Any], types: list[Any]) -> tuple[float, float]
 
 
 def _device_properties(trace: Trace) -> list[dict[str, Any]]:
-    return [p for meta in trace.metadata.values() for p in (meta.get("deviceProperties") or []) if isinstance(p, dict)]
+    listed = [meta.get("deviceProperties") for meta in trace.metadata.values()]
+    return [p for props in listed if isinstance(props, list) for p in props if isinstance(p, dict)]
 
 
 def detect_bandwidth_bound(trace: Trace, steps: list[Step], device: str | None
