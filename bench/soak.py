@@ -204,6 +204,7 @@ def summarize(args: argparse.Namespace, samples: list[dict[str, Any]], probe: He
     return {
         "minutes": args.minutes, "users": args.users, "sample_every": args.sample_every,
         "requests_served": counters.get("requests"), "requests_sampled": counters.get("sampled"),
+        "requests_per_s": (harness.get("completed") or 0) / (args.minutes * 60),  # the harness's, not probes
         "harness_completed": harness.get("completed"), "harness_failed": harness.get("failed"),
         "locust_failures": locust_failures(args.out), "health_probe_failures": len(probe.failures),
         "server_tracebacks": server_log.count("Traceback"), "server_exit_code": exit_code,
@@ -247,6 +248,8 @@ def print_table(result: dict[str, Any], console: Console) -> None:
         table.add_column(column)
     rows = [
         ("requests served / sampled", f"{result['requests_served']} / {result['requests_sampled']}", ""),
+        ("harness requests per second", f"{result['requests_per_s']:.1f}"
+         + ratio(result["requests_per_s"], base.get("requests_per_s")), ""),
         ("errors (locust failures, 5xx, /health failures, server tracebacks)",
          f"{errors} ({failures['total']}, {failures['http_5xx']}, {result['health_probe_failures']}, "
          f"{result['server_tracebacks']})", goal(errors == 0)),
