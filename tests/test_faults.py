@@ -9,7 +9,9 @@ captured are kept.
 
 from __future__ import annotations
 
+import errno
 import gzip
+import os
 import signal
 import threading
 import time
@@ -26,7 +28,7 @@ from _telemetry_helpers import free_port
 
 from servprof import runtime as servprof_runtime
 from servprof import telemetry
-from servprof.store import TRACE_SUFFIX
+from servprof.store import TRACE_SUFFIX, StoreError, TraceStore
 
 SAMPLE = {"x-servprof-sample": "1", "x-servprof-token": TOKEN}
 _KIB = 1024
@@ -210,3 +212,20 @@ def test_otlp_backend_down_while_sessions_are_analysed(tmp_path: Path, monkeypat
         assert not autograd_profiler._is_profiler_enabled
     finally:
         telemetry.shutdown()
+
+
+def test_failed_export_leaves_no_partial_files(tmp_path: Path) -> None:
+    """The disk-full leftover found with the tmpfs above, checked where no tmpfs can be mounted:
+    a stand-in for torch's exporter that does what it did on the full disk (wrote `<raw>.tmp`,
+    then failed with ENOSPC)."""
+
+    class ExporterOnAFullDisk:
+        def export_chrome_trace(self, path: str) -> None:
+            Path(path + ".tmp").write_bytes(b'{"traceEvents": [')
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    store = TraceStore(tmp_path, max_files=5, max_mb=10)
+    store.traces_dir.mkdir(parents=True)
+    with pytest.raises(StoreError, match="No space left on device"):
+        store.export(ExporterOnAFullDisk(), "20260101T000000-abcdef12")
+    assert list(store.traces_dir.iterdir()) == []
