@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import gzip
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -224,36 +223,39 @@ class AnalyzeRun:
     returncode: int | None  # None: killed at the time limit
     stderr: str
     seconds: float
-    peak_rss_mb: float
+    peak_rss_mb: float  # the child's own high-water mark (VmHWM); 0 when it was killed
+
+
+# Runs `servprof analyze` and, at exit, writes its own VmHWM to argv[1]. (wait4's ru_maxrss cannot be
+# used: on Linux a child starts from its parent's high-water mark, which a fuzzing parent has raised.)
+_ANALYZE_WITH_PEAK = """
+import atexit, sys
+def _peak(path=sys.argv[1]):
+    hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0].split()[1]
+    open(path, 'w').write(hwm)
+atexit.register(_peak)
+from servprof.cli import main
+sys.exit(main(['analyze', *sys.argv[2:]]))
+"""
 
 
 def run_analyze(path: Path, timeout_s: float, env: dict[str, str] | None = None,
                 extra: list[str] | None = None) -> AnalyzeRun:
-    """`servprof analyze PATH` as its own process; its own peak RSS comes from wait4's rusage."""
-    command = [sys.executable, "-m", "servprof.cli", "analyze", str(path), *(extra or [])]
+    """`servprof analyze PATH` as its own process, with its peak RSS."""
+    peak_file = path.with_name(path.name + ".peak")
+    command = [sys.executable, "-c", _ANALYZE_WITH_PEAK, str(peak_file), str(path), *(extra or [])]
     started = time.perf_counter()
-    child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             env={**os.environ, **(env or {})})
-    assert child.stderr is not None
-    os.set_blocking(child.stderr.fileno(), False)
-    stderr = b""
-    killed = False
-    while True:
-        chunk = child.stderr.read()
-        stderr += chunk or b""
-        pid, status, usage = os.wait4(child.pid, os.WNOHANG)
-        if pid:
-            break
-        if not killed and time.perf_counter() - started > timeout_s:
-            child.send_signal(signal.SIGKILL)
-            killed = True
-        time.sleep(0.01)
+    try:
+        done = subprocess.run(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              env={**os.environ, **(env or {})}, timeout=timeout_s)
+        returncode: int | None = done.returncode
+        stderr = done.stderr
+    except subprocess.TimeoutExpired as exc:
+        returncode, stderr = None, exc.stderr or b""
     seconds = time.perf_counter() - started
-    stderr += child.stderr.read() or b""
-    child.stderr.close()
-    child.returncode = os.waitstatus_to_exitcode(status)  # so Popen does not wait again
-    return AnalyzeRun(None if killed else child.returncode, stderr.decode("utf-8", "replace"), seconds,
-                      usage.ru_maxrss / 1024)
+    peak_kib = int(peak_file.read_text()) if peak_file.exists() else 0
+    peak_file.unlink(missing_ok=True)
+    return AnalyzeRun(returncode, stderr.decode("utf-8", "replace"), seconds, peak_kib / 1024)
 
 
 def analyze_in_process(path: Path, report_dir: Path) -> tuple[int, str]:

@@ -174,3 +174,14 @@ def test_device_properties_that_are_not_a_list_of_objects(tmp_path: Path, proper
          "args": {"Input Dims": [[64, 64], [64, 64]], "Input type": ["float", "float"]}}]}))
     status, stderr = analyze_in_process(path, tmp_path)
     assert status == 0, stderr
+
+
+def test_modelled_op_without_a_kernel_in_a_trace_with_kernels(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    op = {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 2, "ts": 1.0, "dur": 4.0,
+          "args": {"Input Dims": [[64, 64], [64, 64]], "Input type": ["float", "float"], "External id": 5}}
+    kernel = {"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 7, "ts": 2.0, "dur": 1.0,
+              "args": {"stream": 7, "correlation": 1, "External id": 6}}
+    path.write_bytes(orjson.dumps({"traceEvents": [op, kernel]}))
+    status, stderr = analyze_in_process(path, tmp_path)
+    assert status == 0, stderr

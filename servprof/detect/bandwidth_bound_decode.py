@@ -104,7 +104,7 @@ def detect_bandwidth_bound(trace: Trace, steps: list[Step], device: str | None
             continue
         key = (int(trace.rank[row]), int(trace.external_id[row]))
         time_us = kernel_time.get(key) if kernel_time else float(trace.dur[row])
-        if not time_us >= 1e-3:  # under the traces' 1 ns resolution (or NaN): no rate to compute
+        if time_us is None or not time_us >= 1e-3:  # no kernel, or under 1 ns (or NaN): no rate to compute
             continue
         points.append(_point(trace.name(row), args.get("Input Dims"), cost, time_us, spec))
     summary, grouped = _summarise(points, spec, scope, trace)
