@@ -90,7 +90,7 @@ def fuzz_in_process(examples: int, work: Path) -> dict[str, object]:
             slowest = (seconds, f"{len(data)} bytes{suffix}, {loaded}, exit {status}")
             slowest_input = (suffix, data)
         outcome = f"{loaded}/exit{status}"
-        if outcomes[outcome] < 10:
+        if outcomes[outcome] < 20:
             kept.append((suffix, data))
         outcomes[outcome] += 1
 

@@ -42,7 +42,8 @@ def test_without_the_token_nothing_is_sampled(tmp_path: Path) -> None:
     wait_idle()
     controller = get_controller()
     started_before = controller.sessions_started
-    with tiny_server(tmp_path, control_token=TOKEN, on_demand_min_interval_s=0.001) as (url, mw, _e), \
+    with tiny_server(tmp_path, control_token=TOKEN, on_demand_min_interval_s=0.001,
+                     requests_per_session=1) as (url, mw, _e), \
             httpx.Client(timeout=30) as client:
         for headers in BAD_CREDENTIALS:
             assert client.post(url + "/servprof/sample?n=4", headers=headers).status_code == 401, headers
@@ -77,7 +78,8 @@ def test_every_token_check_is_a_constant_time_comparison(tmp_path: Path, monkeyp
     # control.py and sampling.py call hmac.compare_digest through the module at call time.
     monkeypatch.setattr(hmac, "compare_digest", counting_compare)
     wait_idle()
-    with tiny_server(tmp_path, control_token=TOKEN) as (url, mw, _e), httpx.Client(timeout=30) as client:
+    with tiny_server(tmp_path, control_token=TOKEN, requests_per_session=1) as (url, mw, _e), \
+            httpx.Client(timeout=30) as client:
         presented = ["x", "wrong-token-of-any-length" * 20, TOKEN[:-1] + "Z", TOKEN]
         for token in presented:
             expected = 200 if token == TOKEN else 401
@@ -142,7 +144,9 @@ ODD_BUT_VALID_IDS = ["..", "a:b..json.gz", "con.json.gz"]  # accepted as request
 
 def test_request_ids_never_name_files_and_files_are_private(tmp_path: Path) -> None:
     wait_idle()
-    with tiny_server(tmp_path, control_token=TOKEN, sample_every=1, requests_per_session=1) as (url, mw, _e), \
+    # No analysis child here (the content test below covers .analysis.json): 9 sessions stay quick.
+    with tiny_server(tmp_path, control_token=TOKEN, sample_every=1, requests_per_session=1,
+                     analysis=False) as (url, mw, _e), \
             httpx.Client(timeout=30) as client:
         returned = []
         for rid in HOSTILE_IDS + ODD_BUT_VALID_IDS:

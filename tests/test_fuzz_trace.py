@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings
 
 from servprof.trace import TraceError, load_trace
 
-CI_EXAMPLES = 400
+CI_EXAMPLES = 1000
 PER_INPUT_LIMIT_S = 5.0
 _FUZZ = settings(max_examples=CI_EXAMPLES, deadline=None, database=None,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
