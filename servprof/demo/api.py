@@ -189,6 +189,14 @@ def _stop(data: dict[str, Any]) -> list[str]:
     return stop
 
 
+def _envelope(request_id: str, model: str, created: int, choice: dict[str, Any], *, chat: bool,
+              chunk: bool) -> dict[str, Any]:
+    """The OpenAI response object around one choice (chat or text, chunk or whole)."""
+    kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chat and chunk else "")
+    return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", "object": kind, "created": created,
+            "model": model, "choices": [choice]}
+
+
 def completion_chunk(
     request_id: str,
     model: str,
@@ -204,51 +212,22 @@ def completion_chunk(
         if finish_reason is not None and not text:
             delta = {}
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return {
-            "id": f"chatcmpl-{request_id}",
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "choices": [choice],
-        }
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    return {
-        "id": f"cmpl-{request_id}",
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-    }
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return _envelope(request_id, model, created, choice, chat=chat, chunk=True)
 
 
 def completion_body(
     request_id: str, model: str, text: str, finish_reason: str, usage: dict[str, int], *, chat: bool
 ) -> dict[str, Any]:
-    created = int(time.time())
     if chat:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish_reason,
-        }
-        return {
-            "id": f"chatcmpl-{request_id}",
-            "object": "chat.completion",
-            "created": created,
-            "model": model,
-            "choices": [choice],
-            "usage": usage,
-        }
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    return {
-        "id": f"cmpl-{request_id}",
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "usage": usage,
-    }
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish_reason}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    body = _envelope(request_id, model, int(time.time()), choice, chat=chat, chunk=False)
+    body["usage"] = usage
+    return body
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
