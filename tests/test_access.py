@@ -101,12 +101,15 @@ def test_on_demand_orders_are_rate_limited_so_the_profiler_cannot_be_kept_on(tmp
     controller = get_controller()
     started_before = controller.sessions_started
     with tiny_server(tmp_path, control_token=TOKEN, on_demand_min_interval_s=interval_s,
-                     max_session_s=max_session_s, requests_per_session=64) as (url, mw, _e):
+                     max_session_s=max_session_s, requests_per_session=64,
+                     max_session_steps=10**6) as (url, mw, _e):
         stop = threading.Event()
 
         def traffic() -> None:
+            # Paced so a session's 64 requests cannot all arrive within its 0.3 s time bound
+            # (unpaced, a fast machine serves 64 tiny requests in under 0.3 s).
             with httpx.Client(timeout=30) as client:
-                while not stop.is_set():
+                while not stop.wait(0.02):
                     client.post(url + "/v1/generate", json={"max_tokens": 2, "stream": False})
 
         thread = threading.Thread(target=traffic, daemon=True)
@@ -131,8 +134,10 @@ def test_on_demand_orders_are_rate_limited_so_the_profiler_cannot_be_kept_on(tmp
     assert 1 <= accepted <= int(hammered_s / interval_s) + 1, statuses
     assert statuses[429] > 10 * accepted
     assert controller.sessions_started - started_before == len(sessions) <= accepted
-    # Each session ended at one of its bounds, here the time bound (64 requests never arrive in 0.3 s).
-    assert sessions and all(s["stop_reason"] == "max_session_s" for s in sessions), sessions
+    # Each session ended at its time bound: 64 paced requests never arrive in 0.3 s, the step and
+    # event bounds are set out of reach.
+    assert sessions and all(s["stop_reason"] == "max_session_s" for s in sessions), \
+        [(s["stop_reason"], len(s["requests"])) for s in sessions]
     profiler_on_s = sum(s["duration_s"] for s in sessions)
     # On at most about max_session_s per accepted order: a small share of the time it was hammered.
     assert profiler_on_s < hammered_s / 2, (profiler_on_s, hammered_s, sessions)
