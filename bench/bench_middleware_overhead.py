@@ -3,7 +3,8 @@
 Drives the ASGI apps directly in one asyncio loop (no network), for a plain JSON response
 and a 64-chunk SSE stream, all set-ups interleaved in the same run. Prints the median
 microseconds per request and each middleware's added cost over no middleware, and the
-ratio servprof/OTel of the added costs (issue 3's goal: <= 1/3 plain, <= 1/4 SSE).
+ratio servprof/OTel of the added costs (issue 3's goal: <= 1/3 plain, <= 1/4 SSE), for
+servprof alone and with its telemetry span on (issue 5: the same goals hold).
 
     .venv/bin/python bench/bench_middleware_overhead.py [--rounds 40] [--requests 200]
 """
@@ -144,10 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     otel = "otel asgi (exclude receive/send)"
     for label, added in (("plain", added_plain), ("sse", added_sse)):
         goal = 1 / 3 if label == "plain" else 1 / 4
-        ratio = added["servprof"] / added[otel] if added[otel] > 0 else float("nan")
-        verdict = "meets" if ratio <= goal else "misses"
-        console.print(f"{label}: servprof added {added['servprof']:.1f} us vs otel {added[otel]:.1f} us "
-                      f"-> ratio {ratio:.2f} ({verdict} the <= {goal:.2f} goal)")
+        # The goal holds for servprof alone and with its telemetry span on (issues 3 and 5).
+        for name in ("servprof", "servprof + telemetry span"):
+            if name not in added:
+                continue
+            ratio = added[name] / added[otel] if added[otel] > 0 else float("nan")
+            verdict = "meets" if ratio <= goal else "misses"
+            console.print(f"{label}: {name} added {added[name]:.1f} us vs otel {added[otel]:.1f} us "
+                          f"-> ratio {ratio:.2f} ({verdict} the <= {goal:.2f} goal)")
     return 0
 
 

@@ -88,7 +88,9 @@ def test_connection_refused_costs_no_request(tmp_path: Path, monkeypatch: Any, p
         telemetry.shutdown()
 
 
-def test_hung_backend_fills_the_bounded_queue_and_drops_are_counted(tmp_path: Path, monkeypatch: Any) -> None:
+def test_hung_backend_fills_the_bounded_queue_and_drops_are_counted(
+    tmp_path: Path, monkeypatch: Any, caplog: Any
+) -> None:
     # A backend that accepts connections and never answers: every export waits out its timeout.
     with socket.socket() as hung:
         hung.bind(("127.0.0.1", 0))
@@ -111,6 +113,9 @@ def test_hung_backend_fills_the_bounded_queue_and_drops_are_counted(tmp_path: Pa
             assert status["spans_ended"] == 80
             assert status["spans_dropped_queue_full"] > 0
             assert status["spans_exported"] == 0
+            # Dropping is quiet: one line from servprof, not one SDK warning per span.
+            full = [r.getMessage() for r in caplog.records if "queue full" in r.getMessage().lower()]
+            assert len(full) == 1 and full[0].startswith("servprof: span queue full (8)"), full
         finally:
             telemetry.shutdown()
 

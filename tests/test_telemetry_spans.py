@@ -210,17 +210,20 @@ def test_truncated_body_head_reads_fields_before_the_prompt_only() -> None:
 
 
 def _direct_request(
-    observer: Any, headers: list[tuple[bytes, bytes]]
+    built: Stack, headers: list[tuple[bytes, bytes]]
 ) -> tuple[Any, list[tuple[bytes, bytes]]]:
+    """The exported request span's context and the headers the app would see."""
     from servprof.observers import RequestRecord
 
     record = RequestRecord(
         "direct-1", "GET", "/x", route="/x", arrival_ns=1, arrival_perf_ns=1, end_ns=2, status=200
     )
     scope = {"headers": list(headers)}
-    state = observer.on_request_start(record, scope)
-    observer.on_request_end(record, state)
-    return state[0], scope["headers"]  # the request span's context comes first
+    state = built.observer.on_request_start(record, scope)
+    built.observer.on_request_end(record, state)
+    built.observer.force_flush()
+    (span,) = built.exporter.get_finished_spans()
+    return span.context, scope["headers"]
 
 
 def test_tracestate_and_baggage_pass_through(tmp_path: Path) -> None:
@@ -231,7 +234,7 @@ def test_tracestate_and_baggage_pass_through(tmp_path: Path) -> None:
         (b"tracestate", b"vendor=abc"),
         (b"baggage", b"tenant=42"),
     ]
-    context, headers = _direct_request(built.observer, incoming)
+    context, headers = _direct_request(built, incoming)
     as_dict = dict(headers)
     assert as_dict[b"tracestate"] == b"vendor=abc" and as_dict[b"baggage"] == b"tenant=42"
     assert context.trace_state.get("vendor") == "abc"
@@ -266,7 +269,7 @@ def test_other_configured_propagators_are_honoured(tmp_path: Path) -> None:
         built = Stack(tmp_path)
     finally:
         propagate.set_global_textmap(previous)
-    context, headers = _direct_request(built.observer, [(b"x-tenant-trace", b"old"), (b"host", b"h")])
+    context, headers = _direct_request(built, [(b"x-tenant-trace", b"old"), (b"host", b"h")])
     as_dict = dict(headers)
     assert as_dict[b"x-tenant-trace"] == b"seen" and as_dict[b"host"] == b"h"
     assert as_dict[b"traceparent"] == b"00-%032x-%016x-%02x" % (

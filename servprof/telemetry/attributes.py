@@ -10,6 +10,7 @@ import re
 from typing import Any
 
 import orjson
+from opentelemetry.trace import Status, StatusCode
 
 from servprof.observers import RequestRecord
 
@@ -211,3 +212,32 @@ def request_attributes(record: RequestRecord, http_version: str | None) -> dict[
     if record.session_id:
         attributes[SERVPROF_SESSION_ID] = record.session_id
     return attributes
+
+
+def server_span_attributes(
+    record: RequestRecord,
+    http_version: str | None,
+    genai: dict[str, Any] | None,
+    app: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """Every attribute of a request's SERVER span: HTTP and servprof's, then the GenAI request
+    fields, then what the app annotated (already filtered by app_attributes)."""
+    attributes = request_attributes(record, http_version)
+    if genai:
+        attributes.update(genai)
+    if app:
+        attributes.update(app)
+    return attributes
+
+
+def span_name(record: RequestRecord) -> str:
+    """`{method} {route}` (never the raw path, whose ids would make names unbounded)."""
+    return f"{record.method} {record.route}" if record.route else record.method
+
+
+_UNSET = Status(StatusCode.UNSET)
+
+
+def span_status(attributes: dict[str, Any]) -> Status:
+    error = attributes.get(ERROR_TYPE)
+    return Status(StatusCode.ERROR, str(error)) if error else _UNSET

@@ -2,7 +2,8 @@
 
 Per request: one SERVER span whose context exists from the request's arrival (so it can be
 re-injected into the headers the app sees) and which is ended with explicit start and end
-times when the response is complete (see request_span.py for why it is built in one piece).
+times when the response is complete (see request_span.py for why it is built on the export
+thread when servprof owns the provider).
 Nothing happens per body chunk. Sampled requests keep their span context until the
 session's analysis has been turned into child spans.
 """
@@ -12,10 +13,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from opentelemetry import propagate, trace
+from opentelemetry import metrics, propagate, trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import SpanContext, SpanKind
 
 from servprof import __version__
 from servprof.observers import RequestRecord
@@ -23,8 +24,6 @@ from servprof.telemetry import attributes as attrs
 from servprof.telemetry.analysis_spans import AnalysisSpanEmitter, SampledParent, SampledParents
 from servprof.telemetry.request_span import DirectServerSpans
 from servprof.telemetry.setup import Pipeline
-
-_UNSET = Status(StatusCode.UNSET)
 
 # Recommended explicit bucket boundaries from the GenAI metrics semantic conventions.
 REQUEST_DURATION_BUCKETS = [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92]  # fmt: skip
@@ -71,7 +70,11 @@ class TelemetryObserver:
         self._direct: DirectServerSpans | None = None
         if isinstance(pipeline.tracer_provider, TracerProvider) and pipeline.span_processor is not None:
             scope = InstrumentationScope("servprof", __version__)
-            self._direct = DirectServerSpans(pipeline.tracer_provider, pipeline.span_processor, scope)
+            self._direct = DirectServerSpans(
+                pipeline.tracer_provider, pipeline.span_processor, scope, capture_content
+            )
+        # With no meter provider (the host set none, no metrics endpoint) nothing is recorded.
+        self._metrics_on = not isinstance(pipeline.meter_provider, metrics.NoOpMeterProvider)
         self._parents = SampledParents(max_sampled_parents)
         self._analysis = AnalysisSpanEmitter(self._tracer, self._parents)
         self.requests_started = 0
@@ -90,16 +93,19 @@ class TelemetryObserver:
             if len(kept) != len(headers):
                 parent_context = self._propagator.extract(self._carrier(headers))
             state = self._start(record, parent_context)
-            context = state[0]
-            traceparent = b"00-%032x-%016x-%02x" % (context.trace_id, context.span_id, context.trace_flags)
-            kept.append((b"traceparent", traceparent))
+            if self._direct is not None:
+                trace_id, span_id, flags = state[0], state[1], 1 if state[2] else 0
+            else:
+                context = state[0]
+                trace_id, span_id, flags = context.trace_id, context.span_id, context.trace_flags
+            kept.append((b"traceparent", b"00-%032x-%016x-%02x" % (trace_id, span_id, flags)))
         else:
             kept = [header for header in headers if header[0] not in self._propagation_headers]
             parent_context = (
                 self._propagator.extract(self._carrier(headers)) if len(kept) != len(headers) else None
             )
             state = self._start(record, parent_context)
-            span = trace.NonRecordingSpan(state[0])
+            span = trace.NonRecordingSpan(self._context_of(state))
             outgoing: dict[str, str] = {}
             self._propagator.inject(outgoing, context=trace.set_span_in_context(span, parent_context))
             kept.extend((name.encode("latin-1"), value.encode("latin-1")) for name, value in outgoing.items())
@@ -115,8 +121,9 @@ class TelemetryObserver:
         }
 
     def _start(self, record: RequestRecord, parent_context: Any) -> tuple[Any, ...]:
-        """(span context, then what the end needs): a deferred span on servprof's own provider,
-        an API span (its attributes all set at the end, cheaper than twice) on a host's."""
+        """What the end needs: a deferred span's ids on servprof's own provider (see
+        DirectServerSpans.start), or (span context, API span) on a host's provider, whose
+        attributes are all set at the end (cheaper than twice)."""
         if self._direct is not None:
             return self._direct.start(record.method, parent_context)
         span = self._tracer.start_span(
@@ -124,66 +131,74 @@ class TelemetryObserver:
         )
         return span.get_span_context(), span
 
+    def _context_of(self, state: tuple[Any, ...]) -> SpanContext:
+        return self._direct.context_of(state) if self._direct is not None else state[0]
+
     def on_request_end(self, record: RequestRecord, state: Any) -> None:
         if state is None:
             return
         self.requests_ended += 1
-        name = f"{record.method} {record.route}" if record.route else record.method
-        attributes = attrs.request_attributes(record, state[-1])
-        genai = (
-            attrs.genai_request_attributes(
-                record.method, record.path, record.request_body_head, self.capture_content
-            )
-            if record.request_body_head
-            else {}
-        )
-        attributes.update(genai)
-        if record.attributes:
-            attributes.update(attrs.app_attributes(record.attributes, self.capture_content))
-        error = attributes.get(attrs.ERROR_TYPE)
-        status = Status(StatusCode.ERROR, error) if error else _UNSET
         end_perf_ns = record.end_ns or record.last_byte_ns
         if end_perf_ns is not None and record.arrival_ns:
             end_ns = record.arrival_ns + (end_perf_ns - record.arrival_perf_ns)
         else:
             end_ns = time.time_ns()
         start_ns = record.arrival_ns or end_ns
-        context = state[0]
+        # GenAI fields are read here only when metrics need them now; otherwise the export
+        # thread reads them from the body head while building the span.
+        genai = (
+            attrs.genai_request_attributes(
+                record.method, record.path, record.request_body_head, self.capture_content
+            )
+            if record.request_body_head and (self._metrics_on or self._direct is None)
+            else None
+        )
+        app = None
+        if record.attributes:
+            # Filtered now when read now; otherwise a copy (the app may annotate late) is
+            # filtered on the export thread.
+            app = (
+                attrs.app_attributes(record.attributes, self.capture_content)
+                if genai or self._direct is None
+                else dict(record.attributes)
+            )
         if self._direct is not None:
-            _, parent, sampler_attributes, _ = state
-            if sampler_attributes:
-                attributes.update(sampler_attributes)
-            self._direct.end(name, context, parent, start_ns, end_ns, attributes, status)
+            self._direct.end(record, state, start_ns, end_ns, genai, app)
         else:
             span = state[1]
-            span.update_name(name)
+            attributes = attrs.server_span_attributes(record, state[-1], genai, app)
+            span.update_name(attrs.span_name(record))
             span.set_attributes(attributes)
-            if error:
-                span.set_status(status)
+            if attrs.ERROR_TYPE in attributes:
+                span.set_status(attrs.span_status(attributes))
             span.end(end_time=end_ns)
-        if genai:
-            self._record_metrics(record, attributes, end_perf_ns)
-        if record.sampled and context.trace_flags.sampled:
-            self._parents.put(record.request_id, SampledParent(context, start_ns, end_ns))
+        if genai and self._metrics_on:
+            self._record_metrics(record, genai, app or {}, end_perf_ns)
+        if record.sampled:
+            context = self._context_of(state)
+            if context.trace_flags.sampled:
+                self._parents.put(record.request_id, SampledParent(context, start_ns, end_ns))
 
     def _record_metrics(
-        self, record: RequestRecord, attributes: dict[str, Any], end_perf_ns: int | None
+        self, record: RequestRecord, genai: dict[str, Any], app: dict[str, Any], end_perf_ns: int | None
     ) -> None:
+        merged = {**genai, **app}  # what the app annotated wins, as on the span
+        error = merged.get(attrs.ERROR_TYPE) or attrs.error_type(record)
         metric_attributes = {
-            key: attributes[key]
-            for key in (attrs.GEN_AI_OPERATION_NAME, attrs.GEN_AI_REQUEST_MODEL, attrs.ERROR_TYPE)
-            if key in attributes
+            key: merged[key] for key in (attrs.GEN_AI_OPERATION_NAME, attrs.GEN_AI_REQUEST_MODEL) if key in merged
         }
+        if error:
+            metric_attributes[attrs.ERROR_TYPE] = error
         if end_perf_ns is not None:
             self._request_duration.record((end_perf_ns - record.arrival_perf_ns) / 1e9, metric_attributes)
-        if attrs.ERROR_TYPE in attributes or record.first_byte_ns is None:
+        if error or record.first_byte_ns is None:
             return
         # Only a streamed response shows when its first token left; a whole JSON body does not.
-        if attributes.get(attrs.GEN_AI_REQUEST_STREAM) or record.chunks > 1:
+        if merged.get(attrs.GEN_AI_REQUEST_STREAM) or record.chunks > 1:
             self._time_to_first_token.record(
                 (record.first_byte_ns - record.arrival_perf_ns) / 1e9, metric_attributes
             )
-            output_tokens = attributes.get(attrs.GEN_AI_USAGE_OUTPUT_TOKENS)
+            output_tokens = merged.get(attrs.GEN_AI_USAGE_OUTPUT_TOKENS)
             if isinstance(output_tokens, int) and output_tokens > 1 and record.last_byte_ns is not None:
                 per_token = (record.last_byte_ns - record.first_byte_ns) / 1e9 / (output_tokens - 1)
                 self._time_per_output_token.record(per_token, metric_attributes)

@@ -1,12 +1,15 @@
-"""The request span, built in one piece when the request ends.
+"""The request span, picked at arrival and built on the export thread.
 
 Through the SDK's span API a server span costs a sampler call, a lock and an attribute
 validation per attribute set, twice (start and end): ~70 us per request on the 2-core
 test machine. When servprof owns the tracer provider it knows every attribute it sets is
 valid, so it picks the ids when the request arrives (the app needs them in `traceparent`)
-and hands one finished ReadableSpan to its batch processor at the end: ~13 us. The
-provider's sampler, id generator and resource are still the ones used. A host's provider
-(vLLM's) gets the ordinary API path instead.
+and, when the request ends, hands its batch processor a PendingServerSpan: the finished
+record and the span's ids. The export thread turns a batch of them into ReadableSpans
+(attributes, GenAI fields read from the body head, status) just before the exporter sees
+them, so the request pays ~1 us at its end instead of ~6. The provider's sampler, id
+generator and resource are still the ones used. A host's provider (vLLM's) gets the
+ordinary API path instead.
 """
 
 from __future__ import annotations
@@ -16,61 +19,136 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased, StaticSampler
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext, SpanKind, Status, TraceFlags
+from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
+
+from servprof.observers import RequestRecord
+from servprof.telemetry import attributes as attrs
+
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
+# The SDK's default sampler and ALWAYS_ON decide from the parent's flag alone, with no
+# attributes and the parent's trace state; servprof decides those itself (~1.5 us less per
+# request). Any other sampler (OTEL_TRACES_SAMPLER) is asked as usual.
+_PARENT_BASED_DEFAULT = ParentBased(ALWAYS_ON).get_description()
+_ALWAYS_ON = ALWAYS_ON.get_description()
 
 
 class DirectServerSpans:
     def __init__(
-        self, provider: TracerProvider, processor: SpanProcessor, scope: InstrumentationScope
+        self,
+        provider: TracerProvider,
+        processor: SpanProcessor,
+        scope: InstrumentationScope,
+        capture_content: bool = False,
     ) -> None:
         self._sampler = provider.sampler
         self._ids = provider.id_generator
-        self._resource = provider.resource
+        self.resource = provider.resource
         self._processor = processor
-        self._scope = scope
+        self.scope = scope
+        self.capture_content = capture_content
+        sampler_type, description = type(self._sampler), self._sampler.get_description()
+        self._follows_parent = sampler_type is ParentBased and description == _PARENT_BASED_DEFAULT
+        self._always_on = sampler_type is StaticSampler and description == _ALWAYS_ON
 
-    def start(self, name: str, parent_context: Context | None) -> tuple[SpanContext, SpanContext | None, Any]:
-        """The new span's context (as the sampler decided), its parent, and sampler attributes."""
+    def start(self, name: str, parent_context: Context | None) -> tuple[Any, ...]:
+        """(trace id, span id, sampled, trace state, parent span context, sampler attributes):
+        the SpanContext itself (~0.7 us) is only built for spans that are exported."""
         parent: SpanContext | None = None
         if parent_context is not None:
             parent = trace.get_current_span(parent_context).get_span_context()
             if not parent.is_valid:
                 parent = None
-        trace_id = parent.trace_id if parent is not None else self._ids.generate_trace_id()
+        ids = self._ids
+        trace_id = parent.trace_id if parent is not None else ids.generate_trace_id()
+        if self._follows_parent or self._always_on:
+            sampled = self._always_on or parent is None or parent.trace_flags.sampled
+            trace_state = parent.trace_state if parent is not None else None
+            return trace_id, ids.generate_span_id(), sampled, trace_state, parent, None
         result = self._sampler.should_sample(parent_context, trace_id, name, SpanKind.SERVER)
-        flags = TraceFlags(TraceFlags.SAMPLED if result.decision.is_sampled() else TraceFlags.DEFAULT)
-        context = SpanContext(
-            trace_id,
-            self._ids.generate_span_id(),
-            is_remote=False,
-            trace_flags=flags,
-            trace_state=result.trace_state,
-        )
-        return context, parent, result.attributes
+        return (
+            trace_id, ids.generate_span_id(), result.decision.is_sampled(), result.trace_state, parent,
+            result.attributes,
+        )  # fmt: skip
+
+    @staticmethod
+    def context_of(state: tuple[Any, ...]) -> SpanContext:
+        trace_id, span_id, sampled, trace_state = state[:4]
+        flags = _SAMPLED if sampled else _NOT_SAMPLED
+        return SpanContext(trace_id, span_id, is_remote=False, trace_flags=flags, trace_state=trace_state)
 
     def end(
         self,
-        name: str,
-        context: SpanContext,
-        parent: SpanContext | None,
+        record: RequestRecord,
+        state: tuple[Any, ...],
         start_ns: int,
         end_ns: int,
-        attributes: dict[str, Any],
-        status: Status,
+        genai: dict[str, Any] | None,
+        app: dict[str, Any] | None,
     ) -> None:
-        if not context.trace_flags.sampled:
+        """Queue the finished request's span; `genai` None means "read it from the body later"."""
+        if not state[2]:
             return  # the sampler dropped it: nothing is recorded, as with the SDK's spans
-        span = ReadableSpan(
-            name=name,
-            context=context,
-            parent=parent,
-            resource=self._resource,
+        # Cast: the queue holds it until servprof's exporter wrapper (setup.py) builds it.
+        pending: Any = PendingServerSpan(self, record, state, start_ns, end_ns, genai, app)
+        self._processor.on_end(pending)
+
+
+class _SampledMark:
+    """What the batch processor reads from a queued span: `.trace_flags.sampled`. Only
+    sampled spans are queued; the real SpanContext is built with the span on export."""
+
+    __slots__ = ()
+    trace_flags = _SAMPLED
+
+
+class PendingServerSpan:
+    """A finished request's span waiting in the batch queue. The batch processor reads only
+    `context.trace_flags.sampled`; servprof's exporter wrapper calls build() before export."""
+
+    __slots__ = ("owner", "record", "state", "start_ns", "end_ns", "genai", "app")
+    context = _SampledMark()
+
+    def __init__(
+        self,
+        owner: DirectServerSpans,
+        record: RequestRecord,
+        state: tuple[Any, ...],
+        start_ns: int,
+        end_ns: int,
+        genai: dict[str, Any] | None,
+        app: dict[str, Any] | None,
+    ) -> None:
+        self.owner = owner
+        self.record = record
+        self.state = state  # DirectServerSpans.start's tuple, then the HTTP version
+        self.start_ns = start_ns
+        self.end_ns = end_ns
+        self.genai = genai
+        self.app = app
+
+    def build(self) -> ReadableSpan:
+        record, owner, state = self.record, self.owner, self.state
+        genai = self.genai
+        if genai is None and record.request_body_head:
+            genai = attrs.genai_request_attributes(
+                record.method, record.path, record.request_body_head, owner.capture_content
+            )
+        app = attrs.app_attributes(self.app, owner.capture_content) if self.app else None
+        attributes = attrs.server_span_attributes(record, state[6], genai, app)
+        if state[5]:  # the sampler's attributes
+            attributes.update(state[5])
+        return ReadableSpan(
+            name=attrs.span_name(record),
+            context=owner.context_of(state),
+            parent=state[4],
+            resource=owner.resource,
             attributes=attributes,
             kind=SpanKind.SERVER,
-            status=status,
-            start_time=start_ns,
-            end_time=end_ns,
-            instrumentation_scope=self._scope,
+            status=attrs.span_status(attributes),
+            start_time=self.start_ns,
+            end_time=self.end_ns,
+            instrumentation_scope=owner.scope,
         )
-        self._processor.on_end(span)

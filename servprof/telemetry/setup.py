@@ -18,8 +18,10 @@ counted (SpanCounts) and shown by servprof.telemetry.status().
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +38,10 @@ from opentelemetry.util.re import parse_env_headers
 
 from servprof.settings import Settings, SettingsError
 from servprof.telemetry.otlp_file import OtlpJsonLinesMetricExporter, OtlpJsonLinesSpanExporter
+from servprof.telemetry.request_span import PendingServerSpan
 
+_logger = logging.getLogger(__name__)
+FULL_QUEUE_LOG_EVERY_S = 60.0
 EXPORTER_ENV = "SERVPROF_TELEMETRY_EXPORTER"
 EXPORTER_CHOICES = ("auto", "otlp", "file", "console", "none")
 PROTOCOL_CHOICES = ("http/protobuf", "grpc")
@@ -61,6 +66,10 @@ class SpanCounts:
         with self._lock:
             setattr(self, name, getattr(self, name) + count)
 
+    def add_ended(self) -> None:
+        with self._lock:  # the request path's count: no name lookups
+            self.ended += 1
+
     def as_dict(self) -> dict[str, int]:
         with self._lock:
             return {
@@ -78,11 +87,22 @@ class _CountingExporter(SpanExporter):
         self.counts = counts
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        ready: list[ReadableSpan] = []
+        for span in spans:
+            if isinstance(span, PendingServerSpan):
+                try:
+                    span = span.build()  # request spans are finished here, off the request path
+                except Exception:  # noqa: BLE001 - one bad record must not cost the batch
+                    self.counts.add("export_failed", 1)
+                    continue
+            ready.append(span)
+        if not ready:
+            return SpanExportResult.SUCCESS
         try:
-            result = self.inner.export(spans)
+            result = self.inner.export(ready)
         except Exception:  # an exporter must not take the export thread down with it
             result = SpanExportResult.FAILURE
-        self.counts.add("exported" if result is SpanExportResult.SUCCESS else "export_failed", len(spans))
+        self.counts.add("exported" if result is SpanExportResult.SUCCESS else "export_failed", len(ready))
         return result
 
     def shutdown(self) -> None:
@@ -99,11 +119,14 @@ class CountingBatchSpanProcessor(SpanProcessor):
     def __init__(self, exporter: SpanExporter, **batch_options: Any) -> None:
         self.counts = SpanCounts()
         self._batch = BatchSpanProcessor(_CountingExporter(exporter, self.counts), **batch_options)
-        # The SDK drops silently (a log line) when its deque is full; peeking at the deque's
-        # length is the only way to count that. Without it only export failures are counted.
+        # The SDK drops with a warning per span when its deque is full (thousands of log lines
+        # a second while a backend hangs); peeking at the deque's length is the only way to
+        # count that, and to drop here instead: cheaply, with one log line a minute at most.
+        # Without the peek (another SDK layout) only export failures are counted.
         inner = getattr(self._batch, "_batch_processor", None)
         self._queue = getattr(inner, "_queue", None)
         self._max_queue = getattr(self._queue, "maxlen", None)
+        self._full_logged_at: float | None = None
 
     def on_start(self, span: Span, parent_context: Context | None = None) -> None:
         pass
@@ -111,9 +134,18 @@ class CountingBatchSpanProcessor(SpanProcessor):
     def on_end(self, span: ReadableSpan) -> None:
         if not span.context.trace_flags.sampled:
             return  # the batch processor ignores it too: nothing to export, nothing lost
-        self.counts.add("ended", 1)
+        self.counts.add_ended()
         if self._max_queue is not None and len(self._queue) >= self._max_queue:
+            # The newest span is the one lost (the SDK would evict the oldest; either way one).
             self.counts.add("dropped_queue_full", 1)
+            now = time.monotonic()
+            if self._full_logged_at is None or now - self._full_logged_at >= FULL_QUEUE_LOG_EVERY_S:
+                self._full_logged_at = now
+                _logger.warning(
+                    "servprof: span queue full (%d); dropping spans until the exporter catches up "
+                    "(counted in /servprof/status)", self._max_queue,
+                )
+            return
         self._batch.on_end(span)
 
     def shutdown(self) -> None:
