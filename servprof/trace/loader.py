@@ -14,6 +14,7 @@ import os
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from itertools import compress
 from pathlib import Path
 from typing import Any
 
@@ -171,8 +172,15 @@ class _Interner:
                 return column
         except (TypeError, ValueError, OverflowError):
             pass
-        return np.array([v if type(v) is int and INT64_MIN <= v <= INT64_MAX else self._foreign_process_id(v)
-                         for v in values], dtype=np.int64)
+        # Usually a handful of named processes among thousands of integer ones: patch those.
+        patched = list(values)
+        for i in [i for i, v in enumerate(values) if type(v) is not int]:
+            patched[i] = self._foreign_process_id(values[i])
+        try:
+            return np.array(patched, dtype=np.int64)
+        except OverflowError:  # an integer past int64: named by its text like the others
+            return np.array([v if INT64_MIN <= v <= INT64_MAX else self._foreign_process_id(v) for v in patched],
+                            dtype=np.int64)
 
     def _foreign_process_id(self, value: Any) -> int:
         return -(int(self.ids([str(value)])[0]) + 2)
@@ -210,16 +218,11 @@ def _columns(events: list[Any], rank: int, interner: _Interner, file: Path) -> d
     except AttributeError:
         raise TraceError(f"{file}: an entry of 'traceEvents' is not an object") from None
     phases = [e.get("ph", "") for e in events]
-    # Timed events only: metadata ("M") events and events without a usable ts are dropped.
+    # Timed events only: metadata ("M") events and events without a usable ts are dropped,
+    # from the finished columns (masking arrays is cheaper than rebuilding the event list).
     is_metadata = np.array([p == "M" for p in phases], dtype=bool)
-    metadata_events = [events[i] for i in np.flatnonzero(is_metadata).tolist()]
+    metadata_events = list(compress(events, is_metadata.tolist()))
     keep = np.isfinite(ts) & ~is_metadata
-    if not keep.all():
-        index = np.flatnonzero(keep).tolist()
-        events = [events[i] for i in index]
-        phases = [phases[i] for i in index]
-        ts = ts[keep]
-    n = len(events)
     dur = _float_column([e.get("dur", 0.0) for e in events], 0.0)
     # µs rounding of ns clocks (and some exporters) can give a tiny negative duration.
     np.nan_to_num(dur, copy=False, nan=0.0)
@@ -228,11 +231,11 @@ def _columns(events: list[Any], rank: int, interner: _Interner, file: Path) -> d
     # Chrome-trace phases are single ASCII letters; anything else is no known phase (0).
     ph = np.array([ord(p[0]) if isinstance(p, str) and p and p[0] < "\x80" else 0 for p in phases], dtype=np.uint8)
     flow = (ph == ord("s")) | (ph == ord("f")) | (ph == ord("t"))
-    flow_ids = np.full(n, -1, dtype=np.int64)
+    flow_ids = np.full(len(events), -1, dtype=np.int64)
     if flow.any():
         flow_rows = np.flatnonzero(flow).tolist()
         flow_ids[flow] = _int_column([events[i].get("id", -1) for i in flow_rows])
-    return {
+    columns = {
         "name_id": interner.ids([e.get("name", "") for e in events]),
         "cat_id": interner.ids([e.get("cat", "") for e in events]),
         "ph": ph,
@@ -242,8 +245,13 @@ def _columns(events: list[Any], rank: int, interner: _Interner, file: Path) -> d
         "dur": dur,
         **_arg_columns(args),
         "flow_id": flow_ids,
+    }
+    everything = keep.all()
+    n = len(events) if everything else int(keep.sum())
+    return {
+        **(columns if everything else {key: column[keep] for key, column in columns.items()}),
         "rank": np.full(n, rank, dtype=np.int32),
-        "raw_args": args,
+        "raw_args": args if everything else list(compress(args, keep.tolist())),
         "metadata_events": metadata_events,
     }
 
