@@ -98,7 +98,9 @@ def test_session_is_bounded_by_decode_steps(tmp_path: Path) -> None:
 def test_session_is_bounded_by_estimated_events(tmp_path: Path) -> None:
     wait_idle()
     controller = get_controller()
-    with tiny_server(tmp_path, control_token=TOKEN, max_session_events=300, analysis=False) as (url, mw, _e), \
+    # The step bound (32 by default) is lifted so the event budget is the one that ends it.
+    with tiny_server(tmp_path, control_token=TOKEN, max_session_events=300, max_session_steps=10**6,
+                     analysis=False) as (url, mw, _e), \
             httpx.Client(timeout=30) as client:
         status, lines, _ = sse_post(client, url, tokens=200, headers=SAMPLE)
         assert status == 200 and len(lines) == 201
