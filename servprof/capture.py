@@ -65,6 +65,7 @@ class Session:
         self.perf_end_ns: int | None = None
         self.capture_end_ns: int | None = None  # when stop() began: events are captured until then
         self.busy_ns = 0  # capture time with at least one request in flight
+        self.steps_captured = 0  # decode steps when the capture stopped (the streams go on after)
         self.last_poll_ns = 0
         self.trace_path: Any = None
         self.trace_raw_bytes = 0
@@ -279,6 +280,7 @@ class CaptureController:
                     "stop_reason": why, "reason": session.reason, "event_loop_tid": session.event_loop_tid}
         prof.add_metadata_json("servprof", orjson.dumps(metadata).decode())
         session.capture_end_ns = time.perf_counter_ns()
+        session.steps_captured = session.steps()
         prof.stop()  # holds the GIL ~5-9 us per captured event: why the sessions are bounded
         session.perf_end_ns = time.perf_counter_ns()
         session.state = EXPORTING
@@ -308,7 +310,7 @@ class CaptureController:
         count = (result.get("summary") or {}).get("event_count")
         if not isinstance(count, (int, float)) or count <= 0:
             count = session.trace_raw_bytes / RAW_BYTES_PER_EVENT
-        steps = session.steps()
+        steps = session.steps_captured  # not steps(): the sampled streams went on after the stop
         # Busy capture time only (stop() holds the GIL, so next to nothing is captured during it).
         duration = session.busy_ns / 1e9
         if count > 0 and duration > 0:

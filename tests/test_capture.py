@@ -96,18 +96,26 @@ def test_session_is_bounded_by_decode_steps(tmp_path: Path) -> None:
 
 
 def test_session_is_bounded_by_estimated_events(tmp_path: Path) -> None:
+    """What one session measured (events per second and per step) bounds the next one."""
     wait_idle()
     controller = get_controller()
-    # The step bound (32 by default) is lifted so the event budget is the one that ends it.
-    with tiny_server(tmp_path, control_token=TOKEN, max_session_events=300, max_session_steps=10**6,
-                     analysis=False) as (url, mw, _e), \
+    # First a session bounded by steps, from which the controller learns both rates.
+    with tiny_server(tmp_path, control_token=TOKEN, max_session_steps=20, analysis=False) as (url, mw, _e), \
+            httpx.Client(timeout=30) as client:
+        assert sse_post(client, url, tokens=40, headers=SAMPLE)[0] == 200
+        (first,) = wait_sessions(mw, 1)
+    assert first["stop_reason"] == "max_session_steps"
+    assert controller.events_per_second and controller.events_per_step
+    # Then one whose event budget is a few steps' worth, with no assumed rate and the step
+    # bound out of reach: only the learned rates can end it before its 200 tokens.
+    budget = max(1, int(controller.events_per_step * 5))
+    with tiny_server(tmp_path, control_token=TOKEN, max_session_events=budget, max_session_steps=10**6,
+                     assumed_events_per_s=0.0, analysis=False) as (url, mw, _e), \
             httpx.Client(timeout=30) as client:
         status, lines, _ = sse_post(client, url, tokens=200, headers=SAMPLE)
         assert status == 200 and len(lines) == 201
-        (session,) = wait_sessions(mw, 1)
-    assert session["stop_reason"] == "max_session_events", session
-    # What the session measured is what bounds the next one.
-    assert controller.events_per_second and controller.events_per_step
+        (second,) = wait_sessions(mw, 1)
+    assert second["stop_reason"] == "max_session_events", second
 
 
 def test_client_disconnect_during_a_sampled_stream(tmp_path: Path) -> None:
