@@ -110,11 +110,16 @@ class Settings:
 
 
 _TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
+_FALSE = {"0", "false", "no", "off", ""}
 
 
 def _parse(name: str, raw: str, type_name: Any) -> Any:
-    var = ENV_PREFIX + name.upper()
+    return parse_env_value(ENV_PREFIX + name.upper(), raw, type_name)
+
+
+def parse_env_value(var: str, raw: str, type_name: Any) -> Any:
+    """An environment variable's text as the dataclass field type named by `type_name`
+    (bool, int, float, Path, else str); SettingsError names the variable when it is not."""
     type_text = str(type_name)
     try:
         if type_text == "bool":

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, fields
 
 from servprof.demo.model import SIZES
+from servprof.settings import parse_env_value
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -94,28 +95,9 @@ class DemoConfig:
         environ = os.environ if environ is None else environ
         values: dict[str, object] = {}
         for field in fields(cls):
-            raw = environ.get(f"SERVPROF_DEMO_{field.name.upper()}")
+            var = f"SERVPROF_DEMO_{field.name.upper()}"
+            raw = environ.get(var)
             if raw is not None:
-                values[field.name] = _parse(field.name, field.type, raw)
+                values[field.name] = parse_env_value(var, raw, field.type)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
-
-
-def _parse(name: str, type_name: object, raw: str) -> object:
-    env = f"SERVPROF_DEMO_{name.upper()}"
-    type_name = str(type_name)
-    try:
-        if type_name == "bool":
-            lowered = raw.strip().lower()
-            if lowered in ("1", "true", "yes", "on"):
-                return True
-            if lowered in ("0", "false", "no", "off", ""):
-                return False
-            raise ValueError
-        if type_name == "int":
-            return int(raw)
-        if type_name == "float":
-            return float(raw)
-    except ValueError:
-        raise ValueError(f"{env}={raw!r} is not a valid {type_name}") from None
-    return raw

@@ -14,7 +14,8 @@ ordinary API path instead.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -104,30 +105,19 @@ class _SampledMark:
     trace_flags = _SAMPLED
 
 
+@dataclass(slots=True)
 class PendingServerSpan:
     """A finished request's span waiting in the batch queue. The batch processor reads only
     `context.trace_flags.sampled`; servprof's exporter wrapper calls build() before export."""
 
-    __slots__ = ("owner", "record", "state", "start_ns", "end_ns", "genai", "app")
-    context = _SampledMark()
-
-    def __init__(
-        self,
-        owner: DirectServerSpans,
-        record: RequestRecord,
-        state: tuple[Any, ...],
-        start_ns: int,
-        end_ns: int,
-        genai: dict[str, Any] | None,
-        app: dict[str, Any] | None,
-    ) -> None:
-        self.owner = owner
-        self.record = record
-        self.state = state  # DirectServerSpans.start's tuple, then the HTTP version
-        self.start_ns = start_ns
-        self.end_ns = end_ns
-        self.genai = genai
-        self.app = app
+    context: ClassVar[_SampledMark] = _SampledMark()
+    owner: DirectServerSpans
+    record: RequestRecord
+    state: tuple[Any, ...]  # DirectServerSpans.start's tuple, then the HTTP version
+    start_ns: int
+    end_ns: int
+    genai: dict[str, Any] | None  # None: read from the body head when built
+    app: dict[str, Any] | None
 
     def build(self) -> ReadableSpan:
         record, owner, state = self.record, self.owner, self.state
