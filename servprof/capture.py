@@ -334,15 +334,17 @@ class CaptureController:
         session.state = state
         if session.perf_start_ns is not None and session.perf_end_ns is None:
             session.perf_end_ns = time.perf_counter_ns()
-        with self._lock:
-            if self.session is session:
-                self.session = None
         session.started.set()
         try:
+            # Before the controller takes a new session: the hand-off ends an on-demand order and
+            # pauses sampling on a store problem, so no request can slip into a session meanwhile.
             session.on_finished(session)
         except Exception as exc:  # noqa: BLE001 - reported, never re-entered
             session.error = session.error or f"session hand-off failed: {type(exc).__name__}: {exc}"
         finally:
+            with self._lock:
+                if self.session is session:
+                    self.session = None
             session.finished.set()
 
 

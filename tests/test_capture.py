@@ -84,6 +84,28 @@ def test_on_demand_order_makes_exactly_one_bounded_session(tmp_path: Path) -> No
     assert status["last_sessions"][0]["session_id"] == session["session_id"]
 
 
+def test_no_request_joins_a_new_session_while_the_last_one_is_handed_off(tmp_path: Path) -> None:
+    """The hand-off (ending an on-demand order, pausing on a store problem) runs while the
+    controller still holds the finished session, so no request can start another in between."""
+    wait_idle()
+    controller = get_controller()
+    with tiny_server(tmp_path, control_token=TOKEN, requests_per_session=1, analysis=False) as (url, mw, _e), \
+            httpx.Client(timeout=30) as client:
+        runtime = mw.runtime
+        finish = runtime._session_finished
+        seen_during_hand_off: list[tuple[bool, str | None]] = []
+
+        def observed(session: object) -> None:
+            seen_during_hand_off.append((controller.session is session, controller.refusal()[0]
+                                         if controller.refusal() else None))
+            finish(session)
+
+        runtime._session_finished = observed  # the capture thread calls it through the session
+        assert client.post(url + "/servprof/sample?n=1", headers=AUTH).status_code == 202
+        assert sse_post(client, url, tokens=3)[0] == 200
+        wait_sessions(mw, 1)
+    assert seen_during_hand_off == [(True, "busy")]
+
 def test_session_is_bounded_by_decode_steps(tmp_path: Path) -> None:
     wait_idle()
     with tiny_server(tmp_path, control_token=TOKEN, max_session_steps=5, analysis=False) as (url, mw, _e), \

@@ -18,6 +18,7 @@ def base_url():
 
 
 def _check_usage(usage: dict, max_tokens: int, finish_reason: str) -> None:
+    # Callers ask ignore_eos: random weights may sample end-of-text first (0 tokens, by chance).
     assert usage["prompt_tokens"] > 0
     assert 1 <= usage["completion_tokens"] <= max_tokens
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
@@ -34,7 +35,8 @@ def test_health_and_models(base_url):
 
 def test_completion_not_streamed(base_url):
     response = httpx.post(
-        f"{base_url}/v1/completions", json={"prompt": "The engineer measured", "max_tokens": 7}, timeout=30
+        f"{base_url}/v1/completions", json={"prompt": "The engineer measured", "max_tokens": 7, "ignore_eos": True},
+        timeout=30
     )
     assert response.status_code == 200
     body = response.json()
@@ -49,6 +51,7 @@ def test_completion_streamed_with_usage(base_url):
     payload = {
         "prompt": "Notes on batching:",
         "max_tokens": 9,
+        "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -73,6 +76,7 @@ def test_chat_completion_not_streamed(base_url):
     payload = {
         "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}],
         "max_tokens": 5,
+        "ignore_eos": True,
     }
     body = httpx.post(f"{base_url}/v1/chat/completions", json=payload, timeout=30).json()
     assert body["object"] == "chat.completion"

@@ -180,7 +180,7 @@ events_strategy = st.lists(
 )
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100, deadline=None, derandomize=True)  # the same inputs every CI run
 @given(events=events_strategy)
 def test_loader_never_fails_with_anything_but_a_trace_error(tmp_path_factory, events):
     path = tmp_path_factory.mktemp("fuzz") / "t.json"

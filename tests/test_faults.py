@@ -32,6 +32,7 @@ from servprof.store import TRACE_SUFFIX, StoreError, TraceStore
 
 SAMPLE = {"x-servprof-sample": "1", "x-servprof-token": TOKEN}
 _KIB = 1024
+PAUSE_S = 2.0  # the paused store's recheck interval in the full-filesystem test
 
 
 def _sessions_after(middleware: Any, count: int) -> list[dict[str, Any]]:
@@ -51,7 +52,9 @@ def test_full_trace_filesystem_pauses_sampling_keeps_old_traces_and_resumes(
     why_not = mount_error(tmp_path)
     if why_not:
         pytest.skip(why_not)
-    monkeypatch.setattr(servprof_runtime, "PAUSE_RECHECK_S", 0.5)  # retry a paused store sooner
+    # Retry a paused store sooner than in production, yet late enough that the checks made
+    # while paused (a status call, one sampled request) fit in the pause on a slow machine.
+    monkeypatch.setattr(servprof_runtime, "PAUSE_RECHECK_S", PAUSE_S)
     wait_idle()
     with small_tmpfs(tmp_path / "small", "2m") as small, \
             tiny_server(tmp_path, control_token=TOKEN, out_dir=small, analysis=False, requests_per_session=1,
@@ -72,7 +75,7 @@ def test_full_trace_filesystem_pauses_sampling_keeps_old_traces_and_resumes(
 
         # 2. Lower the floor: a trace fits, and is kept through what follows.
         mw.runtime.store.min_free_bytes = 8 * _KIB
-        time.sleep(0.6)
+        time.sleep(PAUSE_S + 0.1)
         sampled_and_plain()
         kept = _sessions_after(mw, 2)[1]
         assert kept["error"] is None, kept
@@ -85,7 +88,7 @@ def test_full_trace_filesystem_pauses_sampling_keeps_old_traces_and_resumes(
         # 3. Fill the filesystem: the export meets ENOSPC and leaves no partial file behind.
         filler = fill(small, leave_free=16 * _KIB)
         assert 8 * _KIB <= free_bytes(small) <= 32 * _KIB  # above the floor: the check passes
-        time.sleep(0.6)
+        time.sleep(PAUSE_S + 0.1)
         sampled_and_plain()
         full = _sessions_after(mw, 3)[2]
         assert "No space left on device" in full["error"], full
@@ -102,7 +105,7 @@ def test_full_trace_filesystem_pauses_sampling_keeps_old_traces_and_resumes(
 
         # 4. Space comes back: the next sampled request is captured again.
         filler.unlink()
-        time.sleep(0.6)
+        time.sleep(PAUSE_S + 0.1)
         sampled_and_plain()
         resumed = wait_sessions(mw, 4)[-1]
         status = client.get(url + "/servprof/status", headers=AUTH).json()

@@ -132,13 +132,15 @@ def test_users_own_locustfile_without_streaming_reports_e2el_and_tokens(tmp_path
 
 @pytest.mark.slow
 def test_open_loop_pacer_keeps_the_rate_while_the_server_slows_down(tmp_path: Path) -> None:
-    rate, window_s = 10.0, 20.0
+    # Arrivals are counted over window_s from the first one; locust runs 8 s longer, so a slow
+    # start (imports, spawning 60 users) on a loaded machine cannot cut the window short.
+    rate, window_s = 10.0, 15.0
     # Each request takes ~1.5 s, then ~3 s after the knob turns: a closed loop of a few
     # users would fall far below 10 req/s; the open loop must not.
     server = TimedServer(ttft_s=0.6, itl_s=0.3, max_chunks=4)  # few chunks: the server stays cheap to run
     with running_server(server):
         command = locust_command(
-            server.url, "--headless", "-u", "60", "-r", "60", "-t", f"{window_s + 3:.0f}s", "--arrival", "gamma",
+            server.url, "--headless", "-u", "60", "-r", "60", "-t", f"{window_s + 8:.0f}s", "--arrival", "gamma",
             "--rate", str(rate), "--burstiness", "100", "--summary-json", str(tmp_path / "s.json"),
         )
         process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 import torch.autograd.profiler as autograd_profiler
-from _middleware_helpers import TOKEN, serve, sse_post, tiny_server, wait_idle
+from _middleware_helpers import TOKEN, serve, sse_post, tiny_server, wait_idle, wait_warm
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route, WebSocketRoute
@@ -132,6 +132,7 @@ def test_servprof_token_header_is_not_passed_to_the_app(tmp_path: Path) -> None:
 
     middleware = ServprofMiddleware(app, out_dir=tmp_path, telemetry=False, control_token=TOKEN, analysis=False,
                                     requests_per_session=1)
+    wait_warm()  # a profiler still warming up refuses samples (the case when this test runs alone)
     with serve(middleware) as (url, _server):
         headers = {"x-servprof-sample": "1", "x-servprof-token": TOKEN}
         assert httpx.get(url + "/", headers=headers).status_code == 200

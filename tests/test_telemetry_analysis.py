@@ -272,6 +272,8 @@ def test_real_capture_and_analysis_become_phase_spans_in_the_file(tmp_path: Path
     monkeypatch.setenv("SERVPROF_OUT_DIR", str(tmp_path))
     monkeypatch.setenv("SERVPROF_SAMPLE_EVERY", "2")
     monkeypatch.setenv("SERVPROF_REQUESTS_PER_SESSION", "1")
+    # Bounded by its one request, not by an event rate learned from earlier tests' sessions.
+    monkeypatch.setenv("SERVPROF_MAX_SESSION_EVENTS", "1000000")
     monkeypatch.setenv("SERVPROF_TELEMETRY_EXPORTER", "file")
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
     spans_file = tmp_path / "spans" / "spans.otlp.jsonl"
@@ -282,7 +284,7 @@ def test_real_capture_and_analysis_become_phase_spans_in_the_file(tmp_path: Path
                 time.sleep(0.05)  # requests arriving while Kineto warms up are never sampled
             for index in range(4):
                 response = client.post(
-                    url + "/v1/chat/completions", content=chat_body(max_tokens=6, stream=index % 2 == 0)
+                    url + "/v1/chat/completions", content=chat_body(max_tokens=6, stream=index % 2 == 0, ignore_eos=True)
                 )
                 assert response.status_code == 200
             spans = _wait_for_spans(

@@ -140,6 +140,8 @@ def test_demo_server_spans_in_phoenix(
         "SERVPROF_OUT_DIR": str(tmp_path),
         "SERVPROF_SAMPLE_EVERY": "2",
         "SERVPROF_REQUESTS_PER_SESSION": "1",
+        # Bounded by its one request, not by an event rate learned from earlier tests' sessions.
+        "SERVPROF_MAX_SESSION_EVENTS": "1000000",
         "SERVPROF_TELEMETRY_EXPORTER": "otlp",
         "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
         "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
@@ -166,7 +168,7 @@ def test_demo_server_spans_in_phoenix(
                 response = client.post(
                     url + "/v1/chat/completions",
                     headers=headers,
-                    content=chat_body(max_tokens=8, stream=index % 2 == 0, model="ignored"),
+                    content=chat_body(max_tokens=8, stream=index % 2 == 0, model="ignored", ignore_eos=True),
                 )
                 assert response.status_code == 200
             spans = _wait_for(phoenix, ids, analysed=1)

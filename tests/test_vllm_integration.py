@@ -99,7 +99,8 @@ def test_sampled_requests_profile_every_rank_and_tie_findings(profiled_server) -
     with httpx.Client(base_url=base) as client:
         assert client.post("/servprof/sample?n=2", headers=AUTH).status_code in (200, 202)
         responses: list[httpx.Response] = []
-        threads = [threading.Thread(target=lambda i=i: responses.append(_completion(client, f"req-{i}")))
+        # 32 tokens: decoding goes on well after vLLM's workers have started their profilers.
+        threads = [threading.Thread(target=lambda i=i: responses.append(_completion(client, f"req-{i}", max_tokens=32)))
                    for i in range(2)]
         for thread in threads:
             thread.start()
