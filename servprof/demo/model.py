@@ -121,22 +121,14 @@ class Attention(nn.Module):
         self.wkv = nn.Linear(config.dim, 2 * config.n_kv_heads * config.head_dim, bias=False)
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        cache: KVCache,
-        layer: int,
-        view: CacheView,
-        attn_mask: torch.Tensor | None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: ForwardStep, layer: int) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
         kv = self.wkv(x).view(batch, seq, 2, self.n_kv_heads, self.head_dim)
         k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        keys, values = cache.write_and_read(layer, view, k, v)
+        q, k = apply_rotary(q, step.cos, step.sin), apply_rotary(k, step.cos, step.sin)
+        keys, values = step.cache.write_and_read(layer, step.view, k, v)
+        attn_mask = step.attn_mask
         gqa: dict[str, bool] = {}
         groups = self.n_heads // self.n_kv_heads
         if groups > 1 and _SDPA_HAS_GQA:
@@ -170,17 +162,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        cache: KVCache,
-        layer: int,
-        view: CacheView,
-        attn_mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer, view, attn_mask)
+    def forward(self, x: torch.Tensor, step: ForwardStep, layer: int) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), step, layer)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -193,6 +176,18 @@ class CacheView:
     positions: torch.Tensor
     span: int
     rows: slice | None = None
+
+
+@dataclass(frozen=True)
+class ForwardStep:
+    """What every layer of one forward pass shares: rotary tables at the view's positions,
+    the cache and which rows of it, and the attention mask (None: causal prefill)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    cache: KVCache
+    view: CacheView
+    attn_mask: torch.Tensor | None
 
 
 class KVCache:
@@ -266,10 +261,11 @@ class LlamaLikeModel:
         self.slot_ids = torch.arange(slots, device=self.device)
 
     def _run(self, tokens: torch.Tensor, view: CacheView, attn_mask: torch.Tensor | None) -> torch.Tensor:
-        cos, sin = self.cos[view.positions][:, None], self.sin[view.positions][:, None]
+        step = ForwardStep(self.cos[view.positions][:, None], self.sin[view.positions][:, None], self.cache,
+                           view, attn_mask)
         x = self.module.embed(tokens)
         for index, block in enumerate(self.module.layers):
-            x = block(x, cos, sin, self.cache, index, view, attn_mask)
+            x = block(x, step, index)
         return self.module.lm_head(self.module.norm(x[:, -1]))
 
     @torch.inference_mode()
