@@ -35,6 +35,26 @@ def start_demo_server(**config: Any) -> Iterator[str]:
         yield url
 
 
+# Sessions in these tests end with their requests, not at a budget a rate learned from
+# earlier tests' sessions (the controller is process-wide) would make them hit first.
+SESSION_BOUNDED_BY_REQUESTS = {"MAX_SESSION_EVENTS": "1000000", "MAX_SESSION_STEPS": "1000"}
+
+
+@contextmanager
+def start_sampled_demo_server(monkeypatch: Any, settings: dict[str, str], **config: Any) -> Iterator[str]:
+    """The demo server behind ServprofMiddleware configured as a deployment would be, from
+    SERVPROF_<NAME>=value for each of `settings` (on top of SESSION_BOUNDED_BY_REQUESTS);
+    yields its URL once the process-wide profiler is warm, as requests arriving during the
+    warm-up are never sampled."""
+    from _middleware_helpers import wait_warm
+
+    for name, value in {**SESSION_BOUNDED_BY_REQUESTS, **settings}.items():
+        monkeypatch.setenv("SERVPROF_" + name, value)
+    with start_demo_server(servprof=True, **config) as url:
+        wait_warm()
+        yield url
+
+
 @contextmanager
 def serve_app(app: Any) -> Iterator[str]:
     """Serve any ASGI app (e.g. one from create_app) on a free loopback port; yields its URL."""

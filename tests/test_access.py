@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from _demo_helpers import start_demo_server
+from _demo_helpers import start_sampled_demo_server
 from _fuzz_helpers import analyze_in_process
 from _middleware_helpers import AUTH, TOKEN, tiny_server, wait_idle, wait_sessions
 
@@ -209,18 +209,12 @@ def test_no_prompt_or_completion_text_is_recorded_unless_asked(
 ) -> None:
     wait_idle()
     out = tmp_path / "out"
-    env = {"OUT_DIR": str(out), "CONTROL_TOKEN": TOKEN, "TELEMETRY": "1", "TELEMETRY_EXPORTER": "file",
-           "CAPTURE_CONTENT": "1" if capture_content else "0", "MAX_SESSION_EVENTS": "1000000",
-           "MAX_SESSION_STEPS": "1000", "RECORD_SHAPES": "1"}
-    for name, value in env.items():
-        monkeypatch.setenv("SERVPROF_" + name, value)
+    settings = {"OUT_DIR": str(out), "CONTROL_TOKEN": TOKEN, "TELEMETRY": "1", "TELEMETRY_EXPORTER": "file",
+                "CAPTURE_CONTENT": "1" if capture_content else "0", "RECORD_SHAPES": "1"}
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
-    with start_demo_server(size="tiny", servprof=True) as url, httpx.Client(timeout=60) as client:
-        deadline = time.monotonic() + 30
-        while not client.get(url + "/servprof/status", headers=AUTH).json()["profiler"]["warm"]:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+    with start_sampled_demo_server(monkeypatch, settings, size="tiny") as url, \
+            httpx.Client(timeout=60) as client:
         assert client.post(url + "/servprof/sample?n=2", headers=AUTH).status_code == 202
         completions = [_stream_completion(client, url, "content-a"), _chat(client, url, "content-b")]
         deadline = time.monotonic() + 90

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-from _demo_helpers import get_stats, start_demo_server
+from _demo_helpers import get_stats, start_sampled_demo_server
 from _middleware_helpers import AUTH, TOKEN, wait_idle
 
 
@@ -27,15 +27,9 @@ def _stream(url: str, request_id: str) -> int:
 
 def test_tokenization_on_the_loop_is_attributed_to_the_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     wait_idle()
-    for name, value in {"OUT_DIR": str(tmp_path / "out"), "CONTROL_TOKEN": TOKEN, "TELEMETRY": "0",
-                        "MAX_SESSION_EVENTS": "1000000", "MAX_SESSION_STEPS": "1000"}.items():
-        monkeypatch.setenv("SERVPROF_" + name, value)
-    with start_demo_server(size="tiny", servprof=True, tokenize_on_loop=True,
-                           slow_tokenizer_us_per_token=100) as url, httpx.Client(timeout=30) as client:
-        deadline = time.monotonic() + 30
-        while not client.get(url + "/servprof/status", headers=AUTH).json()["profiler"]["warm"]:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+    settings = {"OUT_DIR": str(tmp_path / "out"), "CONTROL_TOKEN": TOKEN, "TELEMETRY": "0"}
+    with start_sampled_demo_server(monkeypatch, settings, size="tiny", tokenize_on_loop=True,
+                                   slow_tokenizer_us_per_token=100) as url, httpx.Client(timeout=30) as client:
         loop_tid = get_stats(url)["event_loop_thread_native_id"]
         assert client.post(url + "/servprof/sample?n=2", headers=AUTH).status_code == 202
         with concurrent.futures.ThreadPoolExecutor(2) as pool:

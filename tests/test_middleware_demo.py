@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-from _demo_helpers import start_demo_server
+from _demo_helpers import start_sampled_demo_server
 from _middleware_helpers import AUTH, TOKEN, wait_idle
 
 
@@ -25,14 +25,8 @@ def _stream(url: str, request_id: str) -> tuple[int, str, int]:
 
 def test_demo_server_sampled_on_demand(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     wait_idle()
-    for name, value in {"OUT_DIR": str(tmp_path / "out"), "CONTROL_TOKEN": TOKEN, "TELEMETRY": "0",
-                        "MAX_SESSION_EVENTS": "1000000", "MAX_SESSION_STEPS": "1000"}.items():
-        monkeypatch.setenv("SERVPROF_" + name, value)
-    with start_demo_server(size="tiny", servprof=True) as url, httpx.Client(timeout=30) as client:
-        deadline = time.monotonic() + 30
-        while not client.get(url + "/servprof/status", headers=AUTH).json()["profiler"]["warm"]:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+    settings = {"OUT_DIR": str(tmp_path / "out"), "CONTROL_TOKEN": TOKEN, "TELEMETRY": "0"}
+    with start_sampled_demo_server(monkeypatch, settings, size="tiny") as url, httpx.Client(timeout=30) as client:
         assert client.post(url + "/servprof/sample?n=2", headers=AUTH).status_code == 202
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             results = list(pool.map(lambda rid: _stream(url, rid), ["demo-a", "demo-b"]))

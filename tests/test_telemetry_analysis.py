@@ -264,24 +264,17 @@ def test_sampled_parents_are_bounded() -> None:
 
 @pytest.mark.slow
 def test_real_capture_and_analysis_become_phase_spans_in_the_file(tmp_path: Path, monkeypatch: Any) -> None:
-    from _demo_helpers import start_demo_server
+    from _demo_helpers import start_sampled_demo_server
 
     from servprof import telemetry
-    from servprof.capture import get_controller
 
-    monkeypatch.setenv("SERVPROF_OUT_DIR", str(tmp_path))
-    monkeypatch.setenv("SERVPROF_SAMPLE_EVERY", "2")
-    monkeypatch.setenv("SERVPROF_REQUESTS_PER_SESSION", "1")
-    # Bounded by its one request, not by an event rate learned from earlier tests' sessions.
-    monkeypatch.setenv("SERVPROF_MAX_SESSION_EVENTS", "1000000")
-    monkeypatch.setenv("SERVPROF_TELEMETRY_EXPORTER", "file")
+    settings = {"OUT_DIR": str(tmp_path), "SAMPLE_EVERY": "2", "REQUESTS_PER_SESSION": "1",
+                "TELEMETRY_EXPORTER": "file"}
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
     spans_file = tmp_path / "spans" / "spans.otlp.jsonl"
     try:
-        with start_demo_server(servprof=True, size="tiny") as url, httpx.Client(timeout=60) as client:
-            deadline = time.monotonic() + 60
-            while not get_controller().warm and time.monotonic() < deadline:
-                time.sleep(0.05)  # requests arriving while Kineto warms up are never sampled
+        with start_sampled_demo_server(monkeypatch, settings, size="tiny") as url, \
+                httpx.Client(timeout=60) as client:
             for index in range(4):
                 response = client.post(
                     url + "/v1/chat/completions", content=chat_body(max_tokens=6, stream=index % 2 == 0, ignore_eos=True)

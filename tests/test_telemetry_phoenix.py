@@ -130,19 +130,12 @@ def _wait_for(
 def test_demo_server_spans_in_phoenix(
     phoenix: Phoenix, protocol: str, tmp_path: Path, monkeypatch: Any
 ) -> None:
-    from _demo_helpers import start_demo_server
+    from _demo_helpers import start_sampled_demo_server
 
     from servprof import telemetry
-    from servprof.capture import get_controller
 
     port = phoenix.grpc_port if protocol == "grpc" else phoenix.http_port
     for name, value in {
-        "SERVPROF_OUT_DIR": str(tmp_path),
-        "SERVPROF_SAMPLE_EVERY": "2",
-        "SERVPROF_REQUESTS_PER_SESSION": "1",
-        # Bounded by its one request, not by an event rate learned from earlier tests' sessions.
-        "SERVPROF_MAX_SESSION_EVENTS": "1000000",
-        "SERVPROF_TELEMETRY_EXPORTER": "otlp",
         "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
         "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
         "OTEL_METRICS_EXPORTER": "none",
@@ -150,17 +143,16 @@ def test_demo_server_spans_in_phoenix(
         "OTEL_BSP_SCHEDULE_DELAY": "100",
     }.items():
         monkeypatch.setenv(name, value)
+    settings = {"OUT_DIR": str(tmp_path), "SAMPLE_EVERY": "2", "REQUESTS_PER_SESSION": "1",
+                "TELEMETRY_EXPORTER": "otlp"}
     tag = protocol.replace("/", "-")
     ids = {f"{tag}-{index}" for index in range(4)}
     client_trace, client_span = os.urandom(16).hex(), os.urandom(8).hex()
     try:
         with (
-            start_demo_server(servprof=True, size="tiny", step_delay_ms=15) as url,
+            start_sampled_demo_server(monkeypatch, settings, size="tiny", step_delay_ms=15) as url,
             httpx.Client(timeout=60) as client,
         ):
-            deadline = time.monotonic() + 60
-            while not get_controller().warm and time.monotonic() < deadline:
-                time.sleep(0.05)  # requests arriving while Kineto warms up are never sampled
             for index in range(4):
                 headers = {"x-request-id": f"{tag}-{index}"}
                 if index == 0:
