@@ -5,15 +5,14 @@ The serving process never parses traces: it runs
     python -m servprof.analysis <trace.json.gz> <session.json> <result.json>
 
 with a timeout (``run_analysis``, called on the capture thread). The child loads the
-trace with ``servprof.trace.load_trace`` and runs ``servprof.detect.run_detectors``;
-where those are not importable it scans the ``servprof:`` phase events itself and
-reports no findings. The result format is the one in docs/CONTRACTS.md.
+trace once with ``servprof.trace.load_trace`` (its size and gzip-bomb guards apply) and
+runs the detectors; if a detector fails, the phase timings are still reported. The
+result format is the one in docs/CONTRACTS.md.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gzip
 import os
 import shutil
 import subprocess
@@ -26,7 +25,6 @@ import orjson
 # Low priority, not idle priority: under SCHED_IDLE the analysis would get no CPU for as long as
 # serving keeps every core busy; at nice 10 it gets ~10% of a core from a saturated server.
 CHILD_NICENESS = 10
-PHASE_PREFIX = "servprof:"  # servprof.phases.PHASE_PREFIX, kept here so the child does not import torch
 
 
 def analysis_command(trace_path: Path, session_path: Path, result_path: Path) -> list[str]:
@@ -113,44 +111,6 @@ def _shape_problem(result: Any, session_id: str) -> str | None:
 # --- the child -----------------------------------------------------------------------------------
 
 
-def scan_phases(document: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], int]:
-    """Per-request phases from ``servprof:<phase>|<ids>`` complete events; also the event count."""
-    events = document.get("traceEvents")
-    if not isinstance(events, list):
-        raise ValueError("trace has no traceEvents list")
-    requests: dict[str, dict[str, Any]] = {}
-    for event in events:
-        name = event.get("name") if isinstance(event, dict) else None
-        if not (isinstance(name, str) and name.startswith(PHASE_PREFIX) and event.get("ph") == "X"):
-            continue
-        phase_name, _, ids = name[len(PHASE_PREFIX):].partition("|")
-        start = float(event.get("ts", 0.0))
-        entry = {"name": phase_name, "start_us": start, "end_us": start + float(event.get("dur", 0.0))}
-        for rid in ids.split(","):
-            if rid:
-                requests.setdefault(rid, {"phases": []})["phases"].append(entry)
-    for info in requests.values():
-        info["phases"].sort(key=lambda p: p["start_us"])
-    return requests, len(events)
-
-
-def _with_detectors(trace_path: Path, session: dict[str, Any]) -> tuple[dict[str, Any], list[Any], dict[str, Any]]:
-    from servprof.detect.analysis import analyse as run_all_detectors
-    from servprof.trace import load_trace, request_phases
-
-    trace = load_trace(trace_path)
-    base_ns = next((m.get("baseTimeNanoseconds") for m in trace.metadata.values()), None)
-    detected = run_all_detectors(trace, session.get("requests", []))
-    requests = {rid: {"phases": phases} for rid, phases in request_phases(trace).items()}
-    if not requests and isinstance(base_ns, (int, float)):
-        # Traces without servprof's phase markers (vLLM's workers) still show the model steps
-        # each sampled request was in flight for.
-        requests = steps_by_request(detected.steps, session, int(base_ns))
-    findings = [f.to_dict() for f in detected.findings]
-    return requests, findings, {"event_count": len(trace), "detectors": "servprof.detect", "base_ns": base_ns,
-                                "detect": detected.summary}
-
-
 def steps_by_request(steps: list[Any], session: dict[str, Any], base_ns: int) -> dict[str, Any]:
     """Each sampled request's model steps, by time window (trace µs = (unix ns - base) / 1000).
     One rank's steps are enough: every rank runs the same steps."""
@@ -174,33 +134,35 @@ def steps_by_request(steps: list[Any], session: dict[str, Any], base_ns: int) ->
     return requests
 
 
-def _without_detectors(trace_path: Path, reason: str) -> tuple[dict[str, Any], list[Any], dict[str, Any]]:
-    with gzip.open(trace_path, "rb") if trace_path.name.endswith(".gz") else open(trace_path, "rb") as file:
-        document = orjson.loads(file.read())
-    if not isinstance(document, dict):
-        raise ValueError("trace is not a chrome-trace JSON object")
-    requests, event_count = scan_phases(document)
-    return requests, [], {"event_count": event_count, "detectors": f"unavailable: {reason}",
-                          "base_ns": document.get("baseTimeNanoseconds")}
-
-
 def analyse(trace_path: Path, session: dict[str, Any]) -> dict[str, Any]:
-    session_id = str(session.get("session_id", ""))
+    """The result for one session's trace. A trace servprof.trace refuses fails the child
+    (one line, TraceError); a detector that fails still leaves the phase timings."""
+    from servprof.detect.analysis import analyse as run_all_detectors
+    from servprof.trace import load_trace, request_phases
+
+    trace = load_trace(trace_path)
+    base_ns = next((m.get("baseTimeNanoseconds") for m in trace.metadata.values()), None)
+    requests = {rid: {"phases": phases} for rid, phases in request_phases(trace).items()}
+    findings: list[Any] = []
+    summary: dict[str, Any] = {"event_count": len(trace)}
     try:
-        requests, findings, summary = _with_detectors(trace_path, session)
-    except ImportError as exc:
-        # The detectors are another stage; until they are importable, phase timings only.
-        requests, findings, summary = _without_detectors(trace_path, str(exc))
+        detected = run_all_detectors(trace, session.get("requests", []))
     except Exception as exc:  # noqa: BLE001 - a detector bug still leaves the phase timings
-        requests, findings, summary = _without_detectors(trace_path, f"failed: {type(exc).__name__}: {exc}")
-    base_ns = summary.pop("base_ns", None)
+        summary["detectors"] = f"failed: {type(exc).__name__}: {exc}"
+    else:
+        findings = [f.to_dict() for f in detected.findings]
+        summary.update({"detectors": "servprof.detect", "detect": detected.summary})
+        if not requests and isinstance(base_ns, (int, float)):
+            # Traces without servprof's phase markers (vLLM's workers) still show the model steps
+            # each sampled request was in flight for.
+            requests = steps_by_request(detected.steps, session, int(base_ns))
     sampled = [r.get("request_id") for r in session.get("requests", [])]
     summary.update({"sampled_request_ids": sampled, "requests_with_phases": len(requests),
                     "stop_reason": session.get("stop_reason"), "duration_s": session.get("duration_s"),
                     "steps": session.get("steps")})
     clock = {"trace_us_to_unix_ns_offset": int(base_ns)} if isinstance(base_ns, (int, float)) else {}
-    return {"session_id": session_id, "trace_file": str(trace_path), "error": None, "requests": requests,
-            "findings": findings, "summary": summary, "clock": clock}
+    return {"session_id": str(session.get("session_id", "")), "trace_file": str(trace_path), "error": None,
+            "requests": requests, "findings": findings, "summary": summary, "clock": clock}
 
 
 def main(argv: list[str]) -> int:

@@ -1,5 +1,5 @@
-"""The analysis hand-off on its own: the phase scan used when the detectors are not importable,
-and the parent's handling of a child that fails on a bad trace."""
+"""The analysis hand-off on its own: phase timings kept when a detector fails, a trace the
+loader refuses failing the child cleanly, and the parent's handling of a child that fails."""
 
 from __future__ import annotations
 
@@ -39,18 +39,21 @@ def real_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_phase_scan_without_detectors(real_trace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def no_detectors(*_args: object) -> None:
-        raise ImportError("servprof.detect is not installed")
+def test_phase_timings_survive_a_failing_detector(real_trace: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from servprof.detect import analysis as detect_analysis
 
-    monkeypatch.setattr(analysis, "_with_detectors", no_detectors)
+    def broken_detectors(*_args: object) -> None:
+        raise RuntimeError("a detector bug")
+
+    monkeypatch.setattr(detect_analysis, "analyse", broken_detectors)
     session = tmp_path / "s1.session.json"
     session.write_bytes(orjson.dumps({"session_id": "s1", "requests": [{"request_id": "r1"}]}))
     result_path = tmp_path / "s1.analysis.json"
     assert analysis.main([str(real_trace), str(session), str(result_path)]) == 0
     result = orjson.loads(result_path.read_bytes())
     assert result["error"] is None and result["findings"] == []
-    assert result["summary"]["detectors"].startswith("unavailable: servprof.detect is not installed")
+    assert result["summary"]["detectors"] == "failed: RuntimeError: a detector bug"
     assert [p["name"] for p in result["requests"]["r1"]["phases"]] == ["tokenize", "decode_step"]
     assert [p["name"] for p in result["requests"]["r2"]["phases"]] == ["decode_step"]
     tokenize = result["requests"]["r1"]["phases"][0]
@@ -68,3 +71,14 @@ def test_child_failing_on_a_bad_trace_is_a_failed_result(tmp_path: Path) -> None
     result = analysis.run_analysis("bad", bad, session, tmp_path / "bad.analysis.json", timeout_s=60)
     assert result["session_id"] == "bad" and result["requests"] == {} and result["findings"] == []
     assert result["error"].startswith("analysis process exited with status 1: servprof analysis failed:")
+
+
+def test_a_trace_over_the_size_limit_is_refused_not_read(real_trace: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The child reads the trace only through the loader, whose limits always apply."""
+    monkeypatch.setenv("SERVPROF_MAX_TRACE_BYTES", "100")
+    session = tmp_path / "s1.session.json"
+    session.write_bytes(orjson.dumps({"session_id": "s1", "requests": []}))
+    result = analysis.run_analysis("s1", real_trace, session, tmp_path / "s1.analysis.json", timeout_s=60)
+    assert result["requests"] == {} and result["findings"] == []
+    assert "TraceError" in result["error"] and "100" in result["error"], result["error"]
