@@ -159,8 +159,6 @@ class _RequestResponder:
             route = scope.get("route")
             if route is not None:
                 record.route = getattr(route, "path", None)
-            if session is not None:
-                runtime.controller.request_finished(session)
             if record.disconnected:
                 runtime.counters["disconnects"] += 1
             if states is not None:
@@ -169,6 +167,8 @@ class _RequestResponder:
                         observer.on_request_end(record, state)
                     except Exception:  # noqa: BLE001
                         runtime.counters["observer_errors"] += 1
+            if session is not None:  # after the observers: the session may end with this request
+                runtime.controller.request_finished(session)
             request_record_var.reset(record_token)
             request_id_var.reset(id_token)
 

@@ -333,3 +333,25 @@ def _wait_for_spans(path: Path, done: Any, timeout_s: float = 90.0) -> list[Any]
             return found
         time.sleep(0.2)
     raise AssertionError(f"spans did not arrive in {timeout_s} s: {sorted({s.name for s in found})}")
+
+
+def test_a_stream_that_outlives_its_session_still_gets_its_analysis_spans(tmp_path: Path) -> None:
+    """Sessions stop at their step bound while a long stream goes on, so the analysis often
+    arrives before the request ends: its span context is kept from the request's start."""
+    from _middleware_helpers import sse_post, tiny_server, wait_idle, wait_sessions
+
+    wait_idle()
+    with tiny_server(tmp_path, telemetry=True, sample_every=1, requests_per_session=1,
+                     max_session_steps=4) as (url, mw, _engine), httpx.Client(timeout=60) as client:
+        observer = mw.runtime.observers[0]
+        status, lines, _ = sse_post(client, url, tokens=400)
+        assert status == 200 and len(lines) == 401
+        (session,) = wait_sessions(mw, 1)
+        deadline = time.monotonic() + 30
+        while observer.status()["analyses"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        counts = observer.status()
+    assert session["stop_reason"] == "max_session_steps"
+    assert counts["analyses"] == 1
+    assert (counts["analysed_requests"], counts["analysis_orphaned_requests"]) == (1, 0), counts
+    assert counts["analysis_spans"] >= 1 and counts["sampled_parents_kept"] == 0

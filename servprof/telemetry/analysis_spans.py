@@ -14,6 +14,7 @@ under its kept SpanContext with explicit timestamps taken from the trace:
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +35,7 @@ FINDING_EVENT = "servprof.finding"
 class SampledParent:
     span_context: SpanContext
     start_ns: int  # wall-clock ns, as the request span was started and ended
-    end_ns: int
+    end_ns: int | None = None  # None while the request is still streaming
 
 
 class SampledParents:
@@ -51,6 +52,14 @@ class SampledParents:
             self._items.move_to_end(request_id)
             while len(self._items) > self.capacity:
                 self._items.popitem(last=False)
+
+    def ended(self, request_id: str, end_ns: int) -> None:
+        """The request finished: its end time, if its analysis has not already used the parent
+        (a long stream often outlives its session's capture and analysis)."""
+        with self._lock:
+            parent = self._items.get(request_id)
+            if parent is not None:
+                self._items[request_id] = SampledParent(parent.span_context, parent.start_ns, end_ns)
 
     def pop(self, request_id: str) -> SampledParent | None:
         with self._lock:
@@ -240,4 +249,6 @@ class AnalysisSpanEmitter:
             span.add_event(FINDING_EVENT, _finding_event_attributes(finding), timestamp=timestamp)
         if result.get("error"):
             span.set_status(Status(StatusCode.ERROR, str(result["error"])[:MAX_EVIDENCE_CHARS]))
-        span.end(end_time=max(parent.end_ns, parent.start_ns))
+        # A request still streaming when its analysis arrives: the analysis span ends now.
+        end_ns = parent.end_ns if parent.end_ns is not None else time.time_ns()
+        span.end(end_time=max(end_ns, parent.start_ns))

@@ -111,6 +111,12 @@ class TelemetryObserver:
             kept.extend((name.encode("latin-1"), value.encode("latin-1")) for name, value in outgoing.items())
         # The app (and a server under it, like vLLM) sees this span as its parent.
         scope["headers"] = kept
+        if record.sampled:
+            # Kept from the start: the session's analysis can arrive before a long stream ends.
+            context = self._context_of(state)
+            if context.trace_flags.sampled:
+                start_ns = record.arrival_ns or time.time_ns()
+                self._parents.put(record.request_id, SampledParent(context, start_ns))
         return (*state, scope.get("http_version"))
 
     def _carrier(self, headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
@@ -175,9 +181,7 @@ class TelemetryObserver:
         if genai and self._metrics_on:
             self._record_metrics(record, genai, app or {}, end_perf_ns)
         if record.sampled:
-            context = self._context_of(state)
-            if context.trace_flags.sampled:
-                self._parents.put(record.request_id, SampledParent(context, start_ns, end_ns))
+            self._parents.ended(record.request_id, end_ns)
 
     def _record_metrics(
         self, record: RequestRecord, genai: dict[str, Any], app: dict[str, Any], end_perf_ns: int | None
