@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from servprof.detect.analysis import analyse
 from servprof.detect.idle_split import idle_split
+from servprof.detect.steps import is_step_annotation
 from servprof.trace import TraceError, load_trace
 
 HOST, ENGINE, LOOP = 100, 1, 2
@@ -192,3 +193,19 @@ def test_loader_never_fails_with_anything_but_a_trace_error(tmp_path_factory, ev
         return
     assert (trace.dur >= 0).all() and len(trace) <= len(events)
     analyse(trace)  # and the detectors take whatever loaded
+
+
+@pytest.mark.parametrize("name", [
+    "execute_1_context_1(1)_generation_2(2|3)",  # vLLM with attention sums
+    "execute_context_0(0)_generation_16(16)",  # vLLM with token counts
+    "step[DECODE bs=32]", "ProfilerStep#3", "servprof:decode_step|a,b", "servprof:prefill|a",
+])
+def test_every_step_annotation_form_is_a_step_not_host_work(name: str) -> None:
+    """The gap-cause evidence leaves out the ranges that mark whole steps, in every form
+    find_steps reads (one predicate serves both, so they cannot drift apart)."""
+    assert is_step_annotation(name)
+
+
+@pytest.mark.parametrize("name", ["aten::mm", "servprof:tokenize|a", "execute_model", "cudaLaunchKernel"])
+def test_host_work_is_not_a_step_annotation(name: str) -> None:
+    assert not is_step_annotation(name)

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from servprof.detect.steps import is_step_annotation
 from servprof.trace.model import RUNTIME_CATEGORIES, Trace
 from servprof.trace.phases import PHASE_PREFIX
 
@@ -21,7 +22,6 @@ SYNC_NAMES = re.compile(
 # Detokenization (turning output ids back into text) is not on the path to the first token.
 TOKENIZER_NAMES = re.compile(r"((?<!de)tokeniz|encode_batch|apply_chat_template|PreTrainedTokenizer|\.encode\b)",
                              re.IGNORECASE)
-STEP_NAMES = re.compile(r"^(ProfilerStep|execute_\d+_context|step\[|servprof:(decode_step|prefill))")
 TINY_KERNEL_US = 10.0
 
 
@@ -109,7 +109,7 @@ class HostActivity:
         self.trace = trace
         mask = trace.complete() & (trace.rank == rank) & (trace.stream < 0) & trace.mask_category(*HOST_CATEGORIES)
         rows = np.flatnonzero(mask)
-        rows = rows[~np.isin(trace.name_id[rows], trace.ids_matching(lambda s: STEP_NAMES.match(s) is not None))]
+        rows = rows[~np.isin(trace.name_id[rows], trace.ids_matching(is_step_annotation))]
         self.rows = rows[np.argsort(trace.ts[rows], kind="stable")]
         self.start = trace.ts[self.rows]
         self.end = self.start + trace.dur[self.rows]

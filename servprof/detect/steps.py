@@ -24,6 +24,14 @@ VLLM_STEP = re.compile(r"^execute_(?:(\d+)_)?context_(\d+)\(([^)]*)\)_generation
 VLLM_SEQ_SUMS = re.compile(r"sq(\d+)sk(\d+)sqsq(\d+)sqsk(\d+)")
 SGLANG_STEP = re.compile(r"^step\[(DECODE|EXTEND|MIXED|PREFILL|IDLE)[^\]]*?(?:bs=(\d+))?\]", re.IGNORECASE)
 PROFILER_STEP = re.compile(r"^ProfilerStep\s*#\s*(\d+)")
+_SERVPROF_STEP_PHASES = ("servprof:decode_step|", "servprof:prefill|")
+
+
+def is_step_annotation(name: str) -> bool:
+    """A range that marks a whole model step (any framework's form): the step itself, not
+    host work inside it."""
+    return bool(VLLM_STEP.match(name) or SGLANG_STEP.match(name) or PROFILER_STEP.match(name)
+                or name.startswith(_SERVPROF_STEP_PHASES))
 
 
 @dataclass
