@@ -14,7 +14,7 @@ import os
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from itertools import compress
+from itertools import compress, islice
 from pathlib import Path
 from typing import Any
 
@@ -156,12 +156,13 @@ class _Interner:
             ids = [lookup.setdefault(v, len(lookup)) for v in values]
         except TypeError:  # an unhashable name (a list, a dict): fall back to its text
             ids = [lookup.setdefault(v if isinstance(v, str) else str(v), len(lookup)) for v in values]
-        if len(self.strings) < len(lookup):
-            self.strings.extend(list(lookup)[len(self.strings):])  # dicts keep insertion order
-        # Non-string names (numbers, None) were interned as themselves; store their text.
-        for i in range(len(self.strings)):
-            if not isinstance(self.strings[i], str):
-                self.strings[i] = "" if self.strings[i] is None else str(self.strings[i])
+        known = len(self.strings)
+        if known < len(lookup):
+            # Only the names this call added (dicts keep insertion order): the work stays
+            # proportional to what is new, however many calls come.
+            added = list(islice(lookup, known, None))
+            # Non-string names (numbers, None) were interned as themselves; store their text.
+            self.strings.extend(v if isinstance(v, str) else "" if v is None else str(v) for v in added)
         return np.array(ids, dtype=np.int32)
 
     def process_ids(self, values: list[Any]) -> np.ndarray:
@@ -172,18 +173,18 @@ class _Interner:
                 return column
         except (TypeError, ValueError, OverflowError):
             pass
-        # Usually a handful of named processes among thousands of integer ones: patch those.
+        # Usually a handful of named processes among thousands of integer ones: patch those,
+        # interning each distinct name once.
+        foreign = [i for i, v in enumerate(values)
+                   if type(v) is not int or not INT64_MIN <= v <= INT64_MAX]  # a name, or past int64
+        texts = [str(values[i]) for i in foreign]
+        names = dict.fromkeys(texts)
+        for text, name_id in zip(names, self.ids(list(names)).tolist(), strict=True):
+            names[text] = -(name_id + 2)
         patched = list(values)
-        for i in [i for i, v in enumerate(values) if type(v) is not int]:
-            patched[i] = self._foreign_process_id(values[i])
-        try:
-            return np.array(patched, dtype=np.int64)
-        except OverflowError:  # an integer past int64: named by its text like the others
-            return np.array([v if INT64_MIN <= v <= INT64_MAX else self._foreign_process_id(v) for v in patched],
-                            dtype=np.int64)
-
-    def _foreign_process_id(self, value: Any) -> int:
-        return -(int(self.ids([str(value)])[0]) + 2)
+        for i, text in zip(foreign, texts, strict=True):
+            patched[i] = names[text]
+        return np.array(patched, dtype=np.int64)
 
 
 def _int_column(values: list[Any]) -> np.ndarray:
