@@ -52,6 +52,7 @@ class Session:
         self.store = store
         self.reason = reason
         self.target_requests = target_requests
+        self.order_id: int | None = None  # the on-demand order it serves, if any
         self.on_finished = on_finished
         self.records: list[RequestRecord] = []
         self.open_requests = 0

@@ -90,6 +90,8 @@ class ServprofRuntime:
         if session is None:
             self._skip("busy", reason)
             return None
+        if reason == REASON_ON_DEMAND and session.order_id is None:
+            session.order_id = self.sampler.order_id
         if self.controller.wait_for_start:
             if not session.started.is_set():
                 # Only a sampled request waits for the profiler; the wait happens off the loop.
@@ -119,7 +121,8 @@ class ServprofRuntime:
 
     def _session_finished(self, session: Session) -> None:
         if session.reason == REASON_ON_DEMAND:
-            self.sampler.cancel_order()  # one order, one session: what it did not fill is dropped
+            # One order, one session: what it did not fill is dropped (a newer order is kept).
+            self.sampler.cancel_order(session.order_id)
         if session.store_problem:
             self.paused_reason = session.error
             self._paused_until = time.monotonic() + PAUSE_RECHECK_S

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hmac
 import random
+import threading
 
 from servprof.settings import Settings
 
@@ -29,7 +30,8 @@ REASON_RATE = "rate"
 
 
 class Sampler:
-    __slots__ = ("_every", "_rate", "_token", "_random", "_seen", "_on_demand", "counts")
+    __slots__ = ("_every", "_rate", "_token", "_random", "_seen", "_on_demand", "order_id", "_order_lock",
+                 "counts")
 
     def __init__(self, settings: Settings, rng: random.Random | None = None):
         self._every = settings.sample_every
@@ -38,6 +40,9 @@ class Sampler:
         self._random = (rng or random.Random()).random
         self._seen = 0
         self._on_demand = 0  # requests still owed to the last on-demand order
+        self.order_id = 0  # which order that is: a session ending cancels only its own
+        # The capture thread cancels orders while the serving loop counts them down.
+        self._order_lock = threading.Lock()
         self.counts = {REASON_HEADER: 0, REASON_ON_DEMAND: 0, REASON_EVERY: 0, REASON_RATE: 0,
                        "header_rejected": 0}
 
@@ -47,16 +52,24 @@ class Sampler:
 
     def order(self, n: int) -> None:
         """Sample the next ``n`` requests (replaces a previous, unfinished order)."""
-        self._on_demand = n
+        with self._order_lock:
+            self._on_demand = n
+            self.order_id += 1
 
-    def cancel_order(self) -> int:
-        left, self._on_demand = self._on_demand, 0
-        return left
+    def cancel_order(self, order_id: int | None = None) -> int:
+        """Drop what is left of the order (of order ``order_id`` only, when given: a newer
+        order placed while its session was still exporting stays)."""
+        with self._order_lock:
+            if order_id is not None and order_id != self.order_id:
+                return 0
+            left, self._on_demand = self._on_demand, 0
+            return left
 
     def give_back(self, reason: str) -> None:
         """A candidate was refused by capture; an on-demand slot stays owed to the next request."""
         if reason == REASON_ON_DEMAND:
-            self._on_demand += 1
+            with self._order_lock:
+                self._on_demand += 1
             self.counts[REASON_ON_DEMAND] -= 1
 
     def token_matches(self, presented: bytes | None) -> bool:
@@ -70,10 +83,14 @@ class Sampler:
                 self.counts[REASON_HEADER] += 1
                 return REASON_HEADER
             self.counts["header_rejected"] += 1
-        if self._on_demand > 0:
-            self._on_demand -= 1
-            self.counts[REASON_ON_DEMAND] += 1
-            return REASON_ON_DEMAND
+        if self._on_demand > 0:  # the lock only on this rare path
+            with self._order_lock:
+                taken = self._on_demand > 0
+                if taken:
+                    self._on_demand -= 1
+            if taken:
+                self.counts[REASON_ON_DEMAND] += 1
+                return REASON_ON_DEMAND
         if self._every and self._seen % self._every == 0:
             self.counts[REASON_EVERY] += 1
             return REASON_EVERY

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from servprof.sampling import Sampler
+from servprof.sampling import REASON_ON_DEMAND, Sampler
 from servprof.settings import Settings
 from servprof.store import TRACE_SUFFIX, TraceStore
 
@@ -128,3 +128,17 @@ def test_unwritable_store_says_why(tmp_path: Path) -> None:
     blocker.write_text("x")
     assert "not writable" in (TraceStore(blocker, 3, 1.0).check_writable() or "")
     assert "MiB free" in (TraceStore(tmp_path, 3, 1.0, min_free_mb=1e12).check_writable() or "")
+
+
+def test_a_session_ending_cancels_only_its_own_order() -> None:
+    """An order placed while the previous on-demand session still exports or analyses is kept
+    when that session ends (it was answered 202; dropping it would be silent)."""
+    sampler = Sampler(Settings(control_token=TOKEN))
+    sampler.order(1)
+    first = sampler.order_id
+    assert sampler.decide() == REASON_ON_DEMAND and sampler.on_demand_pending == 0
+    sampler.order(2)  # while the first order's session is still finishing
+    assert sampler.cancel_order(first) == 0 and sampler.on_demand_pending == 2
+    assert [sampler.decide() for _ in range(2)] == [REASON_ON_DEMAND] * 2
+    sampler.order(3)
+    assert sampler.cancel_order(sampler.order_id) == 3 and sampler.on_demand_pending == 0
