@@ -243,6 +243,21 @@ def test_tracestate_and_baggage_pass_through(tmp_path: Path) -> None:
     built.observer.shutdown()
 
 
+@pytest.mark.parametrize("traceparent", [None, b"00-not-a-valid-traceparent-01"])
+def test_a_tracestate_without_a_valid_parent_is_dropped(tmp_path: Path, traceparent: bytes | None) -> None:
+    """W3C trace context: tracestate belongs to the incoming trace; under a new root it goes."""
+    built = Stack(tmp_path)
+    incoming = [(b"host", b"h"), (b"tracestate", b"vendor=stale"), (b"baggage", b"tenant=42")]
+    if traceparent:
+        incoming.append((b"traceparent", traceparent))
+    context, headers = _direct_request(built, incoming)
+    names = [name for name, _ in headers]
+    assert b"tracestate" not in names and dict(headers)[b"baggage"] == b"tenant=42"
+    assert dict(headers)[b"traceparent"] == b"00-%032x-%016x-01" % (context.trace_id, context.span_id)
+    assert not context.trace_state
+    built.observer.shutdown()
+
+
 def test_other_configured_propagators_are_honoured(tmp_path: Path) -> None:
     from opentelemetry import propagate
     from opentelemetry.propagators.textmap import DefaultSetter, TextMapPropagator

@@ -88,16 +88,21 @@ class TelemetryObserver:
         if self._w3c_only:
             # The default propagators: only traceparent changes (the span continues any
             # incoming tracestate and baggage unchanged), so it is formatted directly.
-            kept = [header for header in headers if header[0] != b"traceparent"]
+            kept = [header for header in headers if header[0] != b"traceparent" and header[0] != b"tracestate"]
             parent_context = None
             if len(kept) != len(headers):
                 parent_context = self._propagator.extract(self._carrier(headers))
             state = self._start(record, parent_context)
             if self._direct is not None:
                 trace_id, span_id, flags = state[0], state[1], 1 if state[2] else 0
+                continued = state[4] is not None
             else:
                 context = state[0]
                 trace_id, span_id, flags = context.trace_id, context.span_id, context.trace_flags
+                continued = parent_context is not None and trace.get_current_span(
+                    parent_context).get_span_context().is_valid
+            if continued:  # W3C: tracestate belongs to the incoming trace; a new root drops it
+                kept.extend(header for header in headers if header[0] == b"tracestate")
             kept.append((b"traceparent", b"00-%032x-%016x-%02x" % (trace_id, span_id, flags)))
         else:
             kept = [header for header in headers if header[0] not in self._propagation_headers]
