@@ -123,7 +123,8 @@ class _RequestResponder:
             client[0] if client else None, user_agent.decode("latin-1") if user_agent else None,
             _wall_ns(), arrival_perf,
         )
-        self.body_head_left = middleware.settings.body_head_bytes if method == "POST" else 0
+        # Only observers (telemetry's GenAI attributes) read the body head.
+        self.body_head_left = middleware.settings.body_head_bytes if method == "POST" and runtime.observers else 0
         runtime.counters["requests"] += 1
 
         session: Session | None = None
