@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,17 +45,24 @@ def kill_running_analyses() -> None:
         _kill_group(child)
 
 
-def failed_result(session_id: str, trace_path: Path | None, error: str) -> dict[str, Any]:
+def empty_result(session_id: str, trace_path: Path | None, error: str | None = None,
+                 summary: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A result with no requests and no findings: a failed or a skipped analysis."""
     return {"session_id": session_id, "trace_file": str(trace_path) if trace_path else None, "error": error,
-            "requests": {}, "findings": [], "summary": {}, "clock": {}}
+            "requests": {}, "findings": [], "summary": summary or {}, "clock": {}}
+
+
+def failed_result(session_id: str, trace_path: Path | None, error: str) -> dict[str, Any]:
+    return empty_result(session_id, trace_path, error)
 
 
 def run_analysis(session_id: str, trace_path: Path, session_path: Path, result_path: Path,
-                 timeout_s: float) -> dict[str, Any]:
+                 timeout_s: float, should_stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
     """Run the child; always returns a result dict, with ``error`` set when the child failed.
 
     Blocking: call it from a worker thread. Each call is a fresh process, so a crashed
-    or hung analysis never poisons the next session.
+    or hung analysis never poisons the next session. ``should_stop`` is asked once the child
+    is registered: a shutdown that ran kill_running_analyses() just before then is not missed.
     """
     result_path.unlink(missing_ok=True)
     command = analysis_command(trace_path, session_path, result_path)
@@ -65,6 +73,8 @@ def run_analysis(session_id: str, trace_path: Path, session_path: Path, result_p
     except OSError as exc:
         return failed_result(session_id, trace_path, f"analysis process could not start: {exc}")
     _running.add(child)
+    if should_stop():
+        _kill_group(child)
     try:
         _, stderr = child.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:

@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -27,7 +28,7 @@ import torch.autograd.profiler as autograd_profiler
 from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile
 
-from servprof.analysis import kill_running_analyses, run_analysis
+from servprof.analysis import empty_result, kill_running_analyses, run_analysis
 from servprof.observers import RequestRecord
 from servprof.settings import Settings
 from servprof.store import StoreError, TraceStore
@@ -287,25 +288,29 @@ class CaptureController:
         session.state = EXPORTING
         try:
             session.trace_path, session.trace_raw_bytes = session.store.export(prof, session.session_id)
+            del prof
+            result = self._analysis_result(session, session.trace_path)
         except StoreError as exc:
             self._fail(session, str(exc), store_problem=True)
             return
-        del prof
-        session_file = session.store.write_json(session.session_id, ".session.json", session.description())
-        shutting_down = session.stop_requested is not None
-        if shutting_down or not session.settings.analysis:
-            skipped = "shutdown" if shutting_down else "analysis is off"
-            result = {"session_id": session.session_id, "trace_file": str(session.trace_path), "error": None,
-                      "requests": {}, "findings": [], "summary": {"analysis_skipped": skipped}, "clock": {}}
-        else:
-            session.state = ANALYSING
-            result = run_analysis(session.session_id, session.trace_path, session_file,
-                                  session.store.path_for(session.session_id, ".analysis.json"),
-                                  session.settings.analysis_timeout_s)
         self._learn(session, result)
         session.result = result
         session.error = result.get("error")
         self._end(session, FAILED if session.error else DONE)
+
+    def _analysis_result(self, session: Session, trace_path: Path) -> dict[str, Any]:
+        """The analysis child's result for the stored trace, or an empty one saying why it was
+        skipped. A shutdown (stop_now) kills a running child; one arriving just as the child
+        starts is caught by should_stop."""
+        session_file = session.store.write_json(session.session_id, ".session.json", session.description())
+        session.state = ANALYSING  # before the check: stop_now reads the state after setting stop_requested
+        if session.stop_requested is not None or not session.settings.analysis:
+            skipped = "shutdown" if session.stop_requested is not None else "analysis is off"
+            return empty_result(session.session_id, trace_path, summary={"analysis_skipped": skipped})
+        return run_analysis(session.session_id, trace_path, session_file,
+                            session.store.path_for(session.session_id, ".analysis.json"),
+                            session.settings.analysis_timeout_s,
+                            should_stop=lambda: session.stop_requested is not None)
 
     def _learn(self, session: Session, result: dict[str, Any]) -> None:
         count = (result.get("summary") or {}).get("event_count")

@@ -7,6 +7,7 @@ Everything here runs on the capture thread, never on the event loop.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import os
 import re
@@ -57,8 +58,13 @@ class TraceStore:
 
     def write_json(self, session_id: str, suffix: str, data: Any) -> Path:
         path = self.path_for(session_id, suffix)
-        self.create_private(path)
-        path.write_bytes(orjson.dumps(data, option=orjson.OPT_NON_STR_KEYS))
+        try:
+            self.create_private(path)
+            path.write_bytes(orjson.dumps(data, option=orjson.OPT_NON_STR_KEYS))
+        except OSError as exc:  # a full or unwritable dir: a store problem, as for the trace
+            with contextlib.suppress(OSError):
+                path.unlink()
+            raise StoreError(exc.errno, f"could not write {path}: {exc.strerror or exc}") from exc
         return path
 
     def export(self, profiler: Any, session_id: str) -> tuple[Path, int]:
@@ -90,12 +96,18 @@ class TraceStore:
             paths = [p for p in self.traces_dir.iterdir() if p.name.endswith(TRACE_SUFFIX)]
         except OSError:
             return []
-        return sorted(paths, key=lambda p: (p.stat().st_mtime_ns, p.name))
+        stats = {}
+        for path in paths:
+            try:
+                stats[path] = path.stat()
+            except OSError:  # removed meanwhile (another worker's retention sharing the dir)
+                continue
+        return sorted(stats, key=lambda p: (stats[p].st_mtime_ns, p.name))
 
     def enforce_retention(self, keep: Path | None = None) -> list[Path]:
         """Delete the oldest traces (and their session/result files) beyond the limits."""
         paths = self.traces()
-        sizes = {p: p.stat().st_size for p in paths}
+        sizes = {p: _size(p) for p in paths}
         total = sum(sizes.values())
         removed: list[Path] = []
         for path in paths:
@@ -109,3 +121,10 @@ class TraceStore:
             total -= sizes[path]
             removed.append(path)
         return removed
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:  # removed meanwhile
+        return 0

@@ -82,3 +82,13 @@ def test_a_trace_over_the_size_limit_is_refused_not_read(real_trace: Path, tmp_p
     result = analysis.run_analysis("s1", real_trace, session, tmp_path / "s1.analysis.json", timeout_s=60)
     assert result["requests"] == {} and result["findings"] == []
     assert "TraceError" in result["error"] and "100" in result["error"], result["error"]
+
+
+def test_an_analysis_stopped_as_it_starts_is_killed(real_trace: Path, tmp_path: Path) -> None:
+    """A shutdown that killed the running analyses just before this child was registered."""
+    session = tmp_path / "s1.session.json"
+    session.write_bytes(orjson.dumps({"session_id": "s1", "requests": []}))
+    result = analysis.run_analysis("s1", real_trace, session, tmp_path / "s1.analysis.json", timeout_s=60,
+                                   should_stop=lambda: True)
+    assert result["error"] == "analysis process exited with status -9: ", result["error"]
+    assert not analysis._running

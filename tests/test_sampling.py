@@ -13,7 +13,7 @@ import pytest
 
 from servprof.sampling import REASON_ON_DEMAND, Sampler
 from servprof.settings import Settings
-from servprof.store import TRACE_SUFFIX, TraceStore
+from servprof.store import TRACE_SUFFIX, StoreError, TraceStore
 
 TOKEN = "s3cret"
 
@@ -142,3 +142,23 @@ def test_a_session_ending_cancels_only_its_own_order() -> None:
     assert [sampler.decide() for _ in range(2)] == [REASON_ON_DEMAND] * 2
     sampler.order(3)
     assert sampler.cancel_order(sampler.order_id) == 3 and sampler.on_demand_pending == 0
+
+
+def test_session_files_that_cannot_be_written_are_a_store_problem(tmp_path: Path) -> None:
+    """Like the trace itself: the capture thread pauses sampling on it, not a generic error."""
+    blocker = tmp_path / "out"
+    blocker.write_text("a file where the output dir should be")
+    with pytest.raises(StoreError, match="could not write"):
+        TraceStore(blocker, 3, 1.0).write_json("s1", ".session.json", {"session_id": "s1"})
+
+
+def test_retention_ignores_a_trace_removed_meanwhile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers sharing one output dir delete each other's oldest traces."""
+    store = TraceStore(tmp_path, max_files=1, max_mb=1.0)
+    store.traces_dir.mkdir(parents=True)
+    for name in ("a", "b"):
+        (store.traces_dir / f"{name}{TRACE_SUFFIX}").write_bytes(b"x")
+    listed = store.traces()
+    (store.traces_dir / f"a{TRACE_SUFFIX}").unlink()  # another worker's retention
+    monkeypatch.setattr(store, "traces", lambda: listed)
+    assert store.enforce_retention() == [store.traces_dir / f"a{TRACE_SUFFIX}"]

@@ -24,7 +24,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from servprof.analysis import run_analysis
+from servprof.analysis import empty_result
 from servprof.capture import CAPTURING, DONE, FAILED, STARTING, STOPPING, CaptureController, Session
 from servprof.integrations.vllm_probes import ApiProbes, api_findings
 from servprof.integrations.vllm_traces import session_prefix, wait_for_session_traces
@@ -175,7 +175,7 @@ class VLLMCaptureController(CaptureController):
         directory = self.trace_dir()
         files, missing = ([], "vLLM's profiler has no torch_profiler_dir") if directory is None else \
             wait_for_session_traces(directory, self._prefix or "", self.expected_ranks(), TRACE_WAIT_S)
-        result = self._analyse(session, files, why)
+        result = self._analyse(session, files)
         result["api_process"] = summary
         # Findings and phases are in trace µs (unix ns = µs * 1000 + offset); the API-side
         # findings are measured in unix time, so they are brought into the same frame.
@@ -195,11 +195,9 @@ class VLLMCaptureController(CaptureController):
         session.error = result.get("error")
         self._end(session, FAILED if session.error else DONE)
 
-    def _analyse(self, session: Session, files: list[Path], why: str) -> dict[str, Any]:
-        base = {"session_id": session.session_id, "trace_file": None, "error": None, "requests": {},
-                "findings": [], "summary": {}, "clock": {}}
+    def _analyse(self, session: Session, files: list[Path]) -> dict[str, Any]:
         if not files:
-            return base
+            return empty_result(session.session_id, None)
         # The rank files stay where vLLM wrote them; the store gets a folder of links to them,
         # which the trace loader reads as one multi-rank trace.
         folder = session.store.path_for(session.session_id, ".vllm")
@@ -209,13 +207,7 @@ class VLLMCaptureController(CaptureController):
             if not link.exists():
                 os.symlink(path, link)
         session.trace_path = folder
-        if why.startswith("shutdown") or not session.settings.analysis:
-            base.update(trace_file=str(folder), summary={"analysis_skipped": why, "rank_files": [str(p) for p in files]})
-            return base
-        session_file = session.store.write_json(session.session_id, ".session.json", session.description())
-        result = run_analysis(session.session_id, folder, session_file,
-                              session.store.path_for(session.session_id, ".analysis.json"),
-                              session.settings.analysis_timeout_s)
+        result = self._analysis_result(session, folder)
         result.setdefault("summary", {})["rank_files"] = [str(p) for p in files]
         return result
 
