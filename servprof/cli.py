@@ -16,12 +16,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only `command`'s module is imported for its arguments (`servprof analyze`
+    must not pay for torch, which the demo's modules import)."""
     parser = argparse.ArgumentParser(prog="servprof", description="A profiler that lives inside LLM inference servers.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         command_parser = sub.add_parser(name, help=help_text, description=help_text)
         command_parser.set_defaults(_module=module_name)
+        if name != command:
+            continue
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:
@@ -32,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(next((a for a in argv if a in COMMANDS), None))
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):
         parser.print_help()

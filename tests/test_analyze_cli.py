@@ -86,3 +86,12 @@ def test_command_line_process_prints_no_traceback(tmp_path: Path):
 def _write(path: Path, data: bytes) -> Path:
     path.write_bytes(data)
     return path
+
+
+def test_analyze_does_not_import_torch() -> None:
+    """`servprof analyze` runs where torch is heavy or absent: only its own module is imported."""
+    trace = SHARED_TRACES / "vllm_decode_bs32_fullgraph_mi300x.json.gz"
+    code = ("import sys; from servprof.cli import main; code = main(['analyze', sys.argv[1]]); "
+            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', code)")
+    done = subprocess.run([sys.executable, "-c", code, str(trace)], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip().splitlines()[-1] == "NO-TORCH 0", done.stdout[-2000:] + done.stderr[-2000:]

@@ -16,6 +16,7 @@ sampling, /servprof/status and /servprof/sample, spans — is ServprofMiddleware
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import time
@@ -129,7 +130,12 @@ class VLLMCaptureController(CaptureController):
 
     def _on_loop(self, coroutine: Any, timeout_s: float = RPC_TIMEOUT_S) -> Any:
         assert self.loop is not None
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
+        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        try:
+            return future.result(timeout_s)
+        except concurrent.futures.TimeoutError:  # the builtin TimeoutError only from 3.11 on
+            future.cancel()  # a late start_profile must not leave vLLM's profiler on
+            raise
 
     def _start(self, session: Session) -> None:
         problem = session.store.check_writable()
