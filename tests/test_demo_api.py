@@ -62,6 +62,8 @@ def test_completion_streamed_with_usage(base_url):
     assert events[-1] == "[DONE]"
     usage_chunk = events[-2]
     assert usage_chunk["choices"] == []
+    # One id for the whole stream, usage chunk included (as OpenAI and vLLM do).
+    assert {e["id"] for e in events[:-1]} == {events[0]["id"]} and events[0]["id"].startswith("cmpl-")
     text_chunks = events[:-2]
     assert all(chunk["object"] == "text_completion" for chunk in text_chunks)
     finish = text_chunks[-1]["choices"][0]["finish_reason"]

@@ -99,6 +99,8 @@ def test_config_from_env_and_bad_values():
         max_batch=4,
     )
     assert (config.step_delay_ms, config.sync_per_step, config.max_batch) == (12.5, True, 4)
+    # An empty variable means the default, as for SERVPROF_* settings.
+    assert DemoConfig.from_env({"SERVPROF_DEMO_STEP_DELAY_MS": ""}).step_delay_ms == DemoConfig().step_delay_ms
     with pytest.raises(ValueError, match="SERVPROF_DEMO_MAX_BATCH='many' is not a valid int"):
         DemoConfig.from_env({"SERVPROF_DEMO_MAX_BATCH": "many"})
     with pytest.raises(ValueError, match="step_delay_ms"):

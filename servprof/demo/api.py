@@ -189,12 +189,20 @@ def _stop(data: dict[str, Any]) -> list[str]:
     return stop
 
 
-def _envelope(request_id: str, model: str, created: int, choice: dict[str, Any], *, chat: bool,
+def _envelope(request_id: str, model: str, created: int, choice: dict[str, Any] | None, *, chat: bool,
               chunk: bool) -> dict[str, Any]:
-    """The OpenAI response object around one choice (chat or text, chunk or whole)."""
+    """The OpenAI response object around one choice, or none (a usage chunk); chat or text,
+    chunk or whole."""
     kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chat and chunk else "")
     return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", "object": kind, "created": created,
-            "model": model, "choices": [choice]}
+            "model": model, "choices": [choice] if choice is not None else []}
+
+
+def usage_chunk(request_id: str, model: str, created: int, prompt_tokens: int, completion_tokens: int,
+                *, chat: bool) -> dict[str, Any]:
+    """The last chunk of a stream asked for stream_options.include_usage: no choices, the usage."""
+    return {**_envelope(request_id, model, created, None, chat=chat, chunk=True),
+            "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def completion_chunk(

@@ -26,7 +26,15 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from servprof.demo.api import APIError, ParsedRequest, completion_body, completion_chunk, parse_request, usage
+from servprof.demo.api import (
+    APIError,
+    ParsedRequest,
+    completion_body,
+    completion_chunk,
+    parse_request,
+    usage,
+    usage_chunk,
+)
 from servprof.demo.config import DemoConfig
 from servprof.demo.engine import Engine, EngineRequest, Output, asyncio_sink
 from servprof.demo.model import LlamaLikeModel, model_config
@@ -309,14 +317,8 @@ async def _stream(
             first = False
             yield b"data: " + orjson.dumps(chunk) + b"\n\n"
         if parsed.include_usage:
-            chunk = {
-                "id": request_id,
-                "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": usage(len(engine_request.prompt_ids), len(engine_request.output_ids)),
-            }
+            chunk = usage_chunk(request_id, model, created, len(engine_request.prompt_ids),
+                                len(engine_request.output_ids), chat=chat)
             yield b"data: " + orjson.dumps(chunk) + b"\n\n"
         yield b"data: [DONE]\n\n"
     finally:

@@ -97,7 +97,7 @@ class DemoConfig:
         for field in fields(cls):
             var = f"SERVPROF_DEMO_{field.name.upper()}"
             raw = environ.get(var)
-            if raw is not None:
+            if raw:  # unset or empty: the default, as for SERVPROF_* settings
                 values[field.name] = parse_env_value(var, raw, field.type)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
