@@ -174,7 +174,8 @@ class VLLMCaptureController(CaptureController):
         summary: dict[str, Any] = {}
         if probes is not None:
             try:
-                summary = self._on_loop(probes.stop(), 10.0)
+                self._on_loop(probes.stop(), 10.0)
+                summary = probes.summary({record.request_id for record in session.records})
             except Exception as exc:  # noqa: BLE001
                 summary = {"problems": [f"API probes failed: {exc}"]}
         self.probe_summary = summary

@@ -34,7 +34,7 @@ MAX_SAMPLES = 200_000  # bounds memory on long sessions
 
 
 class ApiProbes:
-    """One session's probes. `start()` on the event loop, `stop()` returns the measurements."""
+    """One session's probes. `start()` and `stop()` on the event loop, then `summary()` off it."""
 
     def __init__(self, renderer: Any) -> None:
         self.renderer = renderer
@@ -57,7 +57,8 @@ class ApiProbes:
         else:
             self.problems.append("vLLM renderer has no _executor: tokenizer-pool queueing not measured")
 
-    async def stop(self) -> dict[str, Any]:
+    async def stop(self) -> None:
+        """Remove the probes (on the event loop); summary() is then computed off the loop."""
         self._running = False
         for task in self._tasks:
             task.cancel()
@@ -65,7 +66,6 @@ class ApiProbes:
             with contextlib.suppress(asyncio.CancelledError, Exception):  # a probe never fails the session
                 await task
         self._unwrap_tokenizer()
-        return self.summary()
 
     # ------------------------------------------------------------------ probes
 
@@ -114,20 +114,24 @@ class ApiProbes:
 
     # ------------------------------------------------------------------ results
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, request_ids: set[str] | None = None) -> dict[str, Any]:
+        """The measurements, per request for `request_ids` only (the session's sampled ones:
+        every request carries an id, sampled or not). Call it off the serving loop."""
         lag = np.array([ms for _, ms in self.loop_lag]) if self.loop_lag else np.zeros(0)
+        wait_at = np.array([at for at, _ in self.pool_wait], dtype=np.int64)  # submitted in order
         wait = np.array([ms for _, ms in self.pool_wait]) if self.pool_wait else np.zeros(0)
         per_request: dict[str, dict[str, float]] = {}
         for request_id, start, end in self.tokenize_spans:
-            if request_id is None:
+            if request_id is None or (request_ids is not None and request_id not in request_ids):
                 continue
             entry = per_request.setdefault(request_id, {"tokenize_ms": 0.0, "start_ns": start, "end_ns": end})
             entry["tokenize_ms"] += (end - start) / 1e6
             entry["end_ns"] = max(entry["end_ns"], end)
         for entry in per_request.values():
             # Queueing on the one-thread pool that overlapped this request's tokenization.
-            waits = [ms for at, ms in self.pool_wait if entry["start_ns"] <= at <= entry["end_ns"]]
-            entry["pool_wait_max_ms"] = float(max(waits)) if waits else 0.0
+            lo = np.searchsorted(wait_at, entry["start_ns"], side="left")
+            hi = np.searchsorted(wait_at, entry["end_ns"], side="right")
+            entry["pool_wait_max_ms"] = float(wait[lo:hi].max()) if hi > lo else 0.0
         return {
             "problems": list(self.problems),
             "loop_lag_ms": _percentiles(lag),
