@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import sys
 import threading
 import time
 from collections import deque
@@ -179,24 +178,18 @@ class ServprofRuntime:
         return status
 
     def _telemetry_status(self) -> dict[str, Any] | None:
-        # Telemetry's own report (exporter, span counts, dropped spans) when it is loaded.
-        telemetry = sys.modules.get("servprof.telemetry")
-        if telemetry is None or not self.observers or not hasattr(telemetry, "status"):
-            return None
-        try:
-            return telemetry.status()
-        except Exception as exc:  # noqa: BLE001 - status must answer even when telemetry cannot
-            return {"error": f"{type(exc).__name__}: {exc}"}
+        # This middleware's own telemetry observer (exporter, span counts, dropped spans).
+        for observer in self.observers:
+            report = getattr(observer, "status", None)
+            if report is None:
+                continue
+            try:
+                return report()
+            except Exception as exc:  # noqa: BLE001 - status must answer even when telemetry cannot
+                return {"error": f"{type(exc).__name__}: {exc}"}
+        return None
 
     def _dropped_spans(self) -> int | None:
-        # Telemetry may expose `dropped_spans` (an int or a callable returning one).
-        total = None
-        for observer in self.observers:
-            value = getattr(observer, "dropped_spans", None)
-            try:
-                value = value() if callable(value) else value
-            except Exception:  # noqa: BLE001
-                value = None
-            if isinstance(value, int):
-                total = (total or 0) + value
-        return total
+        # Spans the observers lost (None when none can tell, e.g. on a host's provider).
+        counts = [d for d in (getattr(o, "dropped_spans", None) for o in self.observers) if isinstance(d, int)]
+        return sum(counts) if counts else None
