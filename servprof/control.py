@@ -10,7 +10,6 @@ paths go to the app like any other. Every call needs ``Authorization: Bearer <to
 
 from __future__ import annotations
 
-import hmac
 import time
 from typing import Any
 from urllib.parse import parse_qs
@@ -19,6 +18,7 @@ import orjson
 from starlette.types import Receive, Scope, Send
 
 from servprof.runtime import ServprofRuntime
+from servprof.sampling import Sampler, bearer_token
 
 _JSON_HEADERS = [(b"content-type", b"application/json"), (b"cache-control", b"no-store")]
 
@@ -30,17 +30,10 @@ async def respond(send: Send, status: int, body: Any, extra_headers: list[tuple[
     await send({"type": "http.response.body", "body": payload})
 
 
-def _bearer(scope: Scope) -> bytes | None:
-    for name, value in scope.get("headers", ()):
-        if name == b"authorization":
-            scheme, _, token = value.partition(b" ")
-            return token.strip() if scheme.lower() == b"bearer" else None
-    return None
-
-
-def authorized(scope: Scope, token: str) -> bool:
-    presented = _bearer(scope)
-    return presented is not None and hmac.compare_digest(presented, token.encode())
+def authorized(scope: Scope, sampler: Sampler) -> bool:
+    """The request's bearer token is the control token (compared in constant time)."""
+    authorization = next((value for name, value in scope.get("headers", ()) if name == b"authorization"), None)
+    return sampler.token_matches(bearer_token(authorization))
 
 
 def parse_n(query_string: bytes, max_n: int) -> tuple[int | None, str | None]:
@@ -69,7 +62,7 @@ async def handle(runtime: ServprofRuntime, scope: Scope, receive: Receive, send:
     settings = runtime.settings
     runtime.counters["control_requests"] += 1
     assert settings.control_token is not None
-    if not authorized(scope, settings.control_token):
+    if not authorized(scope, runtime.sampler):
         await respond(send, 401, {"error": "missing or wrong bearer token for servprof control"},
                       [(b"www-authenticate", b'Bearer realm="servprof"')])
         return

@@ -22,6 +22,7 @@ from servprof.capture import CaptureController, Session
 from servprof.observers import RequestRecord
 from servprof.request_context import accept_request_id, request_id_var, request_record_var
 from servprof.runtime import ServprofRuntime, create_observers
+from servprof.sampling import bearer_token
 from servprof.settings import Settings
 
 _perf_ns = time.perf_counter_ns
@@ -96,7 +97,7 @@ class _RequestResponder:
         middleware = self.middleware
         runtime = middleware.runtime
         arrival_perf = _perf_ns()
-        raw_request_id = user_agent = presented_token = servprof_token = None
+        raw_request_id = user_agent = authorization = servprof_token = None
         sample_asked = False
         for name, value in scope["headers"]:
             if name == b"x-request-id":
@@ -107,12 +108,15 @@ class _RequestResponder:
                 sample_asked = value.strip() == b"1"
             elif name == _TOKEN_HEADER:
                 servprof_token = value
-            elif name == b"authorization" and value[:7].lower() == b"bearer ":
-                presented_token = value[7:].strip()
+            elif name == b"authorization":
+                authorization = value
+        presented_token = None
         if servprof_token is not None:
             # The servprof token is for servprof only: the app never sees it.
             presented_token = servprof_token
             scope = self.scope = {**scope, "headers": [(n, v) for n, v in scope["headers"] if n != _TOKEN_HEADER]}
+        elif sample_asked:  # read only then: OpenAI clients send Authorization with every request
+            presented_token = bearer_token(authorization)
         # os.urandom is ~4x cheaper than uuid4 for the common case of no client id.
         request_id = accept_request_id(raw_request_id.decode("latin-1")) if raw_request_id else _urandom(8).hex()
         self.request_id_bytes = request_id.encode()
@@ -128,7 +132,7 @@ class _RequestResponder:
         runtime.counters["requests"] += 1
 
         session: Session | None = None
-        reason = runtime.sampler.decide(sample_asked, presented_token if sample_asked else None)
+        reason = runtime.sampler.decide(sample_asked, presented_token)
         if reason is not None:
             session = await runtime.join_session(record, reason)
 

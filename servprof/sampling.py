@@ -29,6 +29,14 @@ REASON_EVERY = "every"
 REASON_RATE = "rate"
 
 
+def bearer_token(authorization: bytes | None) -> bytes | None:
+    """The token of an `Authorization: Bearer <token>` header value, else None."""
+    if authorization is None:
+        return None
+    scheme, _, token = authorization.partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" else None
+
+
 class Sampler:
     __slots__ = ("_every", "_rate", "_token", "_random", "_seen", "_on_demand", "order_id", "_order_lock",
                  "counts")
