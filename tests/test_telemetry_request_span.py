@@ -139,3 +139,15 @@ def test_a_span_that_cannot_be_built_is_counted_and_the_batch_still_goes(
     assert (counts["spans_ended"], counts["spans_exported"], counts["spans_export_failed"]) == (3, 2, 1)
     assert counts["spans_dropped"] == 1
     observer.shutdown()
+
+
+def test_the_sdks_attribute_limits_apply(tmp_path: Path, monkeypatch: Any) -> None:
+    """OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT holds for the request span as for any SDK span."""
+    monkeypatch.setenv("OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", "16")
+    exporter = InMemorySpanExporter()
+    observer = create_observer(Settings(out_dir=tmp_path), environ={}, span_exporter=exporter)
+    _observe(observer, _record(user_agent="a-very-long-user-agent/1.0 (with details)"), [])
+    observer.force_flush()
+    (span,) = exporter.get_finished_spans()
+    assert span.attributes["user_agent.original"] == "a-very-long-user"
+    observer.shutdown()

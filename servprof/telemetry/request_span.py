@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from opentelemetry import trace
+from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.context import Context
-from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased, StaticSampler
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
@@ -50,6 +51,9 @@ class DirectServerSpans:
         self._processor = processor
         self.scope = scope
         self.capture_content = capture_content
+        # OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT / OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT, as the SDK's spans
+        # apply them (servprof's own provider is built with the default, env-read limits).
+        self.limits = SpanLimits()
         sampler_type, description = type(self._sampler), self._sampler.get_description()
         self._follows_parent = sampler_type is ParentBased and description == _PARENT_BASED_DEFAULT
         self._always_on = sampler_type is StaticSampler and description == _ALWAYS_ON
@@ -135,7 +139,8 @@ class PendingServerSpan:
             context=owner.context_of(state),
             parent=state[4],
             resource=owner.resource,
-            attributes=attributes,
+            attributes=BoundedAttributes(owner.limits.max_span_attributes, attributes, immutable=True,
+                                         max_value_len=owner.limits.max_span_attribute_length),
             kind=SpanKind.SERVER,
             status=attrs.span_status(attributes),
             start_time=self.start_ns,
