@@ -17,7 +17,9 @@ from torch._C._profiler import _RecordFunctionFast
 
 from servprof.request_context import current_request_id
 
-PHASE_PREFIX = "servprof:"
+# The trace side's reader (torch-free, so loading a trace never imports torch) is the inverse.
+from servprof.trace.phases import PHASE_PREFIX, parse_phase_event_name  # noqa: F401  (re-exported)
+
 PHASES = ("tokenize", "queue", "prefill", "decode_step", "detokenize")
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -25,15 +27,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def phase_event_name(name: str, request_ids: Iterable[str]) -> str:
     return f"{PHASE_PREFIX}{name}|{','.join(request_ids)}"
-
-
-def parse_phase_event_name(event_name: str) -> tuple[str, list[str]] | None:
-    """Inverse of :func:`phase_event_name`; None for events that are not phases."""
-    if not event_name.startswith(PHASE_PREFIX):
-        return None
-    body = event_name[len(PHASE_PREFIX):]
-    name, _, ids = body.partition("|")
-    return name, [i for i in ids.split(",") if i]
 
 
 class phase:  # noqa: N801 - used like a function: `with servprof.phase("tokenize"):`

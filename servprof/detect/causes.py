@@ -10,7 +10,7 @@ import numpy as np
 
 from servprof.detect.steps import is_step_annotation
 from servprof.trace.model import RUNTIME_CATEGORIES, Trace
-from servprof.trace.phases import PHASE_PREFIX
+from servprof.trace.phases import PHASE_PREFIX, parse_phase_event_name
 
 HOST_CATEGORIES = ("cpu_op", "user_annotation", "python_function", *RUNTIME_CATEGORIES)
 # Host calls that wait for the device: explicit synchronizes, blocking copies, .item().
@@ -178,7 +178,5 @@ def _is_tokenizer_name(name: str) -> bool:
 
 
 def _phase_ids(name: str) -> list[str]:
-    if not name.startswith(PHASE_PREFIX):
-        return []
-    _, _, ids = name.partition("|")
-    return [i for i in ids.split(",") if i]
+    parsed = parse_phase_event_name(name)
+    return parsed[1] if parsed else []

@@ -8,12 +8,13 @@ import numpy as np
 
 from servprof.trace.model import Trace
 
-PHASE_PREFIX = "servprof:"  # servprof.phases.PHASE_PREFIX
+PHASE_PREFIX = "servprof:"  # what servprof.phases.phase_event_name writes before every phase
 
 
 def parse_phase_event_name(event_name: str) -> tuple[str, list[str]] | None:
-    """servprof.phases.parse_phase_event_name, repeated here because servprof.phases imports
-    torch (seconds) and loading a trace must not; tests check the two agree."""
+    """(phase, request ids) of a ``servprof:<phase>|<id>,<id>`` range; None for other events.
+    The inverse of servprof.phases.phase_event_name; here so that reading a trace never
+    imports torch."""
     if not event_name.startswith(PHASE_PREFIX):
         return None
     name, _, ids = event_name[len(PHASE_PREFIX):].partition("|")
