@@ -279,7 +279,10 @@ class CaptureController:
         assert prof is not None
         metadata = {"session_id": session.session_id, "request_ids": [r.request_id for r in session.records],
                     "wall_start_ns": session.wall_start_ns, "perf_start_ns": session.perf_start_ns,
-                    "stop_reason": why, "reason": session.reason, "event_loop_tid": session.event_loop_tid}
+                    "stop_reason": why, "reason": session.reason, "event_loop_tid": session.event_loop_tid,
+                    # From here on the profiler's own stop() holds the GIL: whatever the trace shows
+                    # after this instant is servprof's overhead, never the app's.
+                    "stop_wall_ns": time.time_ns()}
         prof.add_metadata_json("servprof", orjson.dumps(metadata).decode())
         session.capture_end_ns = time.perf_counter_ns()
         session.steps_captured = session.steps()

@@ -173,7 +173,7 @@ class HostActivity:
 
 def _is_tokenizer_name(name: str) -> bool:
     if name.startswith(PHASE_PREFIX):
-        return name.startswith(PHASE_PREFIX + "tokenize|")
+        return name.startswith((PHASE_PREFIX + "tokenize|", PHASE_PREFIX + "auto.tokenize|"))
     return TOKENIZER_NAMES.search(name) is not None
 
 

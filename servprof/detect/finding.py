@@ -22,6 +22,8 @@ class Finding:
     title: str
     request_ids: list[str] = field(default_factory=list)
     evidence: dict[str, Any] = field(default_factory=dict)
+    # What to do about it: one or two concrete sentences. Every finding carries one.
+    fix: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -33,6 +35,7 @@ class Finding:
             "request_ids": list(self.request_ids),
             "title": self.title,
             "evidence": self.evidence,
+            "fix": self.fix,
         }
 
 

@@ -24,7 +24,8 @@ VLLM_STEP = re.compile(r"^execute_(?:(\d+)_)?context_(\d+)\(([^)]*)\)_generation
 VLLM_SEQ_SUMS = re.compile(r"sq(\d+)sk(\d+)sqsq(\d+)sqsk(\d+)")
 SGLANG_STEP = re.compile(r"^step\[(DECODE|EXTEND|MIXED|PREFILL|IDLE)[^\]]*?(?:bs=(\d+))?\]", re.IGNORECASE)
 PROFILER_STEP = re.compile(r"^ProfilerStep\s*#\s*(\d+)")
-_SERVPROF_STEP_PHASES = ("servprof:decode_step|", "servprof:prefill|")
+_SERVPROF_STEP_PHASES = ("servprof:decode_step|", "servprof:prefill|", "servprof:auto.decode_step|",
+                         "servprof:auto.prefill|")
 
 
 def is_step_annotation(name: str) -> bool:

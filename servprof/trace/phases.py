@@ -9,6 +9,9 @@ import numpy as np
 from servprof.trace.model import Trace
 
 PHASE_PREFIX = "servprof:"  # what servprof.phases.phase_event_name writes before every phase
+# Phases servprof marked by itself (zero-touch: module forward hooks, tokenizer patches) are
+# written as ``servprof:auto.<phase>|ids``; explicit ``servprof.phase`` markers win over them.
+AUTO_PHASE_PREFIX = "auto."
 
 
 def parse_phase_event_name(event_name: str) -> tuple[str, list[str]] | None:
@@ -24,15 +27,25 @@ def parse_phase_event_name(event_name: str) -> tuple[str, list[str]] | None:
 @dataclass(frozen=True)
 class PhaseEvent:
     row: int
-    phase: str
+    phase: str  # without the auto. prefix
     request_ids: tuple[str, ...]
     start_us: float
     end_us: float
     tid: int
+    auto: bool = False  # marked by servprof's automatic instrumentation, not by the server
+
+
+def split_auto(phase: str) -> tuple[str, bool]:
+    """(phase name, marked automatically?) of a parsed phase name."""
+    if phase.startswith(AUTO_PHASE_PREFIX):
+        return phase[len(AUTO_PHASE_PREFIX):], True
+    return phase, False
 
 
 def phase_events(trace: Trace) -> list[PhaseEvent]:
-    """Every ``servprof:<phase>|<ids>`` range, in start order."""
+    """Every ``servprof:<phase>|<ids>`` range, in start order. Automatic phases
+    (``servprof:auto.<phase>``) are left out on a rank where the server marked that phase
+    itself: explicit markers win."""
     ids = trace.ids_matching(lambda s: s.startswith(PHASE_PREFIX))
     if ids.size == 0:
         return []
@@ -45,9 +58,12 @@ def phase_events(trace: Trace) -> list[PhaseEvent]:
         if parsed_name is None:
             continue
         name, request_ids = parsed_name
+        name, auto = split_auto(name)
         start = float(trace.ts[row])
-        out.append(PhaseEvent(int(row), name, tuple(request_ids), start, start + float(trace.dur[row]), int(trace.tid[row])))
-    return out
+        out.append(PhaseEvent(int(row), name, tuple(request_ids), start, start + float(trace.dur[row]),
+                              int(trace.tid[row]), auto))
+    explicit = {(int(trace.rank[e.row]), e.phase) for e in out if not e.auto}
+    return [e for e in out if not e.auto or (int(trace.rank[e.row]), e.phase) not in explicit]
 
 
 def request_phases(trace: Trace) -> dict[str, list[dict[str, float | str]]]:
