@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_vs_hta.py [TRACE ...] [--repeats 3]
 
-For each trace (default: every trace in ../shared/traces and the project's
+For each trace (default: every public trace vendored in tests/fixtures/public and the project's
 fixtures), in this one process: HTA's `TraceAnalysis(trace_dir=...)` (parse) plus
 `get_idle_time_breakdown()`, and servprof's `load_trace` plus `idle_split`, each
 the best of --repeats runs, imports excluded (reported apart). Prints each
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_TRACES = ROOT.parent / "shared" / "traces"
+PUBLIC_TRACES = ROOT / "tests" / "fixtures" / "public"
 
 
 def ensure_hta() -> None:
@@ -124,9 +124,9 @@ def main() -> int:
     parser.add_argument("traces", nargs="*", type=Path)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    traces = args.traces or sorted(SHARED_TRACES.glob("*.json.gz")) + sorted((ROOT / "tests" / "fixtures").glob("*.json.gz"))
+    traces = args.traces or sorted(PUBLIC_TRACES.glob("*.json.gz")) + sorted((ROOT / "tests" / "fixtures").glob("*.json.gz"))
     if not traces:
-        print(f"no traces given and none in {SHARED_TRACES}", file=sys.stderr)
+        print(f"no traces given and none in {PUBLIC_TRACES}", file=sys.stderr)
         return 2
     ensure_hta()
     logging.disable(logging.WARNING)  # HTA logs a warning per parse

@@ -7,14 +7,15 @@ from pathlib import Path
 import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures"
-# CI checks out ../shared beside the clone; a laptop clone may not have it.
-SHARED_TRACES = Path(__file__).parents[2] / "shared" / "traces"
+# Public GPU traces vendored with their licence and source (fixtures/public/NOTICE.md), so the
+# suite needs nothing beside the clone.
+PUBLIC_TRACES = FIXTURES / "public"
 
 
-def shared_trace(name: str) -> Path:
-    path = SHARED_TRACES / name
-    if not path.exists():
-        pytest.skip(f"public trace {name} not found under {SHARED_TRACES} (shared/ is not beside this clone)")
+def public_trace(name: str) -> Path:
+    path = PUBLIC_TRACES / name
+    if not path.exists():  # a missing vendored file is a broken checkout, never a skip
+        pytest.fail(f"public trace {name} is missing from {PUBLIC_TRACES}")
     return path
 
 

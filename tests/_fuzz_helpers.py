@@ -1,6 +1,6 @@
 """Mutated traces for fuzzing the loader and `servprof analyze` (tests/test_fuzz_trace.py and
 bench/fuzz_analyze.py): hypothesis strategies that start from real traces (the public ones
-under shared/traces and the demo fixtures) and break them at the byte level (truncation, bit
+under tests/fixtures/public and the demo fixtures) and break them at the byte level (truncation, bit
 flips, splices, gzip damage) or the structure level (dropped or retyped fields, odd numbers,
 garbage events, missing traceEvents)."""
 
@@ -21,14 +21,13 @@ import orjson
 from hypothesis import strategies as st
 
 FIXTURES = Path(__file__).parent / "fixtures"
-SHARED_TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+PUBLIC_TRACES = FIXTURES / "public"
 SEED_EVENTS = 300  # timed events kept per seed, so one loader+detector pass stays in milliseconds
 
 
 def seed_sources() -> list[Path]:
-    """Real traces to mutate: the demo fixtures always, the public traces when shared/ is beside the clone."""
-    shared = sorted(SHARED_TRACES.glob("*.json.gz")) if SHARED_TRACES.is_dir() else []
-    return sorted(FIXTURES.glob("*.json.gz")) + shared
+    """Real traces to mutate: the demo fixtures and the vendored public GPU traces."""
+    return sorted(FIXTURES.glob("*.json.gz")) + sorted(PUBLIC_TRACES.glob("*.json.gz"))
 
 
 @lru_cache(maxsize=1)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import orjson
 import pytest
-from _analyze_helpers import SHARED_TRACES, fixture
+from _analyze_helpers import PUBLIC_TRACES, fixture
 
 from servprof.cli import main
 
@@ -36,9 +36,8 @@ def test_json_and_html_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 
 def test_every_public_trace_and_fixture_analyses(tmp_path: Path):
-    paths = sorted(SHARED_TRACES.glob("*.json.gz")) + sorted(fixture("clean").parent.glob("*.json.gz"))
-    if not any(p.parent == SHARED_TRACES for p in paths):
-        pytest.skip(f"public traces not found under {SHARED_TRACES}")
+    paths = sorted(PUBLIC_TRACES.glob("*.json.gz")) + sorted(fixture("clean").parent.glob("*.json.gz"))
+    assert any(p.parent == PUBLIC_TRACES for p in paths), f"no public traces under {PUBLIC_TRACES}"
     for path in paths:
         out = tmp_path / f"{path.name}.json"
         assert main(["analyze", str(path), "--json", str(out), "--html", str(tmp_path / "r.html")]) == 0, path
@@ -90,7 +89,7 @@ def _write(path: Path, data: bytes) -> Path:
 
 def test_analyze_does_not_import_torch() -> None:
     """`servprof analyze` runs where torch is heavy or absent: only its own module is imported."""
-    trace = SHARED_TRACES / "vllm_decode_bs32_fullgraph_mi300x.json.gz"
+    trace = PUBLIC_TRACES / "vllm_decode_bs32_fullgraph_mi300x.json.gz"
     code = ("import sys; from servprof.cli import main; code = main(['analyze', sys.argv[1]]); "
             "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', code)")
     done = subprocess.run([sys.executable, "-c", code, str(trace)], capture_output=True, text=True, timeout=120)

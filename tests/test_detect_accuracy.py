@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _analyze_helpers import fixture, shared_trace
+from _analyze_helpers import fixture, public_trace
 
 from servprof.detect import run_detectors
 from servprof.detect.analysis import analyse
@@ -116,7 +116,7 @@ def test_run_detectors_matches_the_contract(analyses):
 
 
 def test_session_requests_name_findings_in_traces_without_phase_markers():
-    trace = load_trace(shared_trace("sglang_qwen3_8b_decode_bs32_mi300x.json.gz"))
+    trace = load_trace(public_trace("sglang_qwen3_8b_decode_bs32_mi300x.json.gz"))
     (gap,) = [f for f in run_detectors(trace, requests=[{"request_id": "s1"}, {"request_id": "s2"}])
               if f.kind == "decode_gap"]
     assert gap.request_ids == ["s1", "s2"] and "session records" in gap.evidence["request_ids_from"]
@@ -127,9 +127,9 @@ def test_session_requests_name_findings_in_traces_without_phase_markers():
 
 
 def test_hta_idle_split_reference_on_resnet():
-    trace = load_trace(shared_trace("resnet_ddp_training_v100.json.gz"))
+    trace = load_trace(public_trace("resnet_ddp_training_v100.json.gz"))
     (stream,) = idle_split(trace)
-    # Holistic Trace Analysis 0.5.0's figures on this trace (shared/traces/README.md).
+    # Holistic Trace Analysis 0.5.0's figures on this trace (tests/fixtures/public/NOTICE.md).
     assert stream.stream == 7
     assert (stream.host_wait_us, stream.host_wait_gaps) == (1709.0, 90)
     assert (stream.kernel_wait_us, stream.kernel_wait_gaps) == (8404.0, 4785)
@@ -137,7 +137,7 @@ def test_hta_idle_split_reference_on_resnet():
 
 
 def test_sglang_step_blocked_in_a_device_copy_is_explained():
-    analysis = analyse(load_trace(shared_trace("sglang_qwen3_8b_decode_bs32_mi300x.json.gz")))
+    analysis = analyse(load_trace(public_trace("sglang_qwen3_8b_decode_bs32_mi300x.json.gz")))
     (gap,) = kinds(analysis, "decode_gap")
     assert gap.evidence["cause"] == "synchronize"
     assert gap.evidence["where"] == "inside_step"
@@ -152,7 +152,7 @@ def test_sglang_step_blocked_in_a_device_copy_is_explained():
 @pytest.mark.parametrize("name", ["vllm_decode_bs32_fullgraph_mi300x.json.gz",
                                   "vllm_prefill_decode_piecewise_mi300x.json.gz"])
 def test_vllm_graph_replays_are_explained_not_crashed(name):
-    analysis = analyse(load_trace(shared_trace(name)))
+    analysis = analyse(load_trace(public_trace(name)))
     (step,) = analysis.steps
     assert step.source == "vllm"
     replay = analysis.summary["bandwidth"]["graph_replay"]
@@ -163,16 +163,16 @@ def test_vllm_graph_replays_are_explained_not_crashed(name):
 
 
 def test_vllm_step_annotation_is_parsed():
-    analysis = analyse(load_trace(shared_trace("vllm_decode_bs32_fullgraph_mi300x.json.gz")))
+    analysis = analyse(load_trace(public_trace("vllm_decode_bs32_fullgraph_mi300x.json.gz")))
     step = analysis.steps[0]
     assert step.kind == "decode" and step.batch == 32
     assert step.attention == {"decode_sum_q": 32, "decode_sum_kv": 55086}
-    mixed = analyse(load_trace(shared_trace("vllm_prefill_decode_piecewise_mi300x.json.gz"))).steps[0]
+    mixed = analyse(load_trace(public_trace("vllm_prefill_decode_piecewise_mi300x.json.gz"))).steps[0]
     assert mixed.kind == "mixed" and mixed.batch == 9 + 37
 
 
 def test_profiler_steps_are_used_when_nothing_else_marks_steps():
-    analysis = analyse(load_trace(shared_trace("resnet_ddp_training_v100.json.gz")))
+    analysis = analyse(load_trace(public_trace("resnet_ddp_training_v100.json.gz")))
     assert [s.source for s in analysis.steps] == ["profiler_step"] * 5
     starts = np.array([s.start_us for s in analysis.steps])
     assert (np.diff(starts) > 0).all()

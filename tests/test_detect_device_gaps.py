@@ -4,7 +4,7 @@ No GPU runs here, so the device-side tests use a stand-in: a small chrome trace
 written in the test, shaped like Kineto's GPU export (cudaLaunchKernel on the host
 and kernels on a stream joined by `correlation`). Only the timings are invented;
 the loader and detectors are the real ones. The real GPU traces in
-../shared/traces are covered in test_detect_accuracy.py.
+The vendored public traces (tests/fixtures/public) are covered in test_detect_accuracy.py.
 """
 
 from __future__ import annotations

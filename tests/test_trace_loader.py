@@ -9,14 +9,14 @@ from pathlib import Path
 import numpy as np
 import orjson
 import pytest
-from _analyze_helpers import fixture, shared_trace
+from _analyze_helpers import fixture, public_trace
 
 from servprof.trace import TraceError, load_trace, request_phases
 
 
 def test_float_ns_trace_loads_without_negative_durations():
-    trace = load_trace(shared_trace("resnet_ddp_training_v100.json.gz"))
-    raw = orjson.loads(gzip.decompress(shared_trace("resnet_ddp_training_v100.json.gz").read_bytes()))
+    trace = load_trace(public_trace("resnet_ddp_training_v100.json.gz"))
+    raw = orjson.loads(gzip.decompress(public_trace("resnet_ddp_training_v100.json.gz").read_bytes()))
     timed = [e for e in raw["traceEvents"] if e.get("ph") != "M" and "ts" in e]
     assert len(trace) == len(timed)
     assert (trace.dur >= 0).all()
@@ -30,7 +30,7 @@ def test_float_ns_trace_loads_without_negative_durations():
 
 
 def test_graph_replay_maps_many_kernels_to_one_launch():
-    trace = load_trace(shared_trace("vllm_decode_bs32_fullgraph_mi300x.json.gz"))
+    trace = load_trace(public_trace("vllm_decode_bs32_fullgraph_mi300x.json.gz"))
     device = np.flatnonzero(trace.device_mask())
     launch = trace.launch_row_for(device)
     assert (launch >= 0).all()
@@ -41,7 +41,7 @@ def test_graph_replay_maps_many_kernels_to_one_launch():
 
 
 def test_several_streams_and_flow_links():
-    trace = load_trace(shared_trace("sglang_qwen3_8b_decode_bs32_mi300x.json.gz"))
+    trace = load_trace(public_trace("sglang_qwen3_8b_decode_bs32_mi300x.json.gz"))
     device = np.flatnonzero(trace.device_mask())
     assert len(set(trace.stream[device].tolist())) == 2
     flows = trace.flow_id[(trace.ph == ord("s")) | (trace.ph == ord("f"))]
