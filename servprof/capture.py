@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import threading
 import time
 import uuid
@@ -41,6 +42,7 @@ RAW_BYTES_PER_EVENT = 260  # chrome-trace JSON per CPU event, used when the anal
 STARTING, CAPTURING, STOPPING, EXPORTING, ANALYSING, DONE, FAILED = (
     "starting", "capturing", "stopping", "exporting", "analysing", "done", "failed")
 STOP_SHUTDOWN = "shutdown"
+KINETO_QUIET_LEVEL = "6"  # above USDT (5) and ERROR (4): Kineto prints nothing
 FOREIGN_PROFILER = ("another torch profiler is active in this process; servprof does not start a second "
                     "one (two at once can crash the process)")
 
@@ -133,6 +135,7 @@ class CaptureController:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._warmup_lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._profiler: profile | None = None
@@ -280,6 +283,10 @@ class CaptureController:
                 self._fail(session, f"capture error: {type(exc).__name__}: {exc}")
 
     def _new_profiler(self, settings: Settings | None) -> profile:
+        # Kineto reads KINETO_LOG_LEVEL once, at the first profiler start in the process (not when
+        # torch is imported): unless the user chose a level, its `USDT ... profiler_start/stop` lines
+        # (one pair per session) stay out of the server's log. This level hides Kineto's own errors too.
+        os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET_LEVEL)
         activities = [ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)
@@ -288,18 +295,28 @@ class CaptureController:
                        with_stack=bool(settings and settings.with_stack),
                        experimental_config=_ExperimentalConfig(profile_all_threads=True))
 
+    def warm_up_now(self) -> None:
+        """Warm Kineto up on the calling thread, now (1-2 s). Kineto's one-time init expects the thread
+        that loaded torch; run on another it prints `ERROR: External init callback must run in same
+        thread as registerClient` (harmless: capture works). A launcher that owns the main thread
+        calls this there before serving (`servprof demo-server` does)."""
+        self._warm_up()
+
     def _warm_up(self) -> None:
         # Kineto's first start costs 1-2 s; pay it here, not in the first sampled request.
-        try:
-            if autograd_profiler._is_profiler_enabled:
-                self.warmup_error = FOREIGN_PROFILER
-            else:
-                warm = self._new_profiler(None)
-                warm.start()
-                warm.stop()
-        except Exception as exc:  # noqa: BLE001
-            self.warmup_error = f"warm-up failed: {exc}"
-        self.warm = True
+        with self._warmup_lock:
+            if self.warm:
+                return
+            try:
+                if autograd_profiler._is_profiler_enabled:
+                    self.warmup_error = FOREIGN_PROFILER
+                else:
+                    warm = self._new_profiler(None)
+                    warm.start()
+                    warm.stop()
+            except Exception as exc:  # noqa: BLE001
+                self.warmup_error = f"warm-up failed: {exc}"
+            self.warm = True
 
     def _start(self, session: Session) -> None:
         problem = session.store.check_writable()

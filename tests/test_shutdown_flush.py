@@ -6,69 +6,17 @@ from __future__ import annotations
 
 import gzip
 import os
-import signal
-import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import pytest
+from _process_helpers import AUTH, COMPLETIONS, demo_server_command, server_env, server_process, terminate
 from _telemetry_helpers import OtlpHttpReceiver, free_port
-
-TOKEN = "shutdown-test-token"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-COMPLETIONS = 3
-
-
-def _env(out: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "SERVPROF_"))}
-    env.update({"SERVPROF_OUT_DIR": str(out), "SERVPROF_CONTROL_TOKEN": TOKEN,
-                "SERVPROF_ON_DEMAND_MIN_INTERVAL_S": "0", "SERVPROF_MAX_SESSION_S": "60",
-                "SERVPROF_MAX_SESSION_EVENTS": "1000000000", "SERVPROF_MAX_SESSION_STEPS": "100000", **extra})
-    return env
-
-
-@contextmanager
-def _server(command: list[str], env: dict[str, str], port: int, log: Path) -> Iterator[subprocess.Popen]:
-    with log.open("wb") as sink:
-        process = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if process.poll() is not None:
-                raise AssertionError(f"server exited with {process.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code < 500:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"server did not answer:\n{log.read_text()[-3000:]}")
-            time.sleep(0.2)
-        yield process
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-
-
-def _terminate(process: subprocess.Popen, log: Path) -> float:
-    """SIGTERM; the seconds until the process was gone."""
-    sent = time.monotonic()
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        raise AssertionError(f"no exit within 60 s of SIGTERM:\n{log.read_text()[-3000:]}") from None
-    # uvicorn re-raises the signal after its graceful shutdown: the process dies by it.
-    assert process.returncode == -signal.SIGTERM, (process.returncode, log.read_text()[-3000:])
-    return time.monotonic() - sent
 
 
 def _file_spans(out: Path) -> list[dict[str, Any]]:
@@ -106,17 +54,13 @@ def _complete(base: str, count: int) -> list[str]:
     return ids
 
 
-def _demo_server(port: int) -> list[str]:
-    return [sys.executable, "-m", "servprof.cli", "demo-server", "--port", str(port), "--log-level", "warning"]
-
-
 @pytest.mark.slow
 def test_sigterm_flushes_spans_metrics_and_the_session_to_files(tmp_path: Path) -> None:
     """`SERVPROF_OUT_DIR=$d servprof demo-server`, a sample ordered, three completions, SIGTERM at
     once (well inside the batch processor's 5 s delay): every span, the metrics and the running
     session's trace are on disk."""
     out, port, log = tmp_path / "out", free_port(), tmp_path / "server.log"
-    with _server(_demo_server(port), _env(out), port, log) as process:
+    with server_process(demo_server_command(port), server_env(out), port, log) as process:
         base = f"http://127.0.0.1:{port}"
         # Four ordered, three sent: the session is still capturing when the signal comes.
         deadline = time.monotonic() + 60
@@ -125,7 +69,7 @@ def test_sigterm_flushes_spans_metrics_and_the_session_to_files(tmp_path: Path) 
             time.sleep(0.2)
         assert httpx.post(base + "/servprof/sample?n=4", headers=AUTH).status_code == 202
         ids = _complete(base, COMPLETIONS)
-        _terminate(process, log)
+        terminate(process, log)
     spans = _file_spans(out)
     requests = {s["attrs"].get("servprof.request_id"): s for s in spans if s["name"].startswith("POST")}
     assert set(ids) <= set(requests), (ids, sorted(requests))
@@ -147,10 +91,10 @@ def test_sigterm_flushes_spans_and_metrics_over_otlp(tmp_path: Path) -> None:
     receiver.start()
     try:
         out, port, log = tmp_path / "out", free_port(), tmp_path / "server.log"
-        env = _env(out, OTEL_EXPORTER_OTLP_ENDPOINT=receiver.base_url)
-        with _server(_demo_server(port), env, port, log) as process:
+        env = server_env(out, OTEL_EXPORTER_OTLP_ENDPOINT=receiver.base_url)
+        with server_process(demo_server_command(port), env, port, log) as process:
             ids = _complete(f"http://127.0.0.1:{port}", COMPLETIONS)
-            _terminate(process, log)
+            terminate(process, log)
         got = {a.value.string_value for s in receiver.spans for a in s.attributes
                if a.key == "servprof.request_id"}
         assert set(ids) <= got, (ids, got)
@@ -180,13 +124,13 @@ def test_an_app_without_lifespan_support_still_flushes_at_sigterm(tmp_path: Path
     server starts (even with --lifespan on) and servprof still gets its shutdown."""
     (tmp_path / "plain_app.py").write_text(NO_LIFESPAN_APP)
     out, port, log = tmp_path / "out", free_port(), tmp_path / "server.log"
-    env = _env(out, SERVPROF_WARMUP="0", PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    env = server_env(out, SERVPROF_WARMUP="0", PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     command = [sys.executable, "-m", "uvicorn", "plain_app:app", "--port", str(port), "--lifespan", lifespan,
                "--log-level", "warning"]
-    with _server(command, env, port, log) as process:
+    with server_process(command, env, port, log) as process:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}") as client:
             ids = [client.get("/health", headers={"x-request-id": f"plain-{i}"}).headers["x-request-id"]
                    for i in range(COMPLETIONS)]
-        _terminate(process, log)
+        terminate(process, log)
     requests = {s["attrs"].get("servprof.request_id") for s in _file_spans(out)}
     assert set(ids) <= requests
