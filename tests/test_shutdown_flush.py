@@ -8,14 +8,20 @@ import gzip
 import os
 import sys
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import pytest
-from _process_helpers import AUTH, COMPLETIONS, demo_server_command, server_env, server_process, terminate
+from _process_helpers import (
+    COMPLETIONS,
+    demo_server_command,
+    order_when_ready,
+    server_env,
+    server_process,
+    terminate,
+)
 from _telemetry_helpers import OtlpHttpReceiver, free_port
 
 
@@ -63,11 +69,7 @@ def test_sigterm_flushes_spans_metrics_and_the_session_to_files(tmp_path: Path) 
     with server_process(demo_server_command(port), server_env(out), port, log) as process:
         base = f"http://127.0.0.1:{port}"
         # Four ordered, three sent: the session is still capturing when the signal comes.
-        deadline = time.monotonic() + 60
-        while httpx.get(base + "/servprof/status", headers=AUTH).json()["paused"] is not None:
-            assert time.monotonic() < deadline, "the profiler never warmed up"
-            time.sleep(0.2)
-        assert httpx.post(base + "/servprof/sample?n=4", headers=AUTH).status_code == 202
+        order_when_ready(base, 4)
         ids = _complete(base, COMPLETIONS)
         terminate(process, log)
     spans = _file_spans(out)
