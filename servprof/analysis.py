@@ -167,9 +167,13 @@ def analyse(trace_path: Path, session: dict[str, Any]) -> dict[str, Any]:
             # each sampled request was in flight for.
             requests = steps_by_request(detected.steps, session, int(base_ns))
     sampled = [r.get("request_id") for r in session.get("requests", [])]
+    # Two different counts, named apart: the body chunks the sampled requests had streamed when the
+    # capture stopped (the session's estimate of decode steps) and the model steps in the trace.
+    model_steps = ((summary.get("detect") or {}).get("steps") or {}).get("count")
     summary.update({"sampled_request_ids": sampled, "requests_with_phases": len(requests),
                     "stop_reason": session.get("stop_reason"), "duration_s": session.get("duration_s"),
-                    "steps": session.get("steps")})
+                    "steps_streamed_at_stop": session.get("steps_streamed_at_stop"), "model_steps": model_steps,
+                    "servprof_overhead_ms": session.get("servprof_overhead_ms") or {}})
     clock = {"trace_us_to_unix_ns_offset": int(base_ns)} if isinstance(base_ns, (int, float)) else {}
     return {"session_id": str(session.get("session_id", "")), "trace_file": str(trace_path), "error": None,
             "requests": requests, "findings": findings, "summary": summary, "clock": clock}

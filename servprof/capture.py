@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,11 +36,13 @@ from servprof.settings import Settings
 from servprof.store import StoreError, TraceStore
 
 POLL_S = 0.005  # how often the bounds of a running session are checked
+SHUTDOWN_FLUSH_S = 5.0  # the longest a shutdown waits for the observers to export their spans and metrics
 RAW_BYTES_PER_EVENT = 260  # chrome-trace JSON per CPU event, used when the analysis gave no count
 
 STARTING, CAPTURING, STOPPING, EXPORTING, ANALYSING, DONE, FAILED = (
     "starting", "capturing", "stopping", "exporting", "analysing", "done", "failed")
 STOP_SHUTDOWN = "shutdown"
+KINETO_QUIET_LEVEL = "6"  # above USDT (5) and ERROR (4): Kineto prints nothing
 FOREIGN_PROFILER = ("another torch profiler is active in this process; servprof does not start a second "
                     "one (two at once can crash the process)")
 
@@ -68,8 +72,12 @@ class Session:
         self.capture_end_ns: int | None = None  # when stop() began: events are captured until then
         self.busy_ns = 0  # capture time with at least one request in flight
         self.steps_captured = 0  # decode steps when the capture stopped (the streams go on after)
+        # Wall time servprof itself spent on this session (profiler start, stop, export, analysis):
+        # servprof's own overhead, shown apart from the app's time in status and the session files.
+        self.overhead_ms: dict[str, float] = {}
         self.last_poll_ns = 0
         self.trace_path: Any = None
+        self.session_file: Path | None = None  # <session>.session.json, once written
         self.trace_raw_bytes = 0
         self.result: dict[str, Any] | None = None
         self.event_loop_tid: int | None = None  # the serving loop's thread, so analysis can tell loop work apart
@@ -81,8 +89,17 @@ class Session:
                 and len(self.records) < self.target_requests)
 
     def steps(self) -> int:
-        """Decode steps so far, estimated as the most body chunks any sampled request streamed."""
+        """Decode steps so far, estimated as the most body chunks any sampled request streamed
+        (`steps_streamed`; the analysis counts the model steps in the trace: `model_steps`)."""
         return max((r.chunks for r in self.records), default=0)
+
+    def finished_state(self) -> bool:
+        return self.state in (DONE, FAILED)
+
+    def timed(self, part: str, started_ns: int) -> None:
+        """Add the time since `started_ns` (perf_counter_ns) to servprof's overhead `part`."""
+        elapsed_ms = (time.perf_counter_ns() - started_ns) / 1e6
+        self.overhead_ms[part] = round(self.overhead_ms.get(part, 0.0) + elapsed_ms, 3)
 
     def duration_s(self) -> float | None:
         if self.perf_start_ns is None:
@@ -95,7 +112,12 @@ class Session:
         return {"session_id": self.session_id, "state": self.state, "reason": self.reason,
                 "target_requests": self.target_requests, "stop_reason": self.stop_reason, "error": self.error,
                 "wall_start_ns": self.wall_start_ns, "perf_start_ns": self.perf_start_ns,
-                "duration_s": self.duration_s(), "busy_s": self.busy_ns / 1e9, "steps": self.steps(),
+                "duration_s": self.duration_s(), "busy_s": self.busy_ns / 1e9,
+                # Body chunks of the sampled requests, not model steps: the stream goes on after
+                # the stop; the analysis's own count of model steps in the trace is `model_steps`.
+                "steps_streamed": self.steps(), "steps_streamed_at_stop": self.steps_captured,
+                "servprof_overhead_ms": dict(self.overhead_ms),
+                "open_requests": self.open_requests,  # > 0: the records below may still change
                 "trace_file": str(self.trace_path) if self.trace_path else None,
                 "requests": [_record_summary(r) for r in list(self.records)]}
 
@@ -113,6 +135,7 @@ class CaptureController:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._warmup_lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._profiler: profile | None = None
@@ -125,6 +148,10 @@ class CaptureController:
         self.events_per_second: float | None = None  # learned from the last finished session
         self.events_per_step: float | None = None
         self._atexit_registered = False
+        self._final_writes: list[Session] = []  # finished sessions whose last streaming request ended
+        # Called (with a time budget in seconds) after a shutdown stopped the session: flush what the
+        # observers still hold (spans, metrics). Weak: a runtime that is gone is not kept alive.
+        self._shutdown_hooks: list[weakref.WeakMethod] = []
 
     # --- called from the event loop: cheap, never blocking --------------------------------------
 
@@ -136,7 +163,7 @@ class CaptureController:
                 self._thread = threading.Thread(target=self._run, name="servprof-capture", daemon=True)
                 self._thread.start()
             if not self._atexit_registered:
-                atexit.register(self.stop_now, "process exit", 30.0)
+                atexit.register(self.stop_now, "process exit", 30.0, SHUTDOWN_FLUSH_S)
                 self._atexit_registered = True
         self._wake.set()
 
@@ -153,6 +180,8 @@ class CaptureController:
 
     def admit(self, record: RequestRecord, settings: Settings, store: TraceStore, reason: str,
               target_requests: int, on_finished: Callable[[Session], None]) -> Session | None:
+        """Put a candidate into the session (a new one if none runs); it is the session's only once
+        confirm() says so."""
         with self._lock:
             session = self.session
             if session is None:
@@ -164,25 +193,71 @@ class CaptureController:
         self._wake.set()
         return session
 
+    def add_shutdown_hook(self, method: Callable[[float], None]) -> None:
+        """Call the bound `method(timeout_s)` on the stop path (stop_now) while its object lives."""
+        with self._lock:
+            self._shutdown_hooks = [h for h in self._shutdown_hooks if h() is not None]
+            self._shutdown_hooks.append(weakref.WeakMethod(method))  # type: ignore[arg-type]
+
+    def confirm(self, session: Session, record: RequestRecord) -> bool:
+        """Whether an admitted request is the session's: it is while the session captures (or, where
+        the capture starts elsewhere, while it starts). Decided under the lock the stop takes too, so
+        a request is either in the session's list, its trace and its spans, or in none of them."""
+        with self._lock:
+            joined = session.state == CAPTURING or (not self.wait_for_start and session.state == STARTING)
+            if joined:
+                record.sampled = True
+                record.session_id = session.session_id
+            else:
+                self._withdraw_locked(session, record)
+        if not joined:
+            self._wake.set()
+        return joined
+
+    def withdraw(self, session: Session, record: RequestRecord) -> None:
+        """An admitted request leaves before it was confirmed (its wait was cancelled)."""
+        with self._lock:
+            self._withdraw_locked(session, record)
+        self._wake.set()
+
+    def _withdraw_locked(self, session: Session, record: RequestRecord) -> None:
+        session.records = [r for r in session.records if r is not record]
+        session.open_requests -= 1
+
     def request_finished(self, session: Session) -> None:
         with self._lock:
             session.open_requests -= 1
+            if session.finished_state() and session.open_requests <= 0:
+                # The session was handed off while this request still streamed: its files get the
+                # final records (route, chunks, last byte) now.
+                self._final_writes.append(session)
         self._wake.set()
 
     # --- blocking: shutdown / exit ---------------------------------------------------------------
 
-    def stop_now(self, reason: str = STOP_SHUTDOWN, timeout_s: float = 30.0) -> Session | None:
-        """Stop the running session (trace kept, analysis skipped) and wait for its export."""
+    def stop_now(self, reason: str = STOP_SHUTDOWN, timeout_s: float = 30.0, flush_s: float | None = None) -> Session | None:
+        """Stop the running session (trace kept, analysis skipped) and wait for its export; then,
+        with `flush_s`, have the observers export what they still hold (see flush_observers)."""
         session = self.session
-        if session is None:
-            return None
-        # Also read by a session already stopping or exporting: it then skips its analysis.
-        session.stop_requested = f"{STOP_SHUTDOWN}: {reason}"
-        self._wake.set()
-        if session.state == ANALYSING:
-            kill_running_analyses()
-        session.finished.wait(timeout_s)
+        if session is not None:
+            # Also read by a session already stopping or exporting: it then skips its analysis.
+            session.stop_requested = f"{STOP_SHUTDOWN}: {reason}"
+            self._wake.set()
+            if session.state == ANALYSING:
+                kill_running_analyses()
+            session.finished.wait(timeout_s)
+        if flush_s is not None:
+            self.flush_observers(flush_s)
         return session
+
+    def flush_observers(self, timeout_s: float) -> None:
+        """Run the shutdown hooks (each runtime's observer flush), all within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        for ref in list(self._shutdown_hooks):
+            hook = ref()
+            if hook is not None:
+                with contextlib.suppress(Exception):  # a failing flush must not stop the others
+                    hook(max(0.0, deadline - time.monotonic()))
 
     # --- the capture thread ----------------------------------------------------------------------
 
@@ -191,6 +266,7 @@ class CaptureController:
             session = self.session
             self._wake.wait(POLL_S if session is not None and session.state == CAPTURING else None)
             self._wake.clear()
+            self._write_final_files()
             if self.warmup_wanted and not self.warm:
                 self._warm_up()
             session = self.session
@@ -207,6 +283,10 @@ class CaptureController:
                 self._fail(session, f"capture error: {type(exc).__name__}: {exc}")
 
     def _new_profiler(self, settings: Settings | None) -> profile:
+        # Kineto reads KINETO_LOG_LEVEL once, at the first profiler start in the process (not when
+        # torch is imported): unless the user chose a level, its `USDT ... profiler_start/stop` lines
+        # (one pair per session) stay out of the server's log. This level hides Kineto's own errors too.
+        os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET_LEVEL)
         activities = [ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)
@@ -215,18 +295,28 @@ class CaptureController:
                        with_stack=bool(settings and settings.with_stack),
                        experimental_config=_ExperimentalConfig(profile_all_threads=True))
 
+    def warm_up_now(self) -> None:
+        """Warm Kineto up on the calling thread, now (1-2 s). Kineto's one-time init expects the thread
+        that loaded torch; run on another it prints `ERROR: External init callback must run in same
+        thread as registerClient` (harmless: capture works). A launcher that owns the main thread
+        calls this there before serving (`servprof demo-server` does)."""
+        self._warm_up()
+
     def _warm_up(self) -> None:
         # Kineto's first start costs 1-2 s; pay it here, not in the first sampled request.
-        try:
-            if autograd_profiler._is_profiler_enabled:
-                self.warmup_error = FOREIGN_PROFILER
-            else:
-                warm = self._new_profiler(None)
-                warm.start()
-                warm.stop()
-        except Exception as exc:  # noqa: BLE001
-            self.warmup_error = f"warm-up failed: {exc}"
-        self.warm = True
+        with self._warmup_lock:
+            if self.warm:
+                return
+            try:
+                if autograd_profiler._is_profiler_enabled:
+                    self.warmup_error = FOREIGN_PROFILER
+                else:
+                    warm = self._new_profiler(None)
+                    warm.start()
+                    warm.stop()
+            except Exception as exc:  # noqa: BLE001
+                self.warmup_error = f"warm-up failed: {exc}"
+            self.warm = True
 
     def _start(self, session: Session) -> None:
         problem = session.store.check_writable()
@@ -240,10 +330,23 @@ class CaptureController:
         session.wall_start_ns = time.time_ns()
         session.perf_start_ns = session.last_poll_ns = time.perf_counter_ns()
         prof.start()
+        session.timed("start", session.perf_start_ns)
         self._profiler = prof
         self.sessions_started += 1
-        session.state = CAPTURING
+        self._begin_capture(session)
+
+    def _begin_capture(self, session: Session) -> None:
+        with self._lock:  # confirm() decides under it whether a waiting request made it in
+            session.state = CAPTURING
         session.started.set()
+
+    def _begin_stop(self, session: Session, why: str) -> None:
+        """From here on no request joins: those admitted but not yet confirmed (still waking up
+        from their wait for the start) are left out of the session's list and its trace."""
+        with self._lock:
+            session.stop_reason = why
+            session.state = STOPPING
+            session.records = [r for r in session.records if r.sampled]
 
     def estimated_events(self, elapsed_s: float, steps: int, assumed_per_s: float = 0.0) -> float:
         by_time = (self.events_per_second or assumed_per_s) * elapsed_s
@@ -273,8 +376,7 @@ class CaptureController:
         return None
 
     def _finish(self, session: Session, why: str) -> None:
-        session.stop_reason = why
-        session.state = STOPPING
+        self._begin_stop(session, why)
         prof, self._profiler = self._profiler, None
         assert prof is not None
         metadata = {"session_id": session.session_id, "request_ids": [r.request_id for r in session.records],
@@ -288,9 +390,12 @@ class CaptureController:
         session.steps_captured = session.steps()
         prof.stop()  # holds the GIL ~5-9 us per captured event: why the sessions are bounded
         session.perf_end_ns = time.perf_counter_ns()
+        session.timed("stop", session.capture_end_ns)
         session.state = EXPORTING
         try:
+            export_started = time.perf_counter_ns()
             session.trace_path, session.trace_raw_bytes = session.store.export(prof, session.session_id)
+            session.timed("export", export_started)
             del prof
             result = self._analysis_result(session, session.trace_path)
         except StoreError as exc:
@@ -305,15 +410,21 @@ class CaptureController:
         """The analysis child's result for the stored trace, or an empty one saying why it was
         skipped. A shutdown (stop_now) kills a running child; one arriving just as the child
         starts is caught by should_stop."""
+        # The analysis child's view: a snapshot at the stop (requests may still be streaming);
+        # rewritten with the final records once the session and its requests are done.
         session_file = session.store.write_json(session.session_id, ".session.json", session.description())
+        session.session_file = session_file
         session.state = ANALYSING  # before the check: stop_now reads the state after setting stop_requested
         if session.stop_requested is not None or not session.settings.analysis:
             skipped = "shutdown" if session.stop_requested is not None else "analysis is off"
             return empty_result(session.session_id, trace_path, summary={"analysis_skipped": skipped})
-        return run_analysis(session.session_id, trace_path, session_file,
-                            session.store.path_for(session.session_id, ".analysis.json"),
-                            session.settings.analysis_timeout_s,
-                            should_stop=lambda: session.stop_requested is not None)
+        started = time.perf_counter_ns()
+        result = run_analysis(session.session_id, trace_path, session_file,
+                              session.store.path_for(session.session_id, ".analysis.json"),
+                              session.settings.analysis_timeout_s,
+                              should_stop=lambda: session.stop_requested is not None)
+        session.timed("analysis", started)
+        return result
 
     def _learn(self, session: Session, result: dict[str, Any]) -> None:
         count = (result.get("summary") or {}).get("event_count")
@@ -340,10 +451,14 @@ class CaptureController:
         self._end(session, FAILED)
 
     def _end(self, session: Session, state: str) -> None:
-        session.state = state
+        with self._lock:
+            session.state = state
+            # A session that failed before capturing lists none of the requests that waited for it.
+            session.records = [r for r in session.records if r.sampled]
         if session.perf_start_ns is not None and session.perf_end_ns is None:
             session.perf_end_ns = time.perf_counter_ns()
         session.started.set()
+        self._write_session_file(session)  # the final state; again when its last stream ends
         try:
             # Before the controller takes a new session: the hand-off ends an on-demand order and
             # pauses sampling on a store problem, so no request can slip into a session meanwhile.
@@ -355,6 +470,19 @@ class CaptureController:
                 if self.session is session:
                     self.session = None
             session.finished.set()
+
+    def _write_final_files(self) -> None:
+        with self._lock:
+            sessions, self._final_writes = self._final_writes, []
+        for session in sessions:
+            self._write_session_file(session)
+
+    def _write_session_file(self, session: Session) -> None:
+        """Rewrite <session>.session.json as /servprof/status shows the session now."""
+        if session.session_file is None or not session.session_file.exists():  # gone with retention
+            return
+        with contextlib.suppress(StoreError, ValueError):  # a full disk: status still has it
+            session.store.write_json(session.session_id, ".session.json", session.description())
 
 
 _controller: CaptureController | None = None

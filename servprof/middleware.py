@@ -9,6 +9,7 @@ and never allocate more than the record and the responder.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Awaitable
 from os import urandom as _urandom
@@ -18,7 +19,7 @@ import anyio.to_thread
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from servprof import control
-from servprof.capture import CaptureController, Session
+from servprof.capture import SHUTDOWN_FLUSH_S, CaptureController, Session
 from servprof.observers import RequestRecord
 from servprof.request_context import accept_request_id, request_id_var, request_record_var
 from servprof.runtime import ServprofRuntime, create_observers
@@ -29,6 +30,7 @@ _perf_ns = time.perf_counter_ns
 _wall_ns = time.time_ns
 _TOKEN_HEADER = b"x-servprof-token"
 SHUTDOWN_WAIT_S = 30.0
+logger = logging.getLogger("servprof")
 
 
 class ServprofMiddleware:
@@ -56,7 +58,8 @@ class ServprofMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             if scope["type"] == "lifespan" and self._enabled:
-                receive = _shutdown_hook(receive, self.runtime)
+                await _lifespan(self.app, self.runtime, scope, receive, send)
+                return
             await self.app(scope, receive, send)
             return
         if self._control_prefix is not None:
@@ -71,16 +74,61 @@ class ServprofMiddleware:
         await _RequestResponder(self, scope, receive, send).run()
 
 
-def _shutdown_hook(receive: Receive, runtime: ServprofRuntime) -> Receive:
-    """Stop a running session cleanly (trace kept) when the server shuts down."""
+async def _lifespan(app: ASGIApp, runtime: ServprofRuntime, scope: Scope, receive: Receive, send: Send) -> None:
+    """The app's lifespan, with servprof's shutdown around it: a running session is stopped (trace
+    kept) before the app shuts down, and spans and metrics still queued are exported (bounded in
+    time) once it has. uvicorn re-raises SIGTERM after its graceful shutdown, so interpreter-exit
+    hooks never run: this is the last moment servprof is sure to get."""
+    app_read = False
 
     async def lifespan_receive() -> Message:
+        nonlocal app_read
+        app_read = True
         message = await receive()
         if message["type"] == "lifespan.shutdown":
-            await anyio.to_thread.run_sync(runtime.controller.stop_now, "lifespan shutdown", SHUTDOWN_WAIT_S)
+            await _stop_session(runtime)
         return message
 
-    return lifespan_receive
+    async def lifespan_send(message: Message) -> None:
+        if message["type"] in ("lifespan.shutdown.complete", "lifespan.shutdown.failed"):
+            await _flush(runtime)
+        await send(message)
+
+    try:
+        await app(scope, lifespan_receive, lifespan_send)
+    except Exception as exc:
+        if app_read:
+            raise
+        logger.info("servprof: the app does not handle ASGI lifespan (%s); servprof answers it, so that it "
+                    "can export its spans at shutdown", type(exc).__name__)
+    if not app_read:  # an app without lifespan support: servprof answers for it
+        await _answer_lifespan(runtime, receive, send)
+
+
+async def _answer_lifespan(runtime: ServprofRuntime, receive: Receive, send: Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await _stop_session(runtime)
+            await _flush(runtime)
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+async def _stop_session(runtime: ServprofRuntime) -> None:
+    started = _perf_ns()
+    await anyio.to_thread.run_sync(runtime.controller.stop_now, "lifespan shutdown", SHUTDOWN_WAIT_S)
+    runtime.shutdown_report = {"session_stop_ms": (_perf_ns() - started) / 1e6}
+
+
+async def _flush(runtime: ServprofRuntime) -> None:
+    stopped = runtime.shutdown_report or {}
+    await anyio.to_thread.run_sync(runtime.controller.flush_observers, SHUTDOWN_FLUSH_S)
+    report = runtime.shutdown_report = {**stopped, **(runtime.shutdown_report or {})}
+    logger.info("servprof: shutdown: session stopped in %.0f ms, spans and metrics flushed in %.0f ms",
+                report.get("session_stop_ms", 0.0), report.get("flush_ms", 0.0))
 
 
 class _RequestResponder:

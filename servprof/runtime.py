@@ -16,7 +16,7 @@ from typing import Any
 
 import anyio.to_thread
 
-from servprof.capture import CAPTURING, STARTING, CaptureController, Session, get_controller
+from servprof.capture import FAILED, STARTING, CaptureController, Session, get_controller
 from servprof.observers import RequestObserver, RequestRecord
 from servprof.sampling import REASON_ON_DEMAND, Sampler
 from servprof.settings import Settings
@@ -56,11 +56,22 @@ class ServprofRuntime:
         self.paused_reason: str | None = None
         self._paused_until = 0.0
         self.last_error: str | None = None
-        self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
+        # Finished sessions, described live: a record still streaming at the hand-off gets its
+        # final route, chunks and last byte here (and in its .session.json) once it ends.
+        self._sessions: deque[Session] = deque(maxlen=HISTORY)
+        self.findings_history: deque[dict[str, Any]] = deque(maxlen=HISTORY)  # per session, newest last
+        self.overhead_ms: dict[str, float] = {}  # servprof's own time over every session of this runtime
         self.last_result: dict[str, Any] | None = None
         self.last_order_at = 0.0
+        self.shutdown_report: dict[str, Any] | None = None  # what the last shutdown flush did
         if settings.enabled:
             self.controller.ensure_running(settings.warmup)
+            self.controller.add_shutdown_hook(self.flush_observers)
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """The last HISTORY finished sessions, oldest first, as /servprof/status shows them."""
+        return [session.description() for session in list(self._sessions)]
 
     # --- sampling --------------------------------------------------------------------------------
 
@@ -91,30 +102,34 @@ class ServprofRuntime:
             return None
         if reason == REASON_ON_DEMAND and session.order_id is None:
             session.order_id = self.sampler.order_id
-        if self.controller.wait_for_start:
-            if not session.started.is_set():
-                # Only a sampled request waits for the profiler; the wait happens off the loop.
-                try:
-                    await anyio.to_thread.run_sync(session.started.wait, START_WAIT_S)
-                except BaseException:  # cancelled: the session must not wait for this request
-                    self.controller.request_finished(session)
-                    raise
-            capturing = session.state == CAPTURING
-        else:
-            # The profiler runs elsewhere (vLLM's engine) and picks the request up at its next
-            # step: the request goes on at once and counts as sampled unless the start failed.
-            capturing = session.state in (STARTING, CAPTURING)
-        if not capturing:
-            self.controller.request_finished(session)
-            self._skip("start_failed", reason)
+        if session.event_loop_tid is None:
+            session.event_loop_tid = threading.get_native_id()  # join_session runs on the serving loop
+        if self.controller.wait_for_start and not session.started.is_set():
+            # Only a sampled request waits for the profiler; the wait happens off the loop.
+            try:
+                await anyio.to_thread.run_sync(session.started.wait, START_WAIT_S)
+            except BaseException:  # cancelled: the session must not wait for this request
+                self.controller.withdraw(session, record)
+                raise
+        # Where the profiler runs elsewhere (vLLM's engine, wait_for_start false) it picks the
+        # request up at its next step: the request goes on at once and is the session's unless the
+        # start already failed. Here, it is the session's only if the session still captures now
+        # that the request runs: one that stopped meanwhile never lists it.
+        if not self.controller.confirm(session, record):
+            self._skip(self._not_joined(session), reason)
             return None
         self.paused_reason = None
         self.counters["sampled"] += 1
-        record.sampled = True
-        record.session_id = session.session_id
-        if session.event_loop_tid is None:
-            session.event_loop_tid = threading.get_native_id()  # join_session runs on the serving loop
         return session
+
+    @staticmethod
+    def _not_joined(session: Session) -> str:
+        """Why an admitted request did not become the session's (a skipped_by_reason key)."""
+        if session.state == STARTING:
+            return "start_timeout"  # the profiler took longer than START_WAIT_S to start
+        if session.state == FAILED and session.stop_reason is None:
+            return "start_failed"  # it failed before it captured anything
+        return "session_stopped"  # it stopped (a bound, a shutdown) before this request ran
 
     # --- the capture thread calls these ---------------------------------------------------------
 
@@ -128,8 +143,14 @@ class ServprofRuntime:
         key = "sessions_failed" if session.error else "sessions_done"
         self.counters[key] += 1
         self.last_error = session.error or self.last_error
-        self.history.append(session.description())
+        self._sessions.append(session)
+        for part, ms in session.overhead_ms.items():
+            self.overhead_ms[part] = round(self.overhead_ms.get(part, 0.0) + ms, 3)
         result = session.result
+        summary = (result or {}).get("summary") or {}
+        self.findings_history.append({"session_id": session.session_id, "state": session.state,
+                                      "error": session.error, "findings": (result or {}).get("findings", []),
+                                      "missing": summary.get("missing", [])})
         if result is None:
             return
         self.last_result = result
@@ -138,6 +159,24 @@ class ServprofRuntime:
                 observer.on_analysis(result, list(session.records))
             except Exception:  # noqa: BLE001 - an observer never breaks capture
                 self.counters["observer_errors"] += 1
+
+    def flush_observers(self, timeout_s: float) -> None:
+        """Export what the observers still hold (spans, metrics), within `timeout_s`. Called on the
+        controller's stop path (lifespan shutdown, process exit) after the session has stopped."""
+        started = time.perf_counter()
+        flushed, errors = 0, []
+        for observer in self.observers:
+            flush = getattr(observer, "force_flush", None)
+            if flush is None:
+                continue
+            left_ms = int(max(0.0, timeout_s - (time.perf_counter() - started)) * 1000)
+            try:
+                flush(left_ms)
+                flushed += 1
+            except Exception as exc:  # noqa: BLE001 - shutdown goes on whatever an exporter does
+                errors.append(f"{type(exc).__name__}: {exc}")
+        self.shutdown_report = {"observers_flushed": flushed, "errors": errors,
+                                "flush_ms": round((time.perf_counter() - started) * 1000, 3)}
 
     # --- /servprof/status ------------------------------------------------------------------------
 
@@ -164,8 +203,13 @@ class ServprofRuntime:
                          "events_per_second": controller.events_per_second,
                          "events_per_step": controller.events_per_step},
             "current_session": current.description() if current is not None else None,
-            "last_sessions": list(self.history),
+            "last_sessions": self.history,
             "last_findings": last.get("findings", []),
+            "findings_by_session": list(self.findings_history),
+            # Wall time servprof spent on its own sessions (profiler start and stop, trace export,
+            # analysis child), in total; each session's share is in its servprof_overhead_ms.
+            "servprof_overhead_ms": {"sessions": self.counters["sessions_done"] + self.counters["sessions_failed"],
+                                     **self.overhead_ms},
             "last_analysis": {k: last.get(k) for k in ("session_id", "error", "summary")} if last else None,
             "last_error": self.last_error,
             "observers": {"count": len(self.observers), "errors": self.counters["observer_errors"],

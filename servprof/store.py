@@ -3,6 +3,12 @@
 File names come from servprof's own session ids, never from request input. Files are
 created with mode 0600 (traces can hold shapes and names from the serving code).
 Everything here runs on the capture thread, never on the event loop.
+
+A session whose trace was written by someone else (vLLM's workers, into their
+``torch_profiler_dir``) is a folder ``<session>.<kind>`` of links to those files. It counts
+as one session with the size of everything it left behind, and retention removes it whole:
+the links, the files they point to and any other file named with the session's prefix
+(``servprof_<session>_...``) in the folders it is linked to.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any
 import orjson
 
 TRACE_SUFFIX = ".pt.trace.json.gz"
+LINKED_PREFIX = "servprof_"  # files others write for a session are named <LINKED_PREFIX><session id>_...
 _SESSION_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _MIB = 1024 * 1024
 
@@ -26,12 +33,19 @@ class StoreError(OSError):
     """The trace dir cannot take a trace; the message says why, for /servprof/status."""
 
 
+def linked_prefix(session_id: str) -> str:
+    """The prefix of the files another process writes for this session (vLLM's profile_prefix)."""
+    return LINKED_PREFIX + session_id
+
+
 class TraceStore:
     def __init__(self, out_dir: Path, max_files: int, max_mb: float, min_free_mb: float = 50.0):
         self.traces_dir = Path(out_dir) / "traces"
         self.max_files = max_files
         self.max_bytes = int(max_mb * _MIB)
         self.min_free_bytes = int(min_free_mb * _MIB)
+        # Folders where another process writes this store's session files (vLLM's torch_profiler_dir).
+        self.linked_dirs: set[Path] = set()
 
     def check_writable(self) -> str | None:
         """None when a trace can be written now, otherwise the reason it cannot."""
@@ -90,10 +104,23 @@ class TraceStore:
         self.enforce_retention(keep=final)
         return final, raw_size
 
+    def link_session(self, session_id: str, files: list[Path], kind: str) -> Path:
+        """A folder <session>.<kind> of links to `files` (written elsewhere, named with the
+        session's linked_prefix): the session's entry in this store, then retention is applied."""
+        folder = self.path_for(session_id, f".{kind}")
+        folder.mkdir(parents=True, exist_ok=True)
+        for path in files:
+            self.linked_dirs.add(path.parent)
+            link = folder / path.name
+            if not link.is_symlink():
+                os.symlink(path, link)
+        self.enforce_retention(keep=folder)
+        return folder
+
     def traces(self) -> list[Path]:
-        """Stored traces, oldest first."""
+        """Stored sessions (trace files and linked folders), oldest first."""
         try:
-            paths = [p for p in self.traces_dir.iterdir() if p.name.endswith(TRACE_SUFFIX)]
+            paths = [p for p in self.traces_dir.iterdir() if p.name.endswith(TRACE_SUFFIX) or _is_linked_folder(p)]
         except OSError:
             return []
         stats = {}
@@ -105,9 +132,9 @@ class TraceStore:
         return sorted(stats, key=lambda p: (stats[p].st_mtime_ns, p.name))
 
     def enforce_retention(self, keep: Path | None = None) -> list[Path]:
-        """Delete the oldest traces (and their session/result files) beyond the limits."""
+        """Delete the oldest sessions (trace, linked files, session/result files) beyond the limits."""
         paths = self.traces()
-        sizes = {p: _size(p) for p in paths}
+        sizes = {p: self._entry_size(p) for p in paths}
         total = sum(sizes.values())
         removed: list[Path] = []
         for path in paths:
@@ -115,16 +142,65 @@ class TraceStore:
                 break
             if path == keep:
                 continue
-            stem = path.name[: -len(TRACE_SUFFIX)]
-            for companion in self.traces_dir.glob(f"{stem}.*"):
-                companion.unlink(missing_ok=True)
+            self.remove_session(_session_of(path))
             total -= sizes[path]
             removed.append(path)
         return removed
 
+    def remove_session(self, session_id: str) -> None:
+        """Every file of one session: its trace or linked folder (and what the links point to),
+        files named with its linked prefix in the linked dirs, its .session/.analysis files."""
+        for linked in self._linked_files(session_id):
+            linked.unlink(missing_ok=True)
+        for companion in self.traces_dir.glob(f"{session_id}.*"):
+            if _is_linked_folder(companion):
+                shutil.rmtree(companion, ignore_errors=True)
+            else:
+                companion.unlink(missing_ok=True)
+
+    def _linked_files(self, session_id: str) -> set[Path]:
+        """Files written elsewhere for this session: link targets and prefix matches, never a file
+        whose name does not carry the session's prefix (a link someone else made stays untouched)."""
+        prefix = linked_prefix(session_id) + "_"
+        dirs = set(self.linked_dirs)
+        found: set[Path] = set()
+        for folder in self.traces_dir.glob(f"{session_id}.*"):
+            if not _is_linked_folder(folder):
+                continue
+            for link in _entries(folder):
+                if link.is_symlink():
+                    target = Path(os.path.realpath(link))
+                    dirs.add(target.parent)
+                    if target.name.startswith(prefix):
+                        found.add(target)
+        for directory in dirs:
+            found.update(p for p in _entries(directory) if p.name.startswith(prefix) and p.is_file())
+        return found
+
+    def _entry_size(self, path: Path) -> int:
+        if not path.is_dir():
+            return _size(path)
+        return sum(_size(p) for p in self._linked_files(_session_of(path)))
+
+
+def _is_linked_folder(path: Path) -> bool:
+    stem, dot, _kind = path.name.partition(".")
+    return bool(dot) and bool(_SESSION_ID.match(stem)) and path.is_dir() and not path.is_symlink()
+
+
+def _session_of(path: Path) -> str:
+    return path.name[: -len(TRACE_SUFFIX)] if path.name.endswith(TRACE_SUFFIX) else path.name.split(".", 1)[0]
+
+
+def _entries(directory: Path) -> list[Path]:
+    try:
+        return list(directory.iterdir())
+    except OSError:
+        return []
+
 
 def _size(path: Path) -> int:
     try:
-        return path.stat().st_size
+        return path.stat().st_size  # a link counts as what it points to
     except OSError:  # removed meanwhile
         return 0

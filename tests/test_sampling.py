@@ -13,7 +13,7 @@ import pytest
 
 from servprof.sampling import REASON_ON_DEMAND, Sampler
 from servprof.settings import Settings
-from servprof.store import TRACE_SUFFIX, StoreError, TraceStore
+from servprof.store import TRACE_SUFFIX, StoreError, TraceStore, linked_prefix
 
 TOKEN = "s3cret"
 
@@ -112,6 +112,42 @@ def test_retention_removes_oldest_first_by_count_and_size(tmp_path: Path) -> Non
     big = _fake_trace(store, "s9", 900_000, age_s=0)
     assert store.enforce_retention(keep=big) == paths[2:4]
     assert store.traces() == [paths[4], big]
+
+
+def test_linked_sessions_count_their_files_and_go_with_them(tmp_path: Path) -> None:
+    """A vLLM session is a <session>.vllm folder of links to rank files written elsewhere: its size
+    is theirs, and retention removes them, with the session's other prefixed files there (vLLM's
+    tables), never a file without the session's prefix that a link points to."""
+    store = TraceStore(tmp_path / "out", max_files=10, max_mb=100.0)
+    assert store.check_writable() is None
+    elsewhere = tmp_path / "vllm-profiles"
+    elsewhere.mkdir()
+    foreign = elsewhere / "operator_rank0.pt.trace.json.gz"
+    foreign.write_bytes(b"y" * 10)
+    folders = []
+    for i, age in enumerate((30, 20)):
+        sid = f"s{i}"
+        ranks = [elsewhere / f"{linked_prefix(sid)}_rank{r}.1.pt.trace.json.gz" for r in range(2)]
+        for rank in ranks:
+            rank.write_bytes(b"x" * 400_000)
+        (elsewhere / f"{linked_prefix(sid)}_rank0.profiler_out.txt").write_bytes(b"table")
+        folder = store.link_session(sid, ranks, "vllm")
+        os.symlink(foreign, folder / foreign.name)  # not the session's: never deleted
+        stamp = time.time() - age
+        os.utime(folder, (stamp, stamp))
+        folders.append(folder)
+    # Two sessions of 800 kB each: over 1 MiB, so the older goes, rank files and table included.
+    store.max_bytes = 1024 * 1024
+    assert store.enforce_retention(keep=folders[1]) == [folders[0]]
+    assert store.traces() == [folders[1]]
+    left = sorted(p.name for p in elsewhere.iterdir())
+    assert left == sorted([foreign.name, *(f"{linked_prefix('s1')}_rank{r}.1.pt.trace.json.gz" for r in range(2)),
+                           f"{linked_prefix('s1')}_rank0.profiler_out.txt"])
+    # Counted by file number too: a trace file and a linked folder are one session each.
+    _fake_trace(store, "s2", 10, age_s=0)
+    store.max_files = 1
+    assert store.enforce_retention() == [folders[1]]
+    assert not any(p.name.startswith(linked_prefix("s1")) for p in elsewhere.iterdir())
 
 
 def test_store_names_come_from_session_ids_only(tmp_path: Path) -> None:

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -35,14 +38,15 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def vllm_server(tmp: Path, extra_args: list[str], ranks: int = 1) -> Iterator[tuple[str, object, Path]]:
+def vllm_server(tmp: Path, extra_args: list[str], ranks: int = 1,
+                extra_env: dict[str, str] | None = None) -> Iterator[tuple[str, object, Path]]:
     """vLLM's real app with servprof's middleware, served by uvicorn on loopback."""
     import uvicorn
 
     model = make_tiny_model_dir(tmp.parent / "tiny-llama")
     out = tmp / "servprof-out"
     env = {"SERVPROF_CONTROL_TOKEN": TOKEN, "SERVPROF_OUT_DIR": str(out), "SERVPROF_TELEMETRY_EXPORTER": "file",
-           "SERVPROF_ON_DEMAND_MIN_INTERVAL_S": "0", "SERVPROF_MAX_SESSION_S": "20"}
+           "SERVPROF_ON_DEMAND_MIN_INTERVAL_S": "0", "SERVPROF_MAX_SESSION_S": "20", **(extra_env or {})}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     app, engine = build_vllm_app(["--model", str(model), "--served-model-name", "tiny", "--max-model-len", "512",
@@ -193,3 +197,115 @@ def test_missing_profiler_config_is_reported_and_serving_goes_on(tmp_path: Path)
         status = client.get("/servprof/status", headers=AUTH).json()
         assert "--profiler-config" in (status["paused"] or "")
         assert status["counters"]["sampled"] == 0
+
+
+def test_retention_counts_and_removes_vllms_rank_files_with_their_session(tmp_path: Path) -> None:
+    """Each session under vLLM is a <session>.vllm folder of links plus the rank files vLLM's
+    workers wrote in its torch_profiler_dir: SERVPROF_TRACE_MAX_FILES counts the folder as one
+    session, and removing the session removes its rank files too."""
+    profile_dir = tmp_path / "vllm-profiles"
+    args = ["--profiler-config.profiler", "torch", "--profiler-config.torch_profiler_dir", str(profile_dir)]
+    sessions = []
+    with vllm_server(tmp_path, args, ranks=2, extra_env={"SERVPROF_TRACE_MAX_FILES": "2"}) as (base, _e, out), \
+            httpx.Client(base_url=base) as client:
+        # Someone else's trace in the same folder is never touched.
+        profile_dir.mkdir(parents=True, exist_ok=True)
+        (profile_dir / "operator_dp0_pp0_tp0_dcp0_ep0_rank0.1.pt.trace.json.gz").write_bytes(b"not servprof's")
+        for i in range(3):
+            assert client.post("/servprof/sample?n=1", headers=AUTH).status_code in (200, 202)
+            assert _completion(client, f"kept-{i}", max_tokens=24).status_code == 200
+            deadline = time.monotonic() + 90
+            while True:
+                status = client.get("/servprof/status", headers=AUTH).json()
+                if len(status["last_sessions"]) > i and status["current_session"] is None:
+                    break
+                assert time.monotonic() < deadline, status
+                time.sleep(0.25)
+            session = status["last_sessions"][-1]
+            assert session["error"] is None, session
+            sessions.append(session["session_id"])
+    folders = sorted(p.name for p in (out / "traces").glob("*.vllm"))
+    assert folders == sorted(f"{sid}.vllm" for sid in sessions[1:])
+    servprofs = sorted(p.name for p in profile_dir.iterdir() if p.name.startswith("servprof_"))
+    assert len([name for name in servprofs if name.endswith(".pt.trace.json.gz")]) == 4, servprofs
+    # The rank traces and vLLM's tables beside them (*.profiler_out.txt) of the two sessions kept only.
+    assert all(any(name.startswith(f"servprof_{sid}_") for sid in sessions[1:]) for name in servprofs), servprofs
+    assert not list((out / "traces").glob(f"{sessions[0]}.*"))
+    assert (profile_dir / "operator_dp0_pp0_tp0_dcp0_ep0_rank0.1.pt.trace.json.gz").exists()
+
+
+SIGTERM_SERVER = """
+import asyncio, socket, sys
+from _vllm_standin import build_vllm_app
+from vllm.entrypoints.launchers.launcher import serve_http
+
+model, profile_dir, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+app, engine = build_vllm_app(["--model", model, "--served-model-name", "tiny", "--max-model-len", "512",
+                              "--middleware", "servprof.integrations.vllm.VLLMMiddleware",
+                              "--profiler-config.profiler", "torch",
+                              "--profiler-config.torch_profiler_dir", profile_dir], ranks=2)
+sock = socket.socket()
+sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+sock.bind(("127.0.0.1", port))
+
+
+async def main():
+    # vLLM's own server: its SIGTERM handler stops the engine first, then the HTTP server.
+    shutdown = await serve_http(app, sock=sock, host="127.0.0.1", port=port, log_level="warning")
+    await shutdown
+
+asyncio.run(main())
+print("EXITED CLEANLY", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_under_vllms_server_keeps_the_running_session_and_flushes_spans(tmp_path: Path) -> None:
+    """vLLM's shutdown path (its SIGTERM handler: engine shutdown, then the HTTP server): the
+    session running at the signal is stopped while vLLM's workers still live, so their rank files
+    are collected, and the spans are exported before the process ends."""
+    import orjson
+
+    model = make_tiny_model_dir(tmp_path.parent / "tiny-llama")
+    out, profile_dir, port = tmp_path / "servprof-out", tmp_path / "vllm-profiles", _free_port()
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "SERVPROF_"))},
+           "SERVPROF_CONTROL_TOKEN": TOKEN, "SERVPROF_OUT_DIR": str(out), "SERVPROF_TELEMETRY_EXPORTER": "file",
+           "SERVPROF_ON_DEMAND_MIN_INTERVAL_S": "0", "SERVPROF_MAX_SESSION_S": "120",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    log = tmp_path / "server.log"
+    with log.open("wb") as sink:
+        process = subprocess.Popen([sys.executable, "-c", SIGTERM_SERVER, str(model), str(profile_dir), str(port)],
+                                   env=env, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            assert process.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        with httpx.Client(base_url=base) as client:
+            assert client.post("/servprof/sample?n=4", headers=AUTH).status_code in (200, 202)
+            ids = [f"term-{i}" for i in range(2)]
+            for rid in ids:  # two of the four: the session is still open at the signal
+                assert _completion(client, rid, max_tokens=16).status_code == 200
+            current = client.get("/servprof/status", headers=AUTH).json()["current_session"]
+            assert current is not None and current["state"] == "capturing", current
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    text = log.read_text()
+    assert process.returncode == 0 and "EXITED CLEANLY" in text, text[-3000:]
+    (folder,) = (out / "traces").glob("*.vllm")
+    assert sorted(p.name.rsplit("rank", 1)[1][0] for p in folder.iterdir()) == ["0", "1"]
+    session = orjson.loads(next((out / "traces").glob("*.session.json")).read_bytes())
+    assert session["stop_reason"] == "shutdown: vLLM engine shutdown" and session["state"] == "done"
+    assert sorted(r["request_id"] for r in session["requests"]) == ids
+    spans = (out / "spans" / "spans.otlp.jsonl").read_text()
+    assert all(f'"stringValue":"{rid}"' in spans.replace(" ", "") for rid in ids)

@@ -25,8 +25,9 @@ from typing import Any
 
 import orjson
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from servprof.demo.progress import progress_for
 
 # Each injected fault as demo-server flags; the values are those the detectors' recorded
 # fixtures were made with (tests/fixtures/README.md).
@@ -202,11 +203,12 @@ class Demo:
                    "--requests-jsonl", str(self.artifacts.paths["per-request timings"]), *arrival]
         self.locust = self._spawn("locust", command, dict(os.environ))
 
-    def order_sample(self) -> str:
+    def order_sample(self) -> str | None:
+        """None when the order was taken, else why not."""
         response = self.http.post("/servprof/sample", params={"n": self.args.sample})
         if response.status_code != 202:
             return f"sample order refused: HTTP {response.status_code} {response.text[:200]}"
-        return f"ordered {self.args.sample} sampled requests"
+        return None
 
     def stop(self) -> None:
         for process in (self.locust, self.server):
@@ -240,13 +242,10 @@ class Demo:
         if status is not None:
             before = status["counters"].get("sessions_done", 0) + status["counters"].get("sessions_failed", 0)
         sample_at = self.args.sample_at if self.args.sample_at is not None else self.args.duration / 3
-        note = "waiting to order the sample" if controllable else "no servprof control endpoints: not sampling"
+        note = f"sample at {sample_at:.3g} s" if controllable else "no servprof control endpoints: not sampling"
         session: dict[str, Any] | None = None
-        ordered = False
-        columns = [TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
-                   TimeElapsedColumn()]
-        with Progress(*columns, console=self.console, transient=True) as progress:
-            task = progress.add_task("load", total=self.args.duration, info="")
+        ordered, refused = False, None
+        with progress_for(self.console, self.args.duration) as progress:
             # The clock starts with the harness's first request (locust takes seconds to
             # start), so the sample lands in steady load, not in the first burst.
             spawned = time.monotonic()
@@ -261,28 +260,31 @@ class Demo:
                     start = time.monotonic()
                 elapsed = time.monotonic() - start if start is not None else 0.0
                 if status is not None and not ordered and elapsed >= sample_at:
-                    note, ordered = self.order_sample(), True
+                    ordered = True
+                    refused = self.order_sample()
+                    note = refused or f"ordered {self.args.sample}"
                 if status is not None and ordered and session is None:
                     session = self._session_done(status, before)
                     current = status.get("current_session")
                     if session is not None:
-                        note = (f"session {session['session_id']} {session['state']}: "
-                                f"{len(session.get('requests') or [])} requests, {session.get('steps')} steps, "
-                                f"stopped by {session.get('stop_reason')}")
+                        note = f"session {session['state']}"
                     elif current:
-                        note = (f"session {current['session_id']}: {current['state']}, "
-                                f"{len(current['requests'])}/{current['target_requests']} requests")
-                served = f"{status['counters']['requests']} requests served; " if status else ""
-                progress.update(task, completed=min(elapsed, self.args.duration), info=served + note,
-                                description="load" if locust_running else "analysis")
+                        note = f"session {current['state']} {len(current['requests'])}/{current['target_requests']}"
+                progress.show("load" if locust_running else "analysis", min(elapsed, self.args.duration),
+                              status["counters"]["requests"] if status else None, note)
                 if not locust_running:
                     if session is not None or not ordered:
                         break
                     analysis_deadline = analysis_deadline or time.monotonic() + self.args.analysis_timeout
                     if time.monotonic() > analysis_deadline:
-                        note = f"no analysis within {self.args.analysis_timeout:g} s after the load"
-                        break
+                        return f"no analysis within {self.args.analysis_timeout:g} s after the load", None
                 time.sleep(0.5)
+        if session is not None:
+            note = (f"session {session['session_id']} {session['state']}: {len(session.get('requests') or [])} "
+                    f"requests, {session.get('steps_streamed_at_stop')} steps streamed when it stopped "
+                    f"({session.get('stop_reason')})")
+        elif refused is not None:
+            note = refused
         return note, session
 
     def write_analysis(self, status: dict[str, Any] | None) -> None:

@@ -129,8 +129,25 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError, OSError) as exc:  # e.g. no CUDA device, out of memory, bad --model-path
         print(f"servprof demo-server: cannot build the model: {exc}", file=sys.stderr)
         return 2
+    if config.servprof:
+        _warm_up_profiler()
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def _warm_up_profiler() -> None:
+    """Kineto's first start, here on the main thread that imported torch (before serving), so its
+    one-time init prints no `External init callback must run in same thread` ERROR; the middleware
+    then finds the profiler warm."""
+    try:
+        from servprof.capture import get_controller
+        from servprof.settings import Settings
+
+        settings = Settings.from_env()
+    except Exception:  # noqa: BLE001 - the middleware reports bad settings itself, when it starts
+        return
+    if settings.enabled and settings.warmup:
+        get_controller().warm_up_now()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ from typing import Any
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from servprof.analysis import empty_result
-from servprof.capture import CAPTURING, DONE, FAILED, STARTING, STOPPING, CaptureController, Session
+from servprof.capture import DONE, FAILED, SHUTDOWN_FLUSH_S, STARTING, CaptureController, Session
 from servprof.integrations.vllm_probes import ApiProbes, api_findings
 from servprof.integrations.vllm_traces import session_prefix, wait_for_session_traces
 from servprof.middleware import ServprofMiddleware
@@ -36,6 +36,8 @@ logger = logging.getLogger("servprof.vllm")
 
 RPC_TIMEOUT_S = 60.0  # start_profile / stop_profile on the engine
 TRACE_WAIT_S = 60.0  # for every rank's trace file after stop_profile
+ENGINE_SHUTDOWN_WAIT_S = 30.0  # the longest vLLM's engine shutdown waits for servprof's session to stop
+LINKED_KIND = "vllm"  # <session>.vllm: the store's folder of links to the session's rank files
 NOT_CONFIGURED = ("vLLM was started without --profiler-config, so its workers cannot be profiled; start it with "
                   "--profiler-config.profiler torch --profiler-config.torch_profiler_dir DIR")
 ALREADY_ACTIVE = "vLLM's profiler is already running (someone called /start_profile); servprof skipped this sample"
@@ -71,6 +73,37 @@ class VLLMCaptureController(CaptureController):
         if config is None or getattr(config, "profiler", None) is None:
             self.not_configured = NOT_CONFIGURED
             logger.warning("servprof: %s", NOT_CONFIGURED)
+        self._stop_before_engine_shutdown(getattr(app_state, "engine_client", None))
+
+    def _stop_before_engine_shutdown(self, engine: Any) -> None:
+        """On SIGTERM vLLM shuts its engine down first (`engine_client.shutdown`, from a worker
+        thread) and runs the HTTP server's lifespan shutdown only after: too late to stop vLLM's
+        profiler and collect the rank files. So the engine's shutdown first stops servprof's session
+        (trace files kept, analysis skipped) and flushes spans, bounded in time."""
+        original = getattr(engine, "shutdown", None)
+        if original is None or getattr(original, "_servprof_wrapped", False):
+            return
+        controller = self
+
+        def shutdown(*args: Any, **kwargs: Any) -> Any:
+            controller.stop_for_engine_shutdown()
+            return original(*args, **kwargs)
+
+        shutdown._servprof_wrapped = True  # type: ignore[attr-defined]
+        try:
+            engine.shutdown = shutdown
+        except (AttributeError, TypeError):  # an engine client that takes no attributes: lifespan only
+            logger.info("servprof: cannot hook vLLM's engine shutdown; a session running at shutdown may be lost")
+
+    def stop_for_engine_shutdown(self) -> None:
+        on_loop = False
+        with contextlib.suppress(RuntimeError):
+            on_loop = asyncio.get_running_loop() is self.loop
+        if on_loop:
+            # Called on the event loop (vLLM's engine context exiting): stop_profile needs this loop,
+            # so waiting here would only time out. The first, threaded call has done the work.
+            return
+        self.stop_now("vLLM engine shutdown", ENGINE_SHUTDOWN_WAIT_S, SHUTDOWN_FLUSH_S)
 
     def profiler_config(self) -> Any:
         vllm_config = getattr(self.app_state, "vllm_config", None)
@@ -147,6 +180,9 @@ class VLLMCaptureController(CaptureController):
             self._fail(session, "vLLM's app state has no engine_client")
             return
         self._prefix = session_prefix(session.session_id)
+        directory = self.trace_dir()
+        if directory is not None:
+            session.store.linked_dirs.add(directory)  # retention sweeps the session's files there
         session.wall_start_ns = time.time_ns()
         session.perf_start_ns = time.perf_counter_ns()
         try:
@@ -156,20 +192,21 @@ class VLLMCaptureController(CaptureController):
             self._fail(session, ALREADY_ACTIVE if type(exc).__name__ == "ProfilerAlreadyActiveError"
                        else f"vLLM start_profile failed: {type(exc).__name__}: {exc}")
             return
+        session.timed("start", session.perf_start_ns)
         self.sessions_started += 1
-        session.state = CAPTURING
-        session.started.set()
+        self._begin_capture(session)
 
     def _finish(self, session: Session, why: str) -> None:
-        session.stop_reason = why
-        session.state = STOPPING
+        self._begin_stop(session, why)
         engine = self.app_state.engine_client
         stop_error = None
+        session.capture_end_ns = time.perf_counter_ns()
         try:
             self._on_loop(engine.stop_profile())
         except Exception as exc:  # noqa: BLE001
             stop_error = f"vLLM stop_profile failed: {type(exc).__name__}: {exc}"
         session.perf_end_ns = time.perf_counter_ns()
+        session.timed("stop", session.capture_end_ns)
         probes, self._probes = self._probes, None
         summary: dict[str, Any] = {}
         if probes is not None:
@@ -180,8 +217,10 @@ class VLLMCaptureController(CaptureController):
                 summary = {"problems": [f"API probes failed: {exc}"]}
         self.probe_summary = summary
         directory = self.trace_dir()
+        waited = time.perf_counter_ns()
         files, missing = ([], "vLLM's profiler has no torch_profiler_dir") if directory is None else \
             wait_for_session_traces(directory, self._prefix or "", self.expected_ranks(), TRACE_WAIT_S)
+        session.timed("export", waited)  # vLLM's workers writing their trace files
         result = self._analyse(session, files)
         result["api_process"] = summary
         # Findings and phases are in trace µs (unix ns = µs * 1000 + offset); the API-side
@@ -203,16 +242,15 @@ class VLLMCaptureController(CaptureController):
         self._end(session, FAILED if session.error else DONE)
 
     def _analyse(self, session: Session, files: list[Path]) -> dict[str, Any]:
+        # The rank files stay where vLLM wrote them; the store gets a folder of links to them,
+        # which the trace loader reads as one multi-rank trace, and which retention counts and
+        # removes with the files (an empty one still owns rank files that come too late).
+        try:
+            folder = session.store.link_session(session.session_id, files, LINKED_KIND)
+        except OSError as exc:
+            return empty_result(session.session_id, None, error=f"could not link vLLM's trace files: {exc}")
         if not files:
             return empty_result(session.session_id, None)
-        # The rank files stay where vLLM wrote them; the store gets a folder of links to them,
-        # which the trace loader reads as one multi-rank trace.
-        folder = session.store.path_for(session.session_id, ".vllm")
-        folder.mkdir(parents=True, exist_ok=True)
-        for path in files:
-            link = folder / path.name
-            if not link.exists():
-                os.symlink(path, link)
         session.trace_path = folder
         result = self._analysis_result(session, folder)
         result.setdefault("summary", {})["rank_files"] = [str(p) for p in files]

@@ -16,14 +16,17 @@ import time
 import zlib
 from pathlib import Path
 
+from servprof.store import linked_prefix
+
 TRACE_SUFFIXES = (".pt.trace.json.gz", ".pt.trace.json")
 RANK_PATTERN = re.compile(r"rank(\d+)")
 POLL_S = 0.2
 
 
 def session_prefix(session_id: str) -> str:
-    """vLLM accepts prefixes of letters, digits, '-' and '_'; session ids are made by servprof."""
-    return "servprof_" + re.sub(r"[^A-Za-z0-9_-]", "_", session_id)
+    """vLLM accepts prefixes of letters, digits, '-' and '_'; session ids are made by servprof
+    (of those characters only), so this is the store's linked prefix, which retention sweeps."""
+    return linked_prefix(re.sub(r"[^A-Za-z0-9_-]", "_", session_id))
 
 
 def _candidates(directory: Path, prefix: str) -> list[Path]:

@@ -1,0 +1,38 @@
+"""What a user of `servprof demo-server` reads in its log: no alarming line from torch's profiler
+library (Kineto), across the warm-up and a real sampled session."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from _process_helpers import (
+    AUTH,
+    demo_server_command,
+    order_when_ready,
+    server_env,
+    server_process,
+    terminate,
+)
+from _telemetry_helpers import free_port
+
+
+@pytest.mark.slow
+def test_demo_server_log_has_no_kineto_error_or_usdt_lines(tmp_path: Path) -> None:
+    out, port, log = tmp_path / "out", free_port(), tmp_path / "server.log"
+    with server_process(demo_server_command(port), server_env(out), port, log) as process:
+        base = f"http://127.0.0.1:{port}"
+        order_when_ready(base, 1)
+        deadline = time.monotonic() + 120
+        response = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60)
+        assert response.status_code == 200
+        while not httpx.get(base + "/servprof/status", headers=AUTH).json()["last_sessions"]:
+            assert time.monotonic() < deadline, "no session finished"
+            time.sleep(0.2)
+        terminate(process, log)
+    text = log.read_text()
+    assert list((out / "traces").glob("*.pt.trace.json.gz")), "the profiler never ran"
+    assert "External init callback" not in text, text
+    assert "USDT" not in text and "profiler_start" not in text, text
