@@ -1,40 +1,55 @@
-"""Gaps between decode steps, and the cause of each.
+"""Gaps in the model's work between and inside steps, and the cause of each.
 
-On a trace with device events, a gap is device idle time: between the last device
-event of step k and the first of step k+1, minus any device work that ran in
-between; inside a single step, idle stretches between device events count too
-(graph replays and blocking copies leave those). On a CPU-only trace, a gap is
-the host time between the end of one model step and the start of the next, and
-also the part of an unusually slow decode step in which its own thread ran no
-recorded op (it waited for the GIL held by another thread, or was off the CPU).
+On a trace with device events, a gap is device idle time (the holes in the union of
+every kernel, copy and memset on the rank), each hole counted once: the timeline is
+cut into disjoint zones, inside each step's device span and between consecutive
+steps (device_segments), and every hole belongs to exactly one. Holes under
+max(50 µs, 2% of the step's device span) are summed per step and cause rather than
+reported one by one (1,000 tiny launch gaps are one cause: launch-bound). A
+collective kernel far longer than its median on the rank is time spent waiting for
+a slower rank (a straggler), reported beside the idle time. On a CPU-only trace, a
+gap is the host time between consecutive steps on the step's thread, and the part
+of an unusually slow decode step in which that thread ran no recorded work.
 
-Each gap's cause is named from what the host was doing meanwhile (causes.py);
-gaps are grouped by cause into one finding each.
+Each gap's cause comes from causes.py; gaps are grouped by cause into one finding
+each, with a fix, and a severity from their share of the step time.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from servprof.detect.causes import HostActivity, union_length
+from servprof.detect.causes import CAUSES, GapExplainer, cause_fix
 from servprof.detect.finding import Finding
-from servprof.detect.idle_split import idle_split
-from servprof.detect.steps import Step, step_index
-from servprof.trace.model import Trace
+from servprof.detect.host_stacks import BUSY_CLASSES, CLASSES, GRAPH_LAUNCH, HostStacks, NameClasses
+from servprof.detect.intervals import merge
+from servprof.detect.overhead import stop_cutoffs
+from servprof.detect.steps import Step, device_segments
 
 CPU_MIN_GAP_US = 1000.0  # host gaps below 1 ms are the ordinary cost of a Python engine loop
-GPU_MIN_GAP_US = 50.0  # device idle below 50 µs is launch latency, not a stall
+GPU_MIN_GAP_US = 50.0  # device idle below 50 µs is launch latency: summed per step, not listed
 RELATIVE_MIN_GAP = 0.25  # ... and a host gap must be at least this share of the median step
-# Device idle counts from this share of the median step (between steps) or of the step's
-# own device window (inside a step): GPU steps are short, so the bar is lower than on CPU.
+# Device idle is listed one by one from this share of the step's device span (inside) or of
+# the median span (between); shorter holes are summed per step and cause.
 DEVICE_RELATIVE_MIN_GAP = 0.02
-# A cause is reported when its gaps take a real share of the decode span, and recur (or
-# are large alone): one preemption of a few ms by the OS is not something to fix.
+# A cause is reported when its gaps take a real share of the step time, and recur (or are
+# large alone): one preemption of a few ms by the OS is not something to fix.
 MIN_SHARE = 0.05
 MIN_SHARE_SINGLE = 0.2
+CRITICAL_SHARE = 0.2
+CRITICAL_MIN_MS, WARNING_MIN_MS = 1.0, 0.1
+# A gap nothing recorded explains is a finding above info only when most steps have one.
+MIN_RECURRENCE_UNEXPLAINED = 0.5
+# A collective kernel this many times its median on the rank waited for another rank.
+STRAGGLER_FACTOR = 3.0
+COLLECTIVE_KERNEL = re.compile(r"nccl|rccl|AllReduce|AllGather|ReduceScatter|all_reduce|allreduce|cross_device_reduce",
+                               re.IGNORECASE)
+STREAM_WAIT = re.compile(r"^(cuda|hip|cu)StreamWaitEvent")
+CONTINUING_KINDS = ("decode", "mixed", "step", "train")  # a gap before one of these is the engine's own
 
 
 @dataclass
@@ -48,6 +63,8 @@ class Gap:
     explanation: str
     request_ids: list[str] = field(default_factory=list)
     evidence: dict[str, Any] = field(default_factory=dict)
+    count: int = 1  # > 1: short gaps of one step and cause, summed (start/end: the step's span)
+    step: int = -1  # index in the steps list of the step it belongs to (between: the step after it)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -57,179 +74,362 @@ class Gap:
             "where": self.where,
             "cause": self.cause,
             "explanation": self.explanation,
+            "count": self.count,
             "request_ids": self.request_ids[:20],
             **self.evidence,
         }
 
 
-def _device_windows(trace: Trace, steps: list[Step]) -> list[tuple[float, float] | None]:
-    """Per step: first start and last end of the device work its host side launched."""
-    dev = np.flatnonzero(trace.device_mask())
-    launch = trace.launch_row_for(dev)
-    linked = launch >= 0
-    dev, launch = dev[linked], launch[linked]
-    owner = step_index(steps, trace.rank[dev], trace.ts[launch])
-    inside = owner >= 0
-    owner, dev = owner[inside], dev[inside]
-    first = np.full(len(steps), np.inf)
-    last = np.full(len(steps), -np.inf)
-    np.minimum.at(first, owner, trace.ts[dev])
-    np.maximum.at(last, owner, trace.ts[dev] + trace.dur[dev])
-    return [(float(a), float(b)) if np.isfinite(a) else None for a, b in zip(first, last, strict=True)]
-
-
-def find_gaps(trace: Trace, steps: list[Step]) -> tuple[list[Gap], dict[str, Any]]:
+def find_gaps(trace: Any, steps: list[Step]) -> tuple[list[Gap], dict[str, Any]]:
     gaps: list[Gap] = []
     stats: dict[str, Any] = {"steps": len(steps), "mode": "cpu"}
+    classes = NameClasses(trace) if steps else None
+    cutoffs = stop_cutoffs(trace)
+    index = {id(s): i for i, s in enumerate(steps)}
     for rank in trace.ranks:
         rank_steps = [s for s in steps if s.rank == rank]
         if not rank_steps:
             continue
-        activity = HostActivity(trace, rank)
-        on_device = activity.dev_start.size > 0
-        stats["mode"] = "device" if on_device else "cpu"
-        median_step = float(np.median([s.dur_us for s in rank_steps]))
-        if on_device:
-            gaps.extend(_device_gaps(trace, rank_steps, activity, median_step))
+        stacks = HostStacks(trace, rank, classes)
+        explainer = GapExplainer(stacks)
+        if any(s.on_device for s in rank_steps):
+            stats["mode"] = "device"
+            gaps.extend(_device_gaps(trace, rank, rank_steps, index, explainer, cutoffs.get(rank, np.inf)))
         else:
-            gaps.extend(_host_gaps(rank_steps, activity, median_step))
-            gaps.extend(_stalled_steps(trace, rank_steps, activity))
-    stats["median_step_us"] = round(float(np.median([s.dur_us for s in steps])), 1) if steps else None
+            gaps.extend(_host_gaps(rank_steps, index, explainer))
+            gaps.extend(_stalled_steps(rank_steps, index, explainer, stacks))
+    stats["median_step_us"] = round(float(np.median([s.time_us for s in steps])), 1) if steps else None
     return gaps, stats
 
 
-def _host_gaps(steps: list[Step], activity: HostActivity, median_step: float) -> list[Gap]:
-    threshold = max(CPU_MIN_GAP_US, RELATIVE_MIN_GAP * median_step)
-    out = []
+# --- device timelines -------------------------------------------------------------------------
+
+
+def device_rows(trace: Any, rank: int, cutoff: float = np.inf) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rows, starts, ends) of the rank's device events in start order, cut at servprof's stop."""
+    rows = np.flatnonzero(trace.device_mask() & (trace.rank == rank))
+    rows = rows[np.argsort(trace.ts[rows], kind="stable")]
+    start = trace.ts[rows]
+    keep = start < cutoff
+    rows, start = rows[keep], start[keep]
+    return rows, start, np.minimum(start + trace.dur[rows], cutoff)
+
+
+def zones(steps: list[Step]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The rank's timeline cut into disjoint zones: (start, end, step position, inside?) in time
+    order; a between-steps zone belongs to the step after it."""
+    on_device = sorted((s for s in steps if s.on_device), key=lambda s: s.device_start_us or 0.0)
+    zs, ze, zi, inside = [], [], [], []
+    previous_end = None
+    for pos, segment in enumerate(device_segments(on_device)):
+        assert segment is not None
+        if previous_end is not None and segment[0] > previous_end:
+            zs.append(previous_end), ze.append(segment[0]), zi.append(pos), inside.append(False)
+        zs.append(segment[0]), ze.append(segment[1]), zi.append(pos), inside.append(True)
+        previous_end = segment[1]
+    return np.array(zs), np.array(ze), np.array(zi, dtype=np.int64), np.array(inside, dtype=bool)
+
+
+def _device_gaps(trace: Any, rank: int, steps: list[Step], index: dict[int, int], explainer: GapExplainer,
+                 cutoff: float) -> list[Gap]:
+    on_device = sorted((s for s in steps if s.on_device), key=lambda s: s.device_start_us or 0.0)
+    rows, dev_start, dev_end = device_rows(trace, rank, cutoff)
+    block_start, block_end = merge(dev_start, dev_end)
+    hole_a, hole_b = block_end[:-1], block_start[1:]
+    zs, ze, zstep, zinside = zones(on_device)
+    if hole_a.size == 0 or zs.size == 0:
+        return _stragglers(trace, rank, on_device, index, rows, dev_start, dev_end)
+    mid = (hole_a + hole_b) / 2
+    z = np.searchsorted(zs, mid, side="right") - 1
+    ok = (z >= 0) & (mid < ze[np.maximum(z, 0)])
+    hole_a, hole_b, z = hole_a[ok], hole_b[ok], z[ok]
+    step_pos, inside = zstep[z], zinside[z]
+    spans = np.array([s.time_us for s in on_device])
+    median_span = float(np.median(spans))
+    limit = np.maximum(GPU_MIN_GAP_US, DEVICE_RELATIVE_MIN_GAP * np.where(inside, spans[step_pos], median_span))
+    small = (hole_b - hole_a) < limit
+    # The device work that ended each hole: its launch says whether the device was starved.
+    nxt = rows[np.minimum(np.searchsorted(dev_start, hole_b, side="left"), rows.size - 1)]
+    launch = trace.launch_row_for(nxt)
+    has_launch = launch >= 0
+    lrow = np.maximum(launch, 0)
+    launch_ts = np.where(has_launch, trace.ts[lrow], -np.inf)
+    launch_end = np.where(has_launch, trace.ts[lrow] + trace.dur[lrow], hole_b)
+    # Starved: the host launched the work late, and that, not the device sitting on work it
+    # already had (a wait on another stream), is most of the hole.
+    starved = ~has_launch | ((launch_ts > hole_a) & (launch_ts - hole_a >= hole_b - launch_end))
+    tid = np.where(has_launch, trace.tid[lrow], np.array([on_device[p].tid for p in step_pos]))
+    graph = has_launch & np.isin(trace.name_id[lrow], trace.ids_matching(lambda s: GRAPH_LAUNCH.search(s) is not None))
+    waited, wait_rows = _stream_waits(trace, rank, rows, dev_start, hole_a, hole_b, launch_ts)
+    explained = explainer.explain(hole_a, hole_b, tid, starved, small, graph, launch_end, waited)
+    out: list[Gap] = []
+    summed: dict[tuple[int, bool, str], list[int]] = {}
+    for i in range(hole_a.size):
+        step = on_device[int(step_pos[i])]
+        where = "inside_step" if inside[i] else "between_steps"
+        if not inside[i] and step.kind not in CONTINUING_KINDS:
+            continue  # idle before a new request's prefill: the engine had nothing to run
+        if small[i]:
+            summed.setdefault((int(step_pos[i]), bool(inside[i]), explained.cause[i]), []).append(i)
+            continue
+        a, b = float(hole_a[i]), float(hole_b[i])
+        text, evidence = explainer.describe(explained, i, a, b)
+        if explained.cause[i] == "stream_wait" and wait_rows[i] >= 0:
+            w = int(wait_rows[i])
+            evidence["stream_wait"] = {"call": trace.name(w), "thread": int(trace.tid[w]), "ts": float(trace.ts[w])}
+            text += f" ({trace.name(w)} on thread {int(trace.tid[w])}, {(a - float(trace.ts[w])) / 1000:.3f} ms " \
+                    f"before the device went idle)"
+        out.append(Gap(rank, a, b, b - a, where, explained.cause[i], text, list(step.request_ids), evidence,
+                       step=index[id(step)]))
+    for (pos, is_inside, cause), members in summed.items():
+        step = on_device[pos]
+        idx = np.array(members)
+        idle = float((hole_b[idx] - hole_a[idx]).sum())
+        label = CAUSES[cause][0]
+        text = f"{len(members)} short device gaps (each under {limit[idx[0]]:.0f} µs), {idle:.0f} µs in all: {label}"
+        by_class = explained.class_us[idx].sum(axis=0)
+        evidence = {"gaps_summed": len(members), "thread": int(explained.tid[idx[0]]),
+                    "self_us": {CLASSES[c]: round(float(v), 1) for c, v in enumerate(by_class) if v >= 0.05},
+                    "longest_us": round(float((hole_b[idx] - hole_a[idx]).max()), 1),
+                    "top_frames": explainer.top_frames(explained, idx[np.argsort(hole_a[idx] - hole_b[idx])[:50]],
+                                                       hole_a, hole_b)}
+        out.append(Gap(rank, float(hole_a[idx].min()), float(hole_b[idx].max()), idle,
+                       "inside_step" if is_inside else "between_steps", cause, text, list(step.request_ids),
+                       evidence, count=len(members), step=index[id(step)]))
+    out.extend(_stragglers(trace, rank, on_device, index, rows, dev_start, dev_end))
+    return out
+
+
+def _stream_waits(trace: Any, rank: int, rows: np.ndarray, dev_start: np.ndarray, hole_a: np.ndarray,
+                  hole_b: np.ndarray, next_launch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per hole: was a stream-wait-event enqueued between the launch of the last work before the
+    hole and the launch of the work after it (the row of that call, -1 when none)?"""
+    waits = np.flatnonzero(trace.complete() & (trace.rank == rank) & (trace.stream < 0)
+                           & trace.mask_name(lambda s: STREAM_WAIT.search(s) is not None))
+    found = np.full(hole_a.size, -1, dtype=np.int64)
+    if waits.size == 0:
+        return found >= 0, found
+    waits = waits[np.argsort(trace.ts[waits])]
+    before = rows[np.maximum(np.searchsorted(dev_start, hole_a, side="left") - 1, 0)]
+    launch = trace.launch_row_for(before)
+    lower = np.where(launch >= 0, trace.ts[np.maximum(launch, 0)], hole_a - (hole_b - hole_a))
+    upper = np.where(np.isfinite(next_launch), next_launch, hole_b)
+    pos = np.searchsorted(trace.ts[waits], upper, side="right") - 1
+    ok = (pos >= 0) & (trace.ts[waits[np.maximum(pos, 0)]] > lower)
+    found[ok] = waits[pos[ok]]
+    return ok, found
+
+
+def _stragglers(trace: Any, rank: int, steps: list[Step], index: dict[int, int], rows: np.ndarray,
+                start: np.ndarray, end: np.ndarray) -> list[Gap]:
+    """Collective kernels far longer than their median on this rank: the excess is time spent
+    waiting for a slower rank (busy on the timeline, but not work)."""
+    if rows.size == 0 or not steps:
+        return []
+    collective = np.isin(trace.name_id[rows], trace.ids_matching(lambda s: COLLECTIVE_KERNEL.search(s) is not None))
+    out: list[Gap] = []
+    spans = [(s.device_start_us or 0.0, s.device_end_us or 0.0) for s in steps]
+    for name_id in np.unique(trace.name_id[rows[collective]]).tolist():
+        sel = np.flatnonzero(collective & (trace.name_id[rows] == name_id))
+        if sel.size < 3:
+            continue
+        dur = end[sel] - start[sel]
+        median = float(np.median(dur))
+        for j in sel[dur >= STRAGGLER_FACTOR * max(median, 1.0)].tolist():
+            excess = float(end[j] - start[j]) - median
+            pos = next((k for k, (a, b) in enumerate(spans) if a <= start[j] < b), None)
+            if pos is None or excess < max(GPU_MIN_GAP_US, DEVICE_RELATIVE_MIN_GAP * (spans[pos][1] - spans[pos][0])):
+                continue
+            name = trace.names[name_id]
+            text = (f"{CAUSES['collective_straggler'][0]}: {name[:80]} ran {(end[j] - start[j]) / 1000:.2f} ms "
+                    f"against a median of {median / 1000:.3f} ms over {sel.size} calls")
+            out.append(Gap(rank, float(start[j] + median), float(end[j]), excess, "inside_step", "collective_straggler",
+                           text, list(steps[pos].request_ids),
+                           {"collective": name, "duration_us": round(float(end[j] - start[j]), 1),
+                            "median_us": round(median, 1), "calls": int(sel.size)}, step=index[id(steps[pos])]))
+    return out
+
+
+# --- CPU-only traces --------------------------------------------------------------------------
+
+
+def _host_gaps(steps: list[Step], index: dict[int, int], explainer: GapExplainer) -> list[Gap]:
+    threshold = max(CPU_MIN_GAP_US, RELATIVE_MIN_GAP * float(np.median([s.dur_us for s in steps])))
+    pairs = []
     by_thread: dict[int, list[Step]] = {}
     for s in steps:
         by_thread.setdefault(s.tid, []).append(s)
     for thread_steps in by_thread.values():
         for prev, nxt in zip(thread_steps, thread_steps[1:], strict=False):
-            if nxt.kind not in ("decode", "mixed", "step"):
-                continue
-            length = nxt.start_us - prev.end_us
-            if length < threshold:
-                continue
-            window = activity.window(prev.end_us, nxt.start_us)
-            cause, why = window.cause()
-            out.append(Gap(nxt.rank, prev.end_us, nxt.start_us, length, "between_steps", cause, why,
-                           list(nxt.request_ids), window.to_evidence()))
+            if nxt.kind in CONTINUING_KINDS and nxt.start_us - prev.end_us >= threshold:
+                pairs.append((prev, nxt))
+    if not pairs:
+        return []
+    a = np.array([p.end_us for p, _ in pairs])
+    b = np.array([n.start_us for _, n in pairs])
+    tid = np.array([n.tid for _, n in pairs], dtype=np.int64)
+    ones = np.ones(a.size, dtype=bool)
+    explained = explainer.explain(a, b, tid, ones, ~ones, ~ones)
+    out = []
+    for i, (_, nxt) in enumerate(pairs):
+        text, evidence = explainer.describe(explained, i, float(a[i]), float(b[i]))
+        out.append(Gap(nxt.rank, float(a[i]), float(b[i]), float(b[i] - a[i]), "between_steps", explained.cause[i],
+                       text, list(nxt.request_ids), evidence, step=index[id(nxt)]))
     return out
 
 
-def _stalled_steps(trace: Trace, steps: list[Step], activity: HostActivity) -> list[Gap]:
-    """CPU traces: decode steps whose own thread ran no recorded op for much of the step
-    (the thread was waiting for the GIL, or off the CPU). The uncovered time is a gap
-    inside the step; what other threads did meanwhile names its cause."""
+def _stalled_steps(steps: list[Step], index: dict[int, int], explainer: GapExplainer, stacks: HostStacks
+                   ) -> list[Gap]:
+    """Decode steps whose own thread recorded no work for much of the step (it waited for the
+    GIL, or was off the CPU): the unrecorded time is a gap inside the step."""
     decode = [s for s in steps if s.kind == "decode"]
     if len(decode) < 3:
         return []
     typical = float(np.median([s.dur_us for s in decode]))
-    out = []
-    for step in decode:
-        if step.dur_us < 1.5 * typical:
+    slow = [s for s in decode if s.dur_us >= 1.5 * typical]
+    out: list[Gap] = []
+    for tid in {s.tid for s in slow}:
+        mine = [s for s in slow if s.tid == tid]
+        a, b = np.array([s.start_us for s in mine]), np.array([s.end_us for s in mine])
+        busy = stacks.thread(tid).class_times(a, b)[:, list(BUSY_CLASSES)].sum(axis=1)
+        stalled = (b - a) - busy
+        keep = stalled >= max(CPU_MIN_GAP_US, RELATIVE_MIN_GAP * typical)
+        if not keep.any():
             continue
-        own = activity.window(step.start_us, step.end_us, tid=step.tid)
-        stalled = step.dur_us - own.op_us
-        if stalled < max(CPU_MIN_GAP_US, RELATIVE_MIN_GAP * typical):
-            continue
-        others = activity.window(step.start_us, step.end_us, exclude_tid=step.tid)
-        cause, why = others.cause()
-        if cause == "host_ops":
-            cause, why = "gil_or_cpu_contention", f"the engine thread ran nothing while other threads ran {why}"
-        out.append(Gap(step.rank, step.start_us, step.end_us, stalled, "inside_step", cause, why,
-                       list(step.request_ids), others.to_evidence()))
+        a, b, stalled = a[keep], b[keep], stalled[keep]
+        mine = [s for s, k in zip(mine, keep.tolist(), strict=True) if k]
+        ones = np.ones(a.size, dtype=bool)
+        explained = explainer.explain(a, b, np.full(a.size, tid, dtype=np.int64), ones, ~ones, ~ones)
+        for i, step in enumerate(mine):
+            cause = explained.cause[i]
+            if cause in ("host_python", "host_ops", "launch_bound"):
+                cause = "untraced_host_time"  # its own recorded work is not what stalled it
+            text, evidence = explainer.describe(explained, i, float(a[i]), float(b[i]))
+            out.append(Gap(step.rank, float(a[i]), float(b[i]), float(stalled[i]), "inside_step", cause, text,
+                           list(step.request_ids), evidence, step=index[id(step)]))
     return out
 
 
-def _device_gaps(trace: Trace, steps: list[Step], activity: HostActivity, median_step: float) -> list[Gap]:
-    out = []
-    windows = _device_windows(trace, steps)
-    dev_s, dev_e = activity.dev_start, activity.dev_end
-    for i, (step, win) in enumerate(zip(steps, windows, strict=True)):
-        if win is None:
-            continue
-        # Idle stretches inside this step's device window.
-        near = activity.device_overlapping(win[0], win[1])
-        inside = near[(dev_s[near] >= win[0]) & (dev_e[near] <= win[1])]
-        for start, end in _idle_intervals(dev_s[inside], dev_e[inside]):
-            if end - start >= max(GPU_MIN_GAP_US, DEVICE_RELATIVE_MIN_GAP * (win[1] - win[0])):
-                out.append(_device_gap(step, start, end, end - start, "inside_step", activity))
-        nxt = next((j for j in range(i + 1, len(steps)) if windows[j] is not None), None)
-        if nxt is None or steps[nxt].kind not in ("decode", "mixed", "step"):
-            continue
-        start, end = win[1], windows[nxt][0]  # type: ignore[index]
-        if end <= start:
-            continue
-        between = activity.device_overlapping(start, end)
-        busy = union_length(np.maximum(dev_s[between], start), np.minimum(dev_e[between], end))
-        idle = (end - start) - busy
-        if idle >= max(GPU_MIN_GAP_US, DEVICE_RELATIVE_MIN_GAP * median_step):
-            out.append(_device_gap(steps[nxt], start, end, idle, "between_steps", activity))
-    return out
+# --- findings ---------------------------------------------------------------------------------
 
 
-def _device_gap(step: Step, start: float, end: float, idle: float, where: str, activity: HostActivity) -> Gap:
-    window = activity.window(start, end)
-    cause, why = window.cause()
-    return Gap(step.rank, start, end, idle, where, cause, why, list(step.request_ids), window.to_evidence())
+def step_words(steps: list[Step]) -> str:
+    """What to call the steps in a title: decode steps only when they are decode steps."""
+    kinds = {s.kind for s in steps}
+    if kinds <= {"decode"}:
+        return "decode steps"
+    if kinds <= {"train"}:
+        return "training steps"
+    if kinds <= {"prefill"}:
+        return "prefill steps"
+    return "model steps"
 
 
-def _idle_intervals(starts: np.ndarray, ends: np.ndarray) -> list[tuple[float, float]]:
-    if starts.size < 2:
-        return []
-    order = np.argsort(starts, kind="stable")
-    s, e = starts[order], np.maximum.accumulate(ends[order])
-    holes = np.flatnonzero(s[1:] > e[:-1])
-    return [(float(e[h]), float(s[h + 1])) for h in holes]
+def step_span_us(steps: list[Step]) -> float:
+    """The time the steps cover, per rank (first start to last end, device spans where known), summed."""
+    total = 0.0
+    for rank in {s.rank for s in steps}:
+        mine = [s for s in steps if s.rank == rank]
+        starts = [s.device_start_us if s.on_device else s.start_us for s in mine]
+        ends = [s.device_end_us if s.on_device else s.end_us for s in mine]
+        total += max(e for e in ends if e is not None) - min(s for s in starts if s is not None)
+    return total
 
 
-def detect_decode_gaps(trace: Trace, steps: list[Step], found: tuple[list[Gap], dict[str, Any]] | None = None
+def severity_for_share(share: float, cost_ms: float) -> str:
+    """Critical from a fifth of the step time, warning from a twentieth; a cause that costs under
+    1 ms in all is never critical, and under 0.1 ms only info, whatever its share."""
+    severity = "critical" if share >= CRITICAL_SHARE else ("warning" if share >= MIN_SHARE else "info")
+    if severity == "critical" and cost_ms < CRITICAL_MIN_MS:
+        severity = "warning"
+    if cost_ms < WARNING_MIN_MS:
+        severity = "info"
+    return severity
+
+
+def _recurrence(group: list[Gap], steps: list[Step]) -> float:
+    """The share of the steps (of the kinds these gaps belong to) that have such a gap."""
+    hit = {g.step for g in group if 0 <= g.step < len(steps)}
+    kinds = {steps[i].kind for i in hit}
+    pool = sum(1 for s in steps if s.kind in kinds)
+    return len(hit) / pool if pool else 0.0
+
+
+def detect_decode_gaps(trace: Any, steps: list[Step], found: tuple[list[Gap], dict[str, Any]] | None = None
                        ) -> tuple[list[Finding], dict[str, Any]]:
-    """Findings (one per cause) from the gaps; ``found`` is find_gaps' result when the caller has it."""
+    """Findings (one per cause and place) from the gaps; ``found`` is find_gaps' result when the caller has it."""
+    from servprof.detect.idle_split import idle_split
+
     gaps, stats = found if found is not None else find_gaps(trace, steps)
-    split = [s.to_dict() for s in idle_split(trace)]
     summary: dict[str, Any] = {
         **stats,
-        "gaps": len(gaps),
-        "gap_ms_total": round(sum(g.idle_us for g in gaps) / 1000.0, 3),
-        "idle_split": split,
+        "gaps": sum(g.count for g in gaps),
+        "gap_ms_total": round(sum(g.idle_us for g in gaps if g.cause != "collective_straggler") / 1000.0, 3),
+        "idle_split": [s.to_dict() for s in idle_split(trace)],
     }
     findings: list[Finding] = []
-    span = (max(s.end_us for s in steps) - min(s.start_us for s in steps)) if steps else 0.0
+    span = step_span_us(steps)
     by_cause: dict[tuple[str, str], list[Gap]] = {}
     for gap in gaps:
         by_cause.setdefault((gap.cause, gap.where), []).append(gap)
     for (cause, where), group in by_cause.items():
         idle = np.array([g.idle_us for g in group])
-        cost_ms = float(idle.sum()) / 1000.0
+        count = sum(g.count for g in group)
         share = float(idle.sum()) / span if span > 0 else 1.0
-        if share < MIN_SHARE or (len(group) < 2 and share < MIN_SHARE_SINGLE):
-            summary.setdefault("unreported_gaps", []).extend(g.to_dict() for g in group)
+        if share < MIN_SHARE or (count < 2 and share < MIN_SHARE_SINGLE):
+            summary.setdefault("unreported_gaps", []).extend(g.to_dict() for g in group[:50])
             continue
-        severity = "critical" if share >= 0.2 else "warning"
+        severity = severity_for_share(share, float(idle.sum()) / 1000.0)
+        recurrence = _recurrence(group, steps)
+        if cause == "untraced_host_time" and recurrence < MIN_RECURRENCE_UNEXPLAINED:
+            # Nothing recorded says why, and it is not the loop's habit: a preemption or a busy host.
+            severity = "info"
         worst = sorted(group, key=lambda g: -g.idle_us)
-        where_text = "between decode steps" if where == "between_steps" else "inside model steps"
-        findings.append(
-            Finding(
-                kind="decode_gap",
-                severity=severity,
-                cost_ms=cost_ms,
-                start_us=min(g.start_us for g in group),
-                end_us=max(g.end_us for g in group),
-                title=f"{len(group)} gap(s) {where_text}, mean {idle.mean() / 1000:.2f} ms: {worst[0].explanation}",
-                request_ids=sorted({r for g in group for r in g.request_ids})[:100],
-                evidence={
-                    "cause": cause,
-                    "where": where,
-                    "gaps": len(group),
-                    "mean_gap_ms": round(float(idle.mean()) / 1000.0, 4),
-                    "median_gap_ms": round(float(np.median(idle)) / 1000.0, 4),
-                    "max_gap_ms": round(float(idle.max()) / 1000.0, 4),
-                    "share_of_step_span": round(share, 4),
-                    "worst_gaps": [g.to_dict() for g in worst[:10]],
-                },
-            )
-        )
+        words = step_words([steps[g.step] for g in group if 0 <= g.step < len(steps)] or steps)
+        where_text = f"between {words}" if where == "between_steps" else f"inside {words}"
+        what = "waiting for another rank" if cause == "collective_straggler" else "of device idle" \
+            if stats.get("mode") == "device" else "of host time"
+        findings.append(Finding(
+            kind="decode_gap",
+            severity=severity,  # type: ignore[arg-type]
+            cost_ms=float(idle.sum()) / 1000.0,
+            start_us=min(g.start_us for g in group),
+            end_us=max(g.end_us for g in group),
+            title=(f"{count} gap(s) {where_text}, {idle.sum() / 1000:.2f} ms {what} ({share:.0%} of step time): "
+                   f"{worst[0].explanation}"),
+            request_ids=sorted({r for g in group for r in g.request_ids})[:100],
+            evidence={
+                "cause": cause,
+                "where": where,
+                "gaps": count,
+                "mean_gap_ms": round(float(idle.sum()) / count / 1000.0, 4),
+                "median_gap_ms": round(float(np.median(idle / np.array([g.count for g in group]))) / 1000.0, 4),
+                "max_gap_ms": round(float(idle.max()) / 1000.0, 4),
+                "share_of_step_time": round(share, 4),
+                "steps_affected_share": round(recurrence, 4),
+                "worst_gaps": [g.to_dict() for g in worst[:10]],
+            },
+            fix=cause_fix(cause),
+        ))
+    _add_host_reads(trace, steps, span, findings, summary)
     return findings, summary
+
+
+def _add_host_reads(trace: Any, steps: list[Step], span: float, findings: list[Finding], summary: dict[str, Any]
+                    ) -> None:
+    """A read of a device value every step: its own finding on CPU traces; on device traces its
+    count per step goes with the sync gaps it causes (their idle is the measured cost)."""
+    from servprof.detect.host_reads import detect_host_reads
+
+    finding, reads = detect_host_reads(trace, steps, span)
+    if reads:
+        summary["host_reads"] = reads
+    if finding is not None:
+        findings.append(finding)
+        return
+    if reads and reads["steps_with_reads"] >= 0.8 * reads["steps"]:
+        for f in findings:
+            if f.evidence.get("cause") == "synchronize":
+                f.evidence["host_reads_per_step"] = reads["reads_per_step"]
+                f.evidence["host_read_calls"] = reads["calls"]
+                f.title += f" (the loop reads the device {reads['reads_per_step']:.1f}x per step)"
