@@ -155,9 +155,12 @@ def _device_gaps(trace: Any, rank: int, steps: list[Step], index: dict[int, int]
     lrow = np.maximum(launch, 0)
     launch_ts = np.where(has_launch, trace.ts[lrow], -np.inf)
     launch_end = np.where(has_launch, trace.ts[lrow] + trace.dur[lrow], hole_b)
-    # Starved: the host launched the work late, and that, not the device sitting on work it
-    # already had (a wait on another stream), is most of the hole.
-    starved = ~has_launch | ((launch_ts > hole_a) & (launch_ts - hole_a >= hole_b - launch_end))
+    # Starved: the device's queue was empty when the hole began (the launch was still to come or in
+    # progress) and the work started within launch latency of the launch returning. Work queued
+    # before the hole, or launched and then held back longer (a wait on another stream), was not
+    # waiting for the host.
+    held_back = hole_b - launch_end
+    starved = ~has_launch | ((launch_end > hole_a) & (held_back < np.maximum(GPU_MIN_GAP_US, launch_end - hole_a)))
     tid = np.where(has_launch, trace.tid[lrow], np.array([on_device[p].tid for p in step_pos]))
     graph = has_launch & np.isin(trace.name_id[lrow], trace.ids_matching(lambda s: GRAPH_LAUNCH.search(s) is not None))
     waited, wait_rows = _stream_waits(trace, rank, rows, dev_start, hole_a, hole_b, launch_ts)
@@ -177,8 +180,9 @@ def _device_gaps(trace: Any, rank: int, steps: list[Step], index: dict[int, int]
         if explained.cause[i] == "stream_wait" and wait_rows[i] >= 0:
             w = int(wait_rows[i])
             evidence["stream_wait"] = {"call": trace.name(w), "thread": int(trace.tid[w]), "ts": float(trace.ts[w])}
-            text += f" ({trace.name(w)} on thread {int(trace.tid[w])}, {(a - float(trace.ts[w])) / 1000:.3f} ms " \
-                    f"before the device went idle)"
+            lead = (a - float(trace.ts[w])) / 1000
+            text += f" ({trace.name(w)} on thread {int(trace.tid[w])}, {abs(lead):.3f} ms " \
+                    f"{'before' if lead >= 0 else 'after'} the device went idle)"
         out.append(Gap(rank, a, b, b - a, where, explained.cause[i], text, list(step.request_ids), evidence,
                        step=index[id(step)]))
     for (pos, is_inside, cause), members in summed.items():

@@ -30,7 +30,7 @@ from servprof.trace.phases import phase_events
 VLLM_STEP = re.compile(r"^execute_(?:(\d+)_)?context_(\d+)\(([^)]*)\)_generation_(\d+)\(([^)]*)\)")
 # ΣN_Q, ΣN_KV, ΣN_Q², ΣN_Q·N_KV inside the parentheses: "sq32sk55086sqsq32sqsk55086"
 VLLM_SEQ_SUMS = re.compile(r"sq(\d+)sk(\d+)sqsq(\d+)sqsk(\d+)")
-SGLANG_STEP = re.compile(r"^step\[(DECODE|EXTEND|MIXED|PREFILL|IDLE)[^\]]*?(?:bs=(\d+))?[^\]]*\]", re.IGNORECASE)
+SGLANG_STEP = re.compile(r"^step\[(DECODE|EXTEND|MIXED|PREFILL|IDLE)(?:[^\]]*?\bbs=(\d+))?[^\]]*\]", re.IGNORECASE)
 PROFILER_STEP = re.compile(r"^ProfilerStep\s*#\s*(\d+)")
 # vLLM V1's worker step, as Python's profiler names the frame: "vllm/v1/worker/gpu_model_runner.py(2907): execute_model"
 VLLM_EXECUTE_FRAME = re.compile(r"(?:^|/)(?:gpu|cpu|xpu|tpu|npu)?_?model_runner\.py\(\d+\): execute_model$")
