@@ -223,8 +223,12 @@ class HostStacks:
                     seg_s.append(cursor)
                     seg_e.append(s)
                     seg_k.append(parent)
-                if ends[k] > ends[parent]:
-                    ends[k] = ends[parent]  # µs rounding: a child never outlives its parent
+                # A child that outlives its parent (µs rounding, or ranges that do not nest): the
+                # ones below it last as long, so that at every instant the innermost event open is on top.
+                depth = len(stack) - 1
+                while depth >= 0 and ends[stack[depth]] < ends[k]:
+                    ends[stack[depth]] = ends[k]
+                    depth -= 1
                 ctx_spec[k] = specific_l[k] if specific_l[k] >= 0 else ctx_spec[parent]
                 ctx_name[k] = ctx_name[parent] if generic[k] else names[k]
                 ctx_region[k] = region[k] or ctx_region[parent]
