@@ -60,7 +60,7 @@ def test_python_gap_named_by_self_time_never_more_than_the_gap(tmp_path: Path):
 def test_a_thread_that_holds_the_gil_is_named_and_a_sleeping_one_never(tmp_path: Path):
     trace = KinetoTrace()
     t = 0.0
-    for k in range(5):
+    for _ in range(5):
         trace.host(DECODE, t, 60)
         end = eager_step(trace, t, kernels=10)
         # The engine thread records nothing for 800 µs; another thread runs the app's Python.

@@ -72,7 +72,7 @@ def test_servprof_markers_win_and_automatic_ones_are_named(tmp_path: Path):
     for k in range(3):
         both.host("servprof:decode_step|a", k * 1000.0, 60)
         both.host("servprof:auto.decode_step|a", k * 1000.0 + 1, 58)
-        both.annotation("ProfilerStep#%d" % k, k * 1000.0, 900)
+        both.annotation(f"ProfilerStep#{k}", k * 1000.0, 900)
         eager_step(both, k * 1000.0, kernels=4)
     steps = analyse(load_trace(both.write(tmp_path / "b.json"))).steps
     assert [(s.source, s.kind) for s in steps] == [("servprof", "decode")] * 3

@@ -145,13 +145,15 @@ class GapExplainer:
 
     def explain(self, a: np.ndarray, b: np.ndarray, tid: np.ndarray, starved: np.ndarray, small: np.ndarray,
                 next_graph_launch: np.ndarray, launch_end: np.ndarray | None = None,
-                stream_waited: np.ndarray | None = None) -> Explained:
+                stream_waited: np.ndarray | None = None, look_elsewhere: bool = False) -> Explained:
         """``a``/``b``: the gaps; ``tid``: the thread to read each from; ``starved``: the device's next
         work was launched only after the gap began (else it was queued: kernel_wait); ``small``: under
         the size that is reported one by one; ``next_graph_launch``: the work that ended the gap was a
         graph launch or launched inside a compiled forward; ``launch_end``: when that launch call
         returned (the host window to read ends there; the rest is launch latency); ``stream_waited``:
-        a stream-wait-event call was enqueued before the queued work that ended the gap."""
+        a stream-wait-event call was enqueued before the queued work that ended the gap;
+        ``look_elsewhere``: find the thread that ran instead even when the launching thread recorded
+        work for much of the window (a step that was slow only in part)."""
         n = a.size
         # A starved gap is read up to the end of the launch that ended it; after that the launch
         # was in flight (its latency). A queued gap is read whole: the host's part is evidence only.
@@ -166,18 +168,18 @@ class GapExplainer:
             at_start[sel] = stack.class_at(a[sel])
             compiled[sel] |= stack.compiled_at(end[sel])
         class_us[:, LAUNCH] += b - end  # after the launch call returned: the launch's own latency
-        other_tid, other_us = self._instead(a, b, tid, class_us)
+        other_tid, other_us = self._instead(a, b, tid, class_us, look_elsewhere)
         waited = np.zeros(n, dtype=bool) if stream_waited is None else stream_waited
         causes = [self._decide(class_us[i], other_us[i], int(at_start[i]), bool(starved[i]), bool(small[i]),
                                bool(compiled[i]), bool(waited[i]), float(b[i] - a[i])) for i in range(n)]
         return Explained(causes, tid, other_tid, class_us, other_us)
 
-    def _instead(self, a: np.ndarray, b: np.ndarray, tid: np.ndarray, class_us: np.ndarray
+    def _instead(self, a: np.ndarray, b: np.ndarray, tid: np.ndarray, class_us: np.ndarray, always: bool = False
                  ) -> tuple[np.ndarray, np.ndarray]:
         """For gaps the launching thread recorded nothing for: the busiest other (not sleeping) thread."""
         best_tid = np.full(a.size, -1, dtype=np.int64)
         best_us = np.zeros((a.size, len(CLASSES)))
-        need = np.flatnonzero(class_us[:, UNTRACED] >= 0.5 * (b - a))
+        need = np.arange(a.size) if always else np.flatnonzero(class_us[:, UNTRACED] >= 0.5 * (b - a))
         if need.size == 0:
             return best_tid, best_us
         best_busy = np.zeros(need.size)
@@ -257,7 +259,7 @@ class GapExplainer:
         names = ", ".join(str(f["name"])[:90] for f in named[:3]) or "nothing recorded"
         label = CAUSES.get(cause, CAUSES["untraced_host_time"])[0]
         if cause in ("gil_contention",) or (cause == "tokenization" and other >= 0):
-            text = f"{label}: thread {other} ran {names} while the launching thread {tid} recorded nothing"
+            text = f"{label}: thread {other} ran {names} while thread {tid} (the one driving the model) recorded nothing"
         elif cause in ("kernel_wait", "stream_wait"):
             text = label
             blocked = [f for f in top if f["class"] == "sync"]

@@ -25,7 +25,7 @@ import numpy as np
 
 from servprof.detect.causes import CAUSES, GapExplainer, cause_fix
 from servprof.detect.finding import Finding
-from servprof.detect.host_stacks import BUSY_CLASSES, CLASSES, GRAPH_LAUNCH, HostStacks, NameClasses
+from servprof.detect.host_stacks import BUSY_CLASSES, CLASSES, GRAPH_LAUNCH, TOKENIZE, HostStacks, NameClasses
 from servprof.detect.intervals import merge
 from servprof.detect.overhead import stop_cutoffs
 from servprof.detect.steps import Step, device_segments
@@ -303,11 +303,19 @@ def _stalled_steps(steps: list[Step], index: dict[int, int], explainer: GapExpla
         a, b, stalled = a[keep], b[keep], stalled[keep]
         mine = [s for s, k in zip(mine, keep.tolist(), strict=True) if k]
         ones = np.ones(a.size, dtype=bool)
-        explained = explainer.explain(a, b, np.full(a.size, tid, dtype=np.int64), ones, ~ones, ~ones)
+        explained = explainer.explain(a, b, np.full(a.size, tid, dtype=np.int64), ones, ~ones, ~ones,
+                                      look_elsewhere=True)
         for i, step in enumerate(mine):
-            cause = explained.cause[i]
-            if cause in ("host_python", "host_ops", "launch_bound"):
-                cause = "untraced_host_time"  # its own recorded work is not what stalled it
+            # Its own recorded work is not what made it slow: the time it recorded nothing is, and
+            # the thread that ran meanwhile (holding the GIL), if one did.
+            other = explained.other_us[i]
+            busy_other = float(other[list(BUSY_CLASSES)].sum())
+            if explained.other_tid[i] >= 0 and busy_other >= 0.5 * stalled[i]:
+                cause = "tokenization" if other[TOKENIZE] >= 0.5 * busy_other else "gil_contention"
+            else:
+                cause = "untraced_host_time"
+                explained.other_tid[i] = -1
+            explained.cause[i] = cause
             text, evidence = explainer.describe(explained, i, float(a[i]), float(b[i]))
             out.append(Gap(step.rank, float(a[i]), float(b[i]), float(stalled[i]), "inside_step", cause, text,
                            list(step.request_ids), evidence, step=index[id(step)]))
