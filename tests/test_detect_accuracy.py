@@ -214,3 +214,17 @@ def test_profiler_steps_are_used_when_nothing_else_marks_steps():
     assert [s.kind for s in analysis.steps] == ["train"] * 5
     starts = np.array([s.start_us for s in analysis.steps])
     assert (np.diff(starts) > 0).all()
+
+
+def test_every_stall_and_gap_carries_a_fix_that_fits_it(analyses):
+    _, on_loop, _ = analyses["tokenize_on_loop_slow"]
+    for f in kinds(on_loop, "tokenization_stall"):
+        assert "event loop" in f.fix and "run_sync" in f.fix
+    _, worker, _ = analyses["slow_tokenizer"]
+    for f in kinds(worker, "tokenization_stall"):
+        assert f.fix and "event loop" not in f.fix
+        # Slowing other requests' steps (the GIL) is critical only when it is tens of ms.
+        assert f.severity == "warning" or f.cost_ms >= 20
+    for _, analysis, _ in analyses.values():
+        for f in kinds(analysis, "decode_gap") + kinds(analysis, "tokenization_stall"):
+            assert f.fix, f.title
