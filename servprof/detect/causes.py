@@ -169,9 +169,9 @@ class GapExplainer:
             compiled[sel] |= stack.compiled_at(end[sel])
         class_us[:, LAUNCH] += b - end  # after the launch call returned: the launch's own latency
         other_tid, other_us = self._instead(a, b, tid, class_us, look_elsewhere)
-        waited = np.zeros(n, dtype=bool) if stream_waited is None else stream_waited
-        causes = [self._decide(class_us[i], other_us[i], int(at_start[i]), bool(starved[i]), bool(small[i]),
-                               bool(compiled[i]), bool(waited[i]), float(b[i] - a[i])) for i in range(n)]
+        waited = np.zeros(n, dtype=bool) if stream_waited is None else np.asarray(stream_waited, dtype=bool)
+        causes = self._decide(class_us, other_us, at_start, np.asarray(starved, dtype=bool),
+                              np.asarray(small, dtype=bool), compiled, waited, b - a)
         return Explained(causes, tid, other_tid, class_us, other_us)
 
     def _instead(self, a: np.ndarray, b: np.ndarray, tid: np.ndarray, class_us: np.ndarray, always: bool = False
@@ -197,31 +197,39 @@ class GapExplainer:
         return best_tid, best_us
 
     @staticmethod
-    def _decide(us: np.ndarray, other: np.ndarray, at_start: int, starved: bool, small: bool, compiled: bool,
-                waited: bool, length: float) -> str:
-        if not starved:
-            return "stream_wait" if waited else "kernel_wait"
-        busy = {c: us[c] for c in BUSY_CLASSES}
-        top = max(busy, key=lambda c: busy[c])
-        if at_start == SYNC or (top == SYNC and us[SYNC] >= 0.2 * length):
-            return "synchronize"
-        for cls, cause in ((TOKENIZE, "tokenization"), (DETOKENIZE, "detokenization"), (COLLECTIVE, "collective_wait")):
-            if top == cls and us[cls] >= 0.2 * length:
-                return cause
-        if us[WAIT] >= 0.5 * length:
-            return "waiting"
-        if us[UNTRACED] >= 0.5 * length and other[list(BUSY_CLASSES)].sum() >= 0.2 * length:
-            return "tokenization" if other[TOKENIZE] >= 0.5 * other[list(BUSY_CLASSES)].sum() else "gil_contention"
-        python = us[PYTHON] + us[COMPILE]
-        if compiled and python >= 0.5 * length and us[LAUNCH] + us[RUNTIME] < 0.1 * length:
-            return "compiled_dispatch"
-        if small:
-            return "launch_bound"
-        if us[list(BUSY_CLASSES)].sum() >= 0.5 * length:
-            if top == LAUNCH:
-                return "launch_bound"
-            return "host_python" if python >= us[OP] else "host_ops"
-        return "untraced_host_time"
+    def _decide(us: np.ndarray, other: np.ndarray, at_start: np.ndarray, starved: np.ndarray, small: np.ndarray,
+                compiled: np.ndarray, waited: np.ndarray, length: np.ndarray) -> list[str]:
+        """Each gap's cause: the first rule (most specific first) that holds, vectorised over gaps."""
+        busy_classes = np.array(BUSY_CLASSES)
+        busy = us[:, busy_classes]
+        top = busy_classes[np.argmax(busy, axis=1)] if len(us) else np.zeros(0, dtype=np.int64)
+        other_busy = other[:, busy_classes].sum(axis=1)
+        python = us[:, PYTHON] + us[:, COMPILE]
+        host_busy = busy.sum(axis=1) >= 0.5 * length
+        gil = (us[:, UNTRACED] >= 0.5 * length) & (other_busy >= 0.2 * length)
+        rules = [
+            (~starved & waited, "stream_wait"),
+            (~starved, "kernel_wait"),
+            ((at_start == SYNC) | ((top == SYNC) & (us[:, SYNC] >= 0.2 * length)), "synchronize"),
+            ((top == TOKENIZE) & (us[:, TOKENIZE] >= 0.2 * length), "tokenization"),
+            ((top == DETOKENIZE) & (us[:, DETOKENIZE] >= 0.2 * length), "detokenization"),
+            ((top == COLLECTIVE) & (us[:, COLLECTIVE] >= 0.2 * length), "collective_wait"),
+            (us[:, WAIT] >= 0.5 * length, "waiting"),
+            (gil & (other[:, TOKENIZE] >= 0.5 * other_busy), "tokenization"),
+            (gil, "gil_contention"),
+            (compiled & (python >= 0.5 * length) & (us[:, LAUNCH] + us[:, RUNTIME] < 0.1 * length), "compiled_dispatch"),
+            (small, "launch_bound"),
+            (host_busy & (top == LAUNCH), "launch_bound"),
+            (host_busy & (python >= us[:, OP]), "host_python"),
+            (host_busy, "host_ops"),
+        ]
+        cause = np.full(len(us), "untraced_host_time", dtype=object)
+        decided = np.zeros(len(us), dtype=bool)
+        for mask, name in rules:
+            pick = mask & ~decided
+            cause[pick] = name
+            decided |= pick
+        return cause.tolist()
 
     def top_frames(self, explained: Explained, members: np.ndarray, a: np.ndarray, b: np.ndarray,
                    limit: int = 5) -> list[dict[str, Any]]:

@@ -48,6 +48,7 @@ MIN_RECURRENCE_UNEXPLAINED = 0.5
 STRAGGLER_FACTOR = 3.0
 COLLECTIVE_KERNEL = re.compile(r"nccl|rccl|AllReduce|AllGather|ReduceScatter|all_reduce|allreduce|cross_device_reduce",
                                re.IGNORECASE)
+MAX_NAMED_SUMS = 100
 STREAM_WAIT = re.compile(r"^(cuda|hip|cu)StreamWaitEvent")
 CONTINUING_KINDS = ("decode", "mixed", "step", "train")  # a gap before one of these is the engine's own
 
@@ -166,15 +167,22 @@ def _device_gaps(trace: Any, rank: int, steps: list[Step], index: dict[int, int]
     waited, wait_rows = _stream_waits(trace, rank, rows, dev_start, hole_a, hole_b, launch_ts)
     explained = explainer.explain(hole_a, hole_b, tid, starved, small, graph, launch_end, waited)
     out: list[Gap] = []
-    summed: dict[tuple[int, bool, str], list[int]] = {}
-    for i in range(hole_a.size):
+    continuing = np.array([s.kind in CONTINUING_KINDS for s in on_device])
+    # Idle before a new request's prefill: the engine had nothing to run.
+    counted = inside | continuing[step_pos]
+    cause_names, cause_code = np.unique(np.array(explained.cause, dtype=object), return_inverse=True)
+    summed: dict[tuple[int, bool, str], np.ndarray] = {}
+    short = np.flatnonzero(counted & small)
+    if short.size:
+        key = (step_pos[short] * 2 + inside[short]) * len(cause_names) + cause_code[short]
+        order = np.argsort(key, kind="stable")
+        keys, first = np.unique(key[order], return_index=True)
+        for k, members in zip(keys.tolist(), np.split(short[order], first[1:]), strict=True):
+            pos_inside, code = divmod(k, len(cause_names))
+            summed[(pos_inside // 2, bool(pos_inside % 2), str(cause_names[code]))] = members
+    for i in np.flatnonzero(counted & ~small).tolist():
         step = on_device[int(step_pos[i])]
         where = "inside_step" if inside[i] else "between_steps"
-        if not inside[i] and step.kind not in CONTINUING_KINDS:
-            continue  # idle before a new request's prefill: the engine had nothing to run
-        if small[i]:
-            summed.setdefault((int(step_pos[i]), bool(inside[i]), explained.cause[i]), []).append(i)
-            continue
         a, b = float(hole_a[i]), float(hole_b[i])
         text, evidence = explainer.describe(explained, i, a, b)
         if explained.cause[i] == "stream_wait" and wait_rows[i] >= 0:
@@ -185,21 +193,22 @@ def _device_gaps(trace: Any, rank: int, steps: list[Step], index: dict[int, int]
                     f"{'before' if lead >= 0 else 'after'} the device went idle)"
         out.append(Gap(rank, a, b, b - a, where, explained.cause[i], text, list(step.request_ids), evidence,
                        step=index[id(step)]))
-    for (pos, is_inside, cause), members in summed.items():
+    # Frames are named for the largest sums only (those a finding shows): one search per member gap.
+    named = sorted(summed, key=lambda key: -float((hole_b[summed[key]] - hole_a[summed[key]]).sum()))[:MAX_NAMED_SUMS]
+    for (pos, is_inside, cause), idx in summed.items():
         step = on_device[pos]
-        idx = np.array(members)
         idle = float((hole_b[idx] - hole_a[idx]).sum())
         label = CAUSES[cause][0]
-        text = f"{len(members)} short device gaps (each under {limit[idx[0]]:.0f} µs), {idle:.0f} µs in all: {label}"
+        text = f"{idx.size} short device gaps (each under {limit[idx[0]]:.0f} µs), {idle:.0f} µs in all: {label}"
         by_class = explained.class_us[idx].sum(axis=0)
-        evidence = {"gaps_summed": len(members), "thread": int(explained.tid[idx[0]]),
+        evidence = {"gaps_summed": int(idx.size), "thread": int(explained.tid[idx[0]]),
                     "self_us": {CLASSES[c]: round(float(v), 1) for c, v in enumerate(by_class) if v >= 0.05},
                     "longest_us": round(float((hole_b[idx] - hole_a[idx]).max()), 1),
-                    "top_frames": explainer.top_frames(explained, idx[np.argsort(hole_a[idx] - hole_b[idx])[:50]],
-                                                       hole_a, hole_b)}
+                    "top_frames": explainer.top_frames(explained, idx[np.argsort(hole_a[idx] - hole_b[idx])[:20]],
+                                                       hole_a, hole_b) if (pos, is_inside, cause) in named else []}
         out.append(Gap(rank, float(hole_a[idx].min()), float(hole_b[idx].max()), idle,
                        "inside_step" if is_inside else "between_steps", cause, text, list(step.request_ids),
-                       evidence, count=len(members), step=index[id(step)]))
+                       evidence, count=int(idx.size), step=index[id(step)]))
     out.extend(_stragglers(trace, rank, on_device, index, rows, dev_start, dev_end))
     return out
 
