@@ -208,8 +208,8 @@ class HostStacks:
         seg_k: list[int] = []
         stack: list[int] = []
         cursor = 0.0
-        for k in range(n):
-            s = starts[k]
+        for k in range(n + 1):  # the last turn only closes what is still open
+            s = starts[k] if k < n else np.inf
             while stack and ends[stack[-1]] <= s:
                 top = stack.pop()
                 if ends[top] > cursor:
@@ -217,6 +217,8 @@ class HostStacks:
                     seg_e.append(ends[top])
                     seg_k.append(top)
                     cursor = ends[top]
+            if k == n:
+                break
             if stack:
                 parent = stack[-1]
                 if s > cursor:
@@ -242,18 +244,10 @@ class HostStacks:
                 cls[k] = base_l[k]
             cursor = s
             stack.append(k)
-        while stack:
-            top = stack.pop()
-            if ends[top] > cursor:
-                seg_s.append(cursor)
-                seg_e.append(ends[top])
-                seg_k.append(top)
-                cursor = ends[top]
         k_arr = np.array(seg_k, dtype=np.int64)
-        return ThreadStack(tid, np.array(seg_s), np.array(seg_e), np.array(cls, dtype=np.int8)[k_arr] if n else
-                           np.zeros(0, dtype=np.int8), np.array(ctx_name, dtype=np.int64)[k_arr] if n else
-                           np.zeros(0, dtype=np.int64), np.array(ctx_region, dtype=bool)[k_arr] if n else
-                           np.zeros(0, dtype=bool))
+        return ThreadStack(tid, np.array(seg_s, dtype=float), np.array(seg_e, dtype=float),
+                           np.array(cls, dtype=np.int8)[k_arr], np.array(ctx_name, dtype=np.int64)[k_arr],
+                           np.array(ctx_region, dtype=bool)[k_arr])
 
 
 def _base_classes(trace: Trace, rows: np.ndarray, nc: NameClasses) -> np.ndarray:
