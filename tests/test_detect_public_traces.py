@@ -67,8 +67,10 @@ GPU_TRACES = sorted(p.name for p in PUBLIC_TRACES.glob("*.json.gz") if "torch_co
 @pytest.mark.parametrize("name", GPU_TRACES)
 def test_per_step_utilisation_matches_an_independent_reference(name: str):
     path = public_trace(name)
-    analysis = analyse(load_trace(path))
+    trace = load_trace(path)
+    analysis = analyse(trace)
     assert analysis.steps, "every public trace here has steps in one form or another"
+    assert_causes_are_in_the_trace(trace, analysis)
     rows = analysis.summary["utilisation"]["steps"]
     reference = reference_rows(path, [(s.start_us, s.end_us) for s in analysis.steps])
     assert len(rows) == len(reference)

@@ -153,15 +153,27 @@ def sglang_steps(trace: Trace) -> list[Step]:
         kind = {"DECODE": "decode", "EXTEND": "prefill", "PREFILL": "prefill", "MIXED": "mixed"}.get(mode, "step")
         batch = int(match.group(2)) if match.group(2) else None
         step = step_from_row(trace, row, kind, "sglang", trace.name(row), batch=batch)
-        around = outer[(trace.ts[outer] <= trace.ts[row]) & (trace.end[outer] >= trace.end[row])
-                       & (trace.tid[outer] == trace.tid[row]) & (trace.rank[outer] == trace.rank[row])]
-        if around.size:
+        around = _enclosing(trace, outer, row)
+        if around is not None:
             # The whole scheduler step (batch preparation, input copies) is SGLang's step: its range.
-            vllm_form = VLLM_STEP.match(trace.name(int(around[-1])))
+            vllm_form = VLLM_STEP.match(trace.name(around))
             step.attention = _attention_sums(vllm_form) if vllm_form else {}
-            step.start_us, step.end_us = float(trace.ts[around[-1]]), float(trace.end[around[-1]])
+            step.start_us, step.end_us = float(trace.ts[around]), float(trace.end[around])
         steps.append(step)
     return steps
+
+
+def _enclosing(trace: Trace, candidates: np.ndarray, row: int) -> int | None:
+    """The last-starting of the (time-sorted) candidate ranges that contains ``row`` on its thread."""
+    pos = int(np.searchsorted(trace.ts[candidates], trace.ts[row], side="right")) - 1
+    while pos >= 0:
+        c = int(candidates[pos])
+        if trace.end[c] >= trace.end[row] and trace.tid[c] == trace.tid[row] and trace.rank[c] == trace.rank[row]:
+            return c
+        if trace.ts[row] - trace.ts[c] > 60e6:  # a minute back: no step range is that long
+            return None
+        pos -= 1
+    return None
 
 
 def outermost(trace: Trace, rows: np.ndarray) -> np.ndarray:
@@ -227,16 +239,23 @@ def label_unknown_kinds(trace: Trace, steps: list[Step]) -> None:
     backward = host_rows(trace, BACKWARD)
     embedding = host_rows(trace, re.compile(r"^aten::embedding$"))
     for step in unknown:
-        inside = (trace.rank[backward] == step.rank) & (trace.ts[backward] >= step.start_us) \
-            & (trace.ts[backward] < step.end_us)
-        if inside.any():
+        if _first_inside(trace, backward, step, same_thread=False) is not None:
             step.kind = "train"
             continue
-        lookups = embedding[(trace.rank[embedding] == step.rank) & (trace.tid[embedding] == step.tid)
-                            & (trace.ts[embedding] >= step.start_us) & (trace.ts[embedding] < step.end_us)]
-        if lookups.size:
-            dims = trace.args(int(lookups[0])).get("Input Dims")
+        lookup = _first_inside(trace, embedding, step, same_thread=True)
+        if lookup is not None:
+            dims = trace.args(lookup).get("Input Dims")
             ids = dims[1] if isinstance(dims, list) and len(dims) > 1 else None
             if isinstance(ids, list) and len(ids) == 2 and all(isinstance(d, int) for d in ids):
                 step.kind = "decode" if ids[1] == 1 else "prefill"
                 step.batch = ids[0]
+
+
+def _first_inside(trace: Trace, rows: np.ndarray, step: Step, same_thread: bool) -> int | None:
+    """The first of the (time-sorted) rows that starts inside the step's host range on its rank."""
+    lo = int(np.searchsorted(trace.ts[rows], step.start_us, side="left"))
+    hi = int(np.searchsorted(trace.ts[rows], step.end_us, side="left"))
+    for row in rows[lo:hi].tolist():
+        if trace.rank[row] == step.rank and (not same_thread or trace.tid[row] == step.tid):
+            return int(row)
+    return None

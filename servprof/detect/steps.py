@@ -58,15 +58,18 @@ def find_steps(trace: Trace) -> StepList:
     """All model steps, per rank from the best form present, in start order, with their device spans."""
     found = StepList()
     found.ranks_without_steps = []
-    readers = (servprof_steps, sglang_steps, vllm_steps, vllm_frame_steps)
-    candidates = [reader(trace) for reader in readers]
-    per_profiler_step = profiler_steps(trace)
-    forwards = forward_steps(trace) if any(not c for c in candidates) else []
+    readers = (servprof_steps, sglang_steps, vllm_steps, vllm_frame_steps, profiler_steps, forward_steps)
+    read: dict[int, list[Step]] = {}
+
+    def of_rank(i: int, rank: int) -> list[Step]:
+        if i not in read:  # each form is read once, and only when a rank needs it
+            read[i] = readers[i](trace)
+        return [s for s in read[i] if s.rank == rank]
+
     for rank in trace.ranks:
-        chosen = next(([s for s in c if s.rank == rank] for c in candidates if any(s.rank == rank for s in c)), [])
+        chosen = next((mine for i in range(4) if (mine := of_rank(i, rank))), [])
         if not chosen:
-            chosen = _profiler_or_forward([s for s in per_profiler_step if s.rank == rank],
-                                          [s for s in forwards if s.rank == rank])
+            chosen = _profiler_or_forward(of_rank(4, rank), of_rank(5, rank))
         if not chosen:
             found.ranks_without_steps.append(rank)
         found.extend(chosen)
