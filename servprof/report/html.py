@@ -14,6 +14,7 @@ from servprof.report.utilisation import utilisation_html
 
 WIDTH, LANE = 960, 18
 MAX_TIMELINE_STEPS = 3000
+MAX_TIMELINE_GAPS = 5000
 MAX_ROOFLINE_POINTS = 2000
 COLORS = {"decode": "#4c78a8", "prefill": "#72b7b2", "mixed": "#54a24b", "step": "#9d755d", "tokenize": "#f58518"}
 
@@ -39,6 +40,7 @@ def timeline_svg(analysis: Analysis, tokenize_spans: list[tuple[float, float, st
     rank = min(s.rank for s in steps)
     steps = [s for s in steps if s.rank == rank]
     gaps = [g for g in analysis.gaps if g.rank == rank]
+    gaps = sorted(gaps, key=lambda g: -g.idle_us)[:MAX_TIMELINE_GAPS]  # the largest, each drawn once
     windows = [_step_window(s) for s in steps]
     t0 = min(w[0] for w in windows)
     t1 = max(w[1] for w in windows)
