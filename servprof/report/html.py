@@ -62,7 +62,7 @@ def timeline_svg(analysis: Analysis, tokenize_spans: list[tuple[float, float, st
         parts.append(f'<rect x="{x(a):.1f}" y="{lanes["steps"]}" width="{w:.1f}" height="{LANE}" '
                      f'fill="{COLORS.get(s.kind, "#888")}"><title>{_esc(s.kind)} {_esc(s.label[:80])} '
                      f'{(b - a) / 1000:.2f} ms</title></rect>')
-    for g in gaps:
+    for g in (g for g in gaps if g.start_us < t1 and g.end_us > t0):
         w = max((g.end_us - g.start_us) * scale, 1.0)
         if g.count > 1:  # a step's short gaps, summed: drawn once under the step they fell in
             lane, color, what = "short gaps", "#f2a541", f"{g.count} short gaps, {g.idle_us / 1000:.3f} ms in all"
