@@ -111,6 +111,22 @@ def test_outermost_model_forward_is_the_step(tmp_path: Path):
     assert all(s.label == "nn.Module: LlamaForCausalLM_0" for s in analysis.steps)
 
 
+def test_outermost_forward_frame_without_module_frames(tmp_path: Path):
+    """with_stack but not with_modules: the outermost Python `forward` frame on the thread."""
+    trace = KinetoTrace()
+    for k in range(4):
+        t = k * 3000.0
+        if k == 0:  # generate()'s loop frame, around the first forward only (it began before the profiler)
+            trace.frame("transformers/generation/utils.py(2400): _sample", t, 2900)
+        trace.frame("torch/nn/modules/module.py(1779): _call_impl", t + 10, 2000)
+        trace.frame("transformers/models/llama/modeling_llama.py(1180): forward", t + 20, 1900)
+        trace.frame("transformers/models/llama/modeling_llama.py(900): forward", t + 30, 1800)
+        eager_step(trace, t + 100, kernels=5)
+    steps = _analyse(trace, tmp_path).steps
+    assert [(s.source, s.label) for s in steps] == \
+        [("forward", "transformers/models/llama/modeling_llama.py(1180): forward")] * 4
+
+
 def test_no_step_says_what_to_add(tmp_path: Path):
     trace = KinetoTrace()
     eager_step(trace, 0.0, kernels=5)

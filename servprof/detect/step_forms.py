@@ -35,6 +35,7 @@ PROFILER_STEP = re.compile(r"^ProfilerStep\s*#\s*(\d+)")
 # vLLM V1's worker step, as Python's profiler names the frame: "vllm/v1/worker/gpu_model_runner.py(2907): execute_model"
 VLLM_EXECUTE_FRAME = re.compile(r"(?:^|/)(?:gpu|cpu|xpu|tpu|npu)?_?model_runner\.py\(\d+\): execute_model$")
 MODULE_FRAME = "nn.Module: "
+FORWARD_FRAME = re.compile(r"\.py\(\d+\): forward$")
 # Ops that only run when autograd computes gradients: a step holding them is a training step.
 BACKWARD = re.compile(r"^autograd::engine::evaluate_function|Backward\d*$|^## backward|^Optimizer\.step")
 _SERVPROF_STEP_PHASES = ("servprof:decode_step|", "servprof:prefill|", "servprof:auto.decode_step|",
@@ -201,25 +202,36 @@ def profiler_steps(trace: Trace) -> list[Step]:
 
 def forward_steps(trace: Trace) -> list[Step]:
     """Per rank and thread: the calls of the module class that spends the most time as the
-    outermost module (the model, not the sampler or logits processor beside it)."""
-    rows = outermost(trace, host_rows(trace, re.compile("^" + re.escape(MODULE_FRAME))))
+    outermost module (the model, not the sampler or logits processor beside it); on threads
+    without module frames (with_stack but not with_modules), the outermost ``...: forward``
+    Python frame that does."""
+    modules = outermost(trace, host_rows(trace, re.compile("^" + re.escape(MODULE_FRAME))))
+    with_modules = {(int(r), int(t)) for r, t in zip(trace.rank[modules].tolist(), trace.tid[modules].tolist(),
+                                                      strict=True)}
+    forwards = outermost(trace, host_rows(trace, FORWARD_FRAME, "python_function"))
+    forwards = np.array([r for r in forwards.tolist() if (int(trace.rank[r]), int(trace.tid[r])) not in with_modules],
+                        dtype=np.int64)
+    rows = np.concatenate([modules, forwards]).astype(np.int64)
     if rows.size == 0:
         return []
     best: dict[tuple[int, int], tuple[float, str]] = {}
     totals: dict[tuple[int, int, str], float] = {}
     for row in rows.tolist():
-        key = (int(trace.rank[row]), int(trace.tid[row]), _module_class(trace.name(row)))
+        key = (int(trace.rank[row]), int(trace.tid[row]), _forward_key(trace.name(row)))
         totals[key] = totals.get(key, 0.0) + float(trace.dur[row])
-    for (rank, tid, cls), total in totals.items():
+    for (rank, tid, key), total in totals.items():
         if total > best.get((rank, tid), (-1.0, ""))[0]:
-            best[(rank, tid)] = (total, cls)
-    return [step_from_row(trace, row, "step", "forward", trace.name(row)) for row in rows.tolist()
-            if best[(int(trace.rank[row]), int(trace.tid[row]))][1] == _module_class(trace.name(row))]
+            best[(rank, tid)] = (total, key)
+    chosen = [row for row in rows.tolist()
+              if best[(int(trace.rank[row]), int(trace.tid[row]))][1] == _forward_key(trace.name(row))]
+    chosen.sort(key=lambda row: float(trace.ts[row]))
+    return [step_from_row(trace, row, "step", "forward", trace.name(row)) for row in chosen]
 
 
-def _module_class(frame: str) -> str:
-    """"nn.Module: LlamaForCausalLM_0" -> "LlamaForCausalLM" (the suffix numbers instances)."""
-    return re.sub(r"_\d+$", "", frame[len(MODULE_FRAME):])
+def _forward_key(frame: str) -> str:
+    """"nn.Module: LlamaForCausalLM_0" -> "LlamaForCausalLM" (the suffix numbers instances); a
+    Python frame is its own key (file, line and function)."""
+    return re.sub(r"_\d+$", "", frame[len(MODULE_FRAME):]) if frame.startswith(MODULE_FRAME) else frame
 
 
 def step_from_row(trace: Trace, row: int, kind: str, source: str, label: str, batch: int | None = None,
