@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from servprof.detect.decode_gap import Gap
 from servprof.detect.finding import Finding
+from servprof.detect.gaps import Gap
 from servprof.detect.host_stacks import TOKENIZER_NAMES
 from servprof.detect.overhead import stop_cutoffs
 from servprof.detect.steps import Step

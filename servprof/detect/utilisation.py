@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from servprof.detect.decode_gap import device_rows, zones
+from servprof.detect.gaps import device_rows, zones
 from servprof.detect.host_stacks import BUSY_CLASSES, HostStacks, NameClasses
 from servprof.detect.intervals import covered, merge
 from servprof.detect.overhead import stop_cutoffs
