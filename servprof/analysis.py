@@ -161,7 +161,10 @@ def analyse(trace_path: Path, session: dict[str, Any]) -> dict[str, Any]:
         summary["detectors"] = f"failed: {type(exc).__name__}: {exc}"
     else:
         findings = [f.to_dict() for f in detected.findings]
-        summary.update({"detectors": "servprof.detect", "detect": detected.summary})
+        summary.update({"detectors": "servprof.detect", "detect": detected.summary,
+                        # The contract's top-level keys (docs/CONTRACTS.md) for status and the reports.
+                        "missing": detected.summary.get("missing", []),
+                        "servprof_overhead": detected.summary.get("servprof_overhead")})
         if not requests and isinstance(base_ns, (int, float)):
             # Traces without servprof's phase markers (vLLM's workers) still show the model steps
             # each sampled request was in flight for.

@@ -26,12 +26,14 @@ def test_json_and_html_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "decode_gap" in kinds and "tokenization_stall" not in kinds
     gap = next(f for f in report["findings"] if f["kind"] == "decode_gap")
     assert set(gap) == {"kind", "severity", "cost_ms", "start_us", "end_us", "request_ids", "title", "evidence", "fix"}
-    assert report["summary"]["findings"]["decode_gap"] == 1
+    assert gap["evidence"]["cause"] == "untraced_host_time" and gap["fix"]
+    # The injected delay, and the loop's per-step host read (named at info on a CPU trace).
+    assert report["summary"]["findings"]["decode_gap"] == 2
     assert set(report["requests"]) == set(gap["request_ids"])
     page = out_html.read_text()
     assert page.startswith("<!doctype html>")
     assert "<script" not in page and "http://" not in page.replace("http://www.w3.org/2000/svg", "")
-    assert page.count("<svg") == 3  # timeline, gap histogram, roofline
+    assert page.count("<svg") == 4  # per-step utilisation bars, timeline, gap histogram, roofline
     assert 'fill="#e45756"' in page  # the gaps are drawn on the timeline
 
 

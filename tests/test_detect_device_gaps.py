@@ -103,11 +103,15 @@ def test_a_run_of_tiny_kernels_between_steps_is_named(tmp_path: Path):
         t = end + 30 * 20
     analysis = analyse(load_trace(trace.write(tmp_path / "gpu.json")))
     (gap,) = [f for f in analysis.findings if f.kind == "decode_gap"]
-    assert gap.evidence["cause"] == "tiny_kernels"
-    assert gap.evidence["worst_gaps"][0]["tiny_kernels"] == 30
-    # Idle is the window minus the tiny kernels' busy time: 30 x 16 µs of launch latency, + 20 µs
-    # before the next step's first kernel.
-    assert gap.evidence["median_gap_ms"] == pytest.approx((30 * 16 + 20 - 0) / 1000, abs=1e-6)
+    # Each tiny kernel starts 16 µs after its launch, which came as the previous one ended: the
+    # device waited for the host every time (launch-bound), in 30 short gaps summed per step.
+    assert gap.evidence["cause"] == "launch_bound"
+    assert sum(g["count"] for g in gap.evidence["worst_gaps"]) == gap.evidence["gaps"] == 3 * 31
+    # Idle between two steps is the window minus the tiny kernels' busy time: 30 x 16 µs of launch
+    # latency, + 20 µs before the next step's first kernel; counted once, for each of the 3 windows.
+    assert [g["idle_us"] for g in gap.evidence["worst_gaps"]] == [pytest.approx(30 * 16 + 20)] * 3
+    assert gap.cost_ms == pytest.approx(3 * (30 * 16 + 20) / 1000)
+    assert gap.evidence["where"] == "between_steps" and gap.fix
 
 
 def test_clean_device_timeline_has_no_gap(tmp_path: Path):

@@ -40,7 +40,7 @@ _FUZZ = settings(max_examples=CI_EXAMPLES, deadline=None, database=None, derando
 def test_seeds_are_real_traces_that_load() -> None:
     assert len(seed_documents()) == len(seed_sources()) >= 5
     for document in seed_documents():
-        assert len(document["traceEvents"]) > 100
+        assert len(document["traceEvents"]) > 50  # (HTA's cuda_event_sync trace holds 92 events in all)
 
 
 @_FUZZ

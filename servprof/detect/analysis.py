@@ -8,8 +8,10 @@ from typing import Any
 from servprof.detect.bandwidth_bound_decode import detect_bandwidth_bound
 from servprof.detect.decode_gap import detect_decode_gaps, find_gaps
 from servprof.detect.finding import Finding
+from servprof.detect.overhead import overhead_summary
 from servprof.detect.steps import Step, find_steps
 from servprof.detect.tokenization_stall import detect_tokenization_stalls
+from servprof.detect.utilisation import utilisation
 from servprof.trace.loader import paused_gc
 from servprof.trace.model import Trace
 
@@ -45,7 +47,11 @@ def _analyse(trace: Trace, requests: list[dict[str, Any]] | None, device: str | 
             "count": len(steps),
             "by_kind": {k: sum(1 for s in steps if s.kind == k) for k in sorted({s.kind for s in steps})},
             "source": sorted({s.source for s in steps}),
+            "median_step_ms": round(gap_summary["median_step_us"] / 1000, 4) if gap_summary.get("median_step_us") else None,
         },
+        "utilisation": utilisation(trace, steps),  # per-step busy / idle inside / idle between (i19a)
+        "servprof_overhead": overhead_summary(trace, steps, steps.dropped_after_stop),
+        "missing": [*steps.missing(), *token_summary.pop("missing", [])],
         "findings": {k: sum(1 for f in findings if f.kind == k) for k in
                      ("tokenization_stall", "decode_gap", "bandwidth_bound_decode")},
         "decode_gap": gap_summary,

@@ -1,180 +1,290 @@
-"""What the host was doing during a time window: the evidence behind a gap's cause."""
+"""Why the device (or the engine thread) sat idle: the cause of each gap, and what to do about it.
+
+A gap is explained from the thread that launched the device work that ended it (on
+CPU traces: the step's own thread), by self time in the gap (host_stacks.py): never
+more than the gap, nothing nested counted twice, generic wrappers left out. When that
+thread recorded nothing for most of the gap, the thread that ran instead (and so held
+the GIL) is named; threads asleep (``threading.wait``, a tqdm monitor, a queue ``get``)
+never are. A device sync or blocking copy running when the device went idle is the
+cause of the whole gap: it emptied the device's queue.
+"""
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from servprof.detect.steps import is_step_annotation
-from servprof.trace.model import RUNTIME_CATEGORIES, Trace
-from servprof.trace.phases import PHASE_PREFIX, parse_phase_event_name
-
-HOST_CATEGORIES = ("cpu_op", "user_annotation", "python_function", *RUNTIME_CATEGORIES)
-# Host calls that wait for the device: explicit synchronizes, blocking copies, .item().
-SYNC_NAMES = re.compile(
-    r"(Synchronize|aten::_local_scalar_dense|aten::item$|cudaMemcpy$|hipMemcpy$|hipMemcpyWithStream|"
-    r"cudaStreamWaitEvent|aten::nonzero$|torch\.cuda\.synchronize)"
+from servprof.detect.host_stacks import (
+    BUSY_CLASSES,
+    CLASSES,
+    COLLECTIVE,
+    COMPILE,
+    DETOKENIZE,
+    LAUNCH,
+    OP,
+    PYTHON,
+    RUNTIME,
+    SYNC,
+    TOKENIZE,
+    TOKENIZER_NAMES,
+    UNTRACED,
+    WAIT,
+    HostStacks,
 )
-# Tokenizer work recognisable in traces that carry no servprof phase markers.
-# Detokenization (turning output ids back into text) is not on the path to the first token.
-TOKENIZER_NAMES = re.compile(r"((?<!de)tokeniz|encode_batch|apply_chat_template|PreTrainedTokenizer|\.encode\b)",
-                             re.IGNORECASE)
-TINY_KERNEL_US = 10.0
+from servprof.trace.phases import parse_phase_event_name
+
+__all__ = ["CAUSES", "Explained", "GapExplainer", "TOKENIZER_NAMES", "cause_fix"]
+
+# cause id -> (what it is, in a few words; what to do about it)
+CAUSES: dict[str, tuple[str, str]] = {
+    "synchronize": (
+        "a blocking copy or device sync (the host waited for the device)",
+        "Stop reading device values on the host inside the step: keep sampled tokens on the device and read them "
+        "one step behind (copy with non_blocking=True into pinned memory, wait on an event after launching the "
+        "next step), and remove .item() / .tolist() / .cpu() / torch.cuda.synchronize() from the decode loop.",
+    ),
+    "host_read_per_step": (
+        "a read of a device tensor on the host every step",
+        "Keep sampled tokens on the device and read them one step behind, after launching the next step "
+        "(non_blocking copy into pinned memory + an event), instead of .item() / .tolist() / .cpu() right after "
+        "each step: on a GPU each such read is a device sync per step.",
+    ),
+    "tokenization": (
+        "tokenization",
+        "Move tokenization off the thread and process that drive the model: a thread or process pool "
+        "(`await loop.run_in_executor(pool, tokenizer.encode, text)`), or in vLLM its tokenizer workers "
+        "(`--renderer-num-workers`, more `--api-server-count`); use a fast (Rust) tokenizer.",
+    ),
+    "detokenization": (
+        "detokenization",
+        "Detokenize outside the engine thread (a separate thread or process) or in larger batches of tokens.",
+    ),
+    "compiled_dispatch": (
+        "Python before the first graph launch of a compiled forward (torch.compile guards and dispatch)",
+        "Capture the whole decode step in a CUDA graph (torch.compile mode='reduce-overhead', vLLM full CUDA "
+        "graphs), keep guards from failing (stable input types and shapes, dynamic dims marked), and move "
+        "per-step Python out of the compiled call.",
+    ),
+    "host_python": (
+        "Python on the launching thread while the device waited",
+        "The GPU waits for Python: capture decode with CUDA graphs or torch.compile, raise the batch so each "
+        "launch does more work, and move per-step Python (input preparation, bookkeeping) off the critical path "
+        "(asynchronous scheduling).",
+    ),
+    "host_ops": (
+        "a slow host op while the device waited",
+        "Move that op out of the step or make it asynchronous (precompute it, cache it, or run it on the device).",
+    ),
+    "launch_bound": (
+        "many short gaps between kernels: the GPU ran each kernel faster than the host launched the next "
+        "(launch-bound)",
+        "Capture decode with CUDA graphs (vLLM: keep CUDA graphs on; Hugging Face: a static cache with "
+        "torch.compile(mode='reduce-overhead')), fuse small kernels, or raise the batch so each kernel does "
+        "more work.",
+    ),
+    "stream_wait": (
+        "the stream waited on an event before running work already queued (a dependency on another stream or "
+        "process)",
+        "Find what that event waits for (work on another stream, another process, a copy) and overlap or reorder "
+        "it; drop the dependency if it is not needed.",
+    ),
+    "kernel_wait": (
+        "idle between kernels that were already queued (inter-kernel latency or a wait on another stream)",
+        "Fuse the small kernels (torch.compile) or replay them from a CUDA graph, and check cross-stream waits.",
+    ),
+    "gil_contention": (
+        "another thread held the GIL",
+        "Move that thread's work out of the process that drives the GPU (a separate process), or make it release "
+        "the GIL; keep the engine thread's process for launching device work.",
+    ),
+    "collective_straggler": (
+        "a collective that ran far longer than its median on this rank: it waited for a slower rank",
+        "Look at the straggler rank's trace (the one that arrived last): balance work across ranks and remove "
+        "host stalls there (GC, data loading, a sync); this rank's time in the collective is waiting, not work.",
+    ),
+    "collective_wait": (
+        "the host waited in a collective call",
+        "Look at the other ranks' traces for the one that arrived late, and overlap the collective with work.",
+    ),
+    "waiting": (
+        "the launching thread was waiting for work (a queue, a lock, another process)",
+        "Look at what feeds this thread (the scheduler or API-server process): with asynchronous scheduling the "
+        "next step is prepared while the current one runs.",
+    ),
+    "untraced_host_time": (
+        "host time the profiler recorded nothing for",
+        "Record with with_stack=True to see the Python frames; look for sleeps, waits on other processes, or "
+        "too few CPU cores for the server's threads (the thread was off the CPU).",
+    ),
+}
 
 
-def union_length(starts: np.ndarray, ends: np.ndarray) -> float:
-    """Total length covered by the intervals (overlaps counted once)."""
-    if starts.size == 0:
-        return 0.0
-    order = np.argsort(starts, kind="stable")
-    s, e = starts[order], np.maximum.accumulate(ends[order])
-    # A new block starts where an interval begins after everything before it ended.
-    new_block = np.empty(s.size, dtype=bool)
-    new_block[0] = True
-    new_block[1:] = s[1:] > e[:-1]
-    block_ids = np.cumsum(new_block) - 1
-    block_start = s[new_block]
-    block_end = np.zeros(block_start.size)
-    np.maximum.at(block_end, block_ids, e)
-    return float(np.sum(block_end - block_start))
+def cause_fix(cause: str) -> str:
+    return CAUSES.get(cause, CAUSES["untraced_host_time"])[1]
 
 
 @dataclass
-class HostWindow:
-    """Host activity clipped to one window, grouped into the causes servprof names."""
+class Explained:
+    """Per gap: the cause, the thread it was read from, and self time by class (µs)."""
 
-    start_us: float
-    end_us: float
-    tokenize_us: float = 0.0
-    tokenize_request_ids: list[str] = field(default_factory=list)
-    sync_us: float = 0.0
-    sync_calls: list[str] = field(default_factory=list)
-    op_us: float = 0.0  # union of every other profiled host op in the window
-    top_ops: list[tuple[str, float]] = field(default_factory=list)
-    tiny_kernels: int = 0
-    tiny_kernel_span_us: float = 0.0  # first start to last end of the tiny kernels in the window
+    cause: list[str]
+    tid: np.ndarray  # the launching thread (or the step's thread on CPU)
+    other_tid: np.ndarray  # the thread that ran instead (GIL), -1 when none
+    class_us: np.ndarray  # [gaps, classes] on the launching thread
+    other_us: np.ndarray  # [gaps, classes] on other_tid
 
-    @property
-    def length_us(self) -> float:
-        return self.end_us - self.start_us
 
-    def cause(self) -> tuple[str, str]:
-        """(cause id, one-line explanation) for the largest share of the window."""
-        length = max(self.length_us, 1e-9)
-        # Most specific first: a sync or tokenizer call sits inside the Python frames and
-        # ops that also cover the window, so it names the cause better than they do.
-        candidates = [
-            ("tokenization", self.tokenize_us),
-            ("synchronize", self.sync_us),
-            # Launch-bound kernels keep the device mostly idle between them: what counts is how
-            # much of the window their run spans, not their own (tiny) busy time.
-            ("tiny_kernels", self.tiny_kernel_span_us if self.tiny_kernels >= 8 else 0.0),
-            ("host_ops", self.op_us),
+class GapExplainer:
+    """Causes of many gaps on one rank at once (vectorised per thread)."""
+
+    def __init__(self, stacks: HostStacks):
+        self.stacks = stacks
+        self.names = stacks.trace.names
+
+    def explain(self, a: np.ndarray, b: np.ndarray, tid: np.ndarray, starved: np.ndarray, small: np.ndarray,
+                next_graph_launch: np.ndarray, launch_end: np.ndarray | None = None,
+                stream_waited: np.ndarray | None = None, look_elsewhere: bool = False) -> Explained:
+        """``a``/``b``: the gaps; ``tid``: the thread to read each from; ``starved``: the device's next
+        work was launched only after the gap began (else it was queued: kernel_wait); ``small``: under
+        the size that is reported one by one; ``next_graph_launch``: the work that ended the gap was a
+        graph launch or launched inside a compiled forward; ``launch_end``: when that launch call
+        returned (the host window to read ends there; the rest is launch latency); ``stream_waited``:
+        a stream-wait-event call was enqueued before the queued work that ended the gap;
+        ``look_elsewhere``: find the thread that ran instead even when the launching thread recorded
+        work for much of the window (a step that was slow only in part)."""
+        n = a.size
+        # A starved gap is read up to the end of the launch that ended it; after that the launch
+        # was in flight (its latency). A queued gap is read whole: the host's part is evidence only.
+        end = b if launch_end is None else np.where(starved, np.clip(launch_end, a, b), b)
+        class_us = np.zeros((n, len(CLASSES)))
+        at_start = np.full(n, UNTRACED)
+        compiled = np.asarray(next_graph_launch, dtype=bool).copy()
+        for t in np.unique(tid).tolist():
+            sel = np.flatnonzero(tid == t)
+            stack = self.stacks.thread(int(t))
+            class_us[sel] = stack.class_times(a[sel], end[sel])
+            at_start[sel] = stack.class_at(a[sel])
+            compiled[sel] |= stack.compiled_at(end[sel])
+        class_us[:, LAUNCH] += b - end  # after the launch call returned: the launch's own latency
+        other_tid, other_us = self._instead(a, b, tid, class_us, look_elsewhere)
+        waited = np.zeros(n, dtype=bool) if stream_waited is None else np.asarray(stream_waited, dtype=bool)
+        causes = self._decide(class_us, other_us, at_start, np.asarray(starved, dtype=bool),
+                              np.asarray(small, dtype=bool), compiled, waited, b - a)
+        return Explained(causes, tid, other_tid, class_us, other_us)
+
+    def _instead(self, a: np.ndarray, b: np.ndarray, tid: np.ndarray, class_us: np.ndarray, always: bool = False
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        """For gaps the launching thread recorded nothing for: the busiest other (not sleeping) thread."""
+        best_tid = np.full(a.size, -1, dtype=np.int64)
+        best_us = np.zeros((a.size, len(CLASSES)))
+        need = np.arange(a.size) if always else np.flatnonzero(class_us[:, UNTRACED] >= 0.5 * (b - a))
+        if need.size == 0:
+            return best_tid, best_us
+        best_busy = np.zeros(need.size)
+        for t in self.stacks.tids:
+            sel = need[tid[need] != t]
+            if sel.size == 0:
+                continue
+            us = self.stacks.thread(t).class_times(a[sel], b[sel])
+            busy = us[:, list(BUSY_CLASSES)].sum(axis=1)
+            pos = np.searchsorted(need, sel)
+            better = busy > best_busy[pos]
+            best_busy[pos[better]] = busy[better]
+            best_tid[sel[better]] = t
+            best_us[sel[better]] = us[better]
+        return best_tid, best_us
+
+    @staticmethod
+    def _decide(us: np.ndarray, other: np.ndarray, at_start: np.ndarray, starved: np.ndarray, small: np.ndarray,
+                compiled: np.ndarray, waited: np.ndarray, length: np.ndarray) -> list[str]:
+        """Each gap's cause: the first rule (most specific first) that holds, vectorised over gaps."""
+        busy_classes = np.array(BUSY_CLASSES)
+        busy = us[:, busy_classes]
+        top = busy_classes[np.argmax(busy, axis=1)] if len(us) else np.zeros(0, dtype=np.int64)
+        other_busy = other[:, busy_classes].sum(axis=1)
+        python = us[:, PYTHON] + us[:, COMPILE]
+        host_busy = busy.sum(axis=1) >= 0.5 * length
+        gil = (us[:, UNTRACED] >= 0.5 * length) & (other_busy >= 0.2 * length)
+        rules = [
+            (~starved & waited, "stream_wait"),
+            (~starved, "kernel_wait"),
+            ((at_start == SYNC) | ((top == SYNC) & (us[:, SYNC] >= 0.2 * length)), "synchronize"),
+            ((top == TOKENIZE) & (us[:, TOKENIZE] >= 0.2 * length), "tokenization"),
+            ((top == DETOKENIZE) & (us[:, DETOKENIZE] >= 0.2 * length), "detokenization"),
+            ((top == COLLECTIVE) & (us[:, COLLECTIVE] >= 0.2 * length), "collective_wait"),
+            (us[:, WAIT] >= 0.5 * length, "waiting"),
+            (gil & (other[:, TOKENIZE] >= 0.5 * other_busy), "tokenization"),
+            (gil, "gil_contention"),
+            (compiled & (python >= 0.5 * length) & (us[:, LAUNCH] + us[:, RUNTIME] < 0.1 * length), "compiled_dispatch"),
+            (small, "launch_bound"),
+            (host_busy & (top == LAUNCH), "launch_bound"),
+            (host_busy & (python >= us[:, OP]), "host_python"),
+            (host_busy, "host_ops"),
         ]
-        cause = next((name for name, covered in candidates if covered >= 0.2 * length), "")
-        if not cause:
-            return "untraced_host_time", (
-                "the host ran nothing the profiler recorded (a sleep, pure-Python work, waiting for the GIL, "
-                "or the thread was off the CPU)"
-            )
-        if cause == "tokenization":
-            who = ", ".join(self.tokenize_request_ids[:5]) or "unmarked tokenizer calls"
-            return cause, f"tokenization ({who}) ran during the gap"
-        if cause == "synchronize":
-            return cause, f"the host waited on the device ({', '.join(self.sync_calls[:3])})"
-        if cause == "tiny_kernels":
-            return cause, f"a run of {self.tiny_kernels} tiny (<{TINY_KERNEL_US:.0f} µs) launch-bound kernels"
-        names = ", ".join(name for name, _ in self.top_ops[:3])
-        return cause, f"host ops: {names}"
+        cause = np.full(len(us), "untraced_host_time", dtype=object)
+        decided = np.zeros(len(us), dtype=bool)
+        for mask, name in rules:
+            pick = mask & ~decided
+            cause[pick] = name
+            decided |= pick
+        return cause.tolist()
 
-    def to_evidence(self) -> dict[str, Any]:
-        return {
-            "tokenize_us": round(self.tokenize_us, 1),
-            "tokenize_request_ids": self.tokenize_request_ids[:20],
-            "sync_us": round(self.sync_us, 1),
-            "sync_calls": self.sync_calls[:10],
-            "host_ops_us": round(self.op_us, 1),
-            "top_host_ops": [{"name": n, "us": round(us, 1)} for n, us in self.top_ops[:5]],
-            "tiny_kernels": self.tiny_kernels,
+    def top_frames(self, explained: Explained, members: np.ndarray, a: np.ndarray, b: np.ndarray,
+                   limit: int = 5) -> list[dict[str, Any]]:
+        """The frames with the most self time over several gaps (summed), on the thread each was read from."""
+        totals: dict[tuple[str, str], float] = {}
+        for i in members.tolist():
+            for frame in self.stacks.thread(int(explained.tid[i])).top(float(a[i]), float(b[i]), self.names, limit):
+                key = (str(frame["name"]), str(frame["class"]))
+                totals[key] = totals.get(key, 0.0) + float(frame["self_us"])  # type: ignore[arg-type]
+        ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:limit]
+        return [{"name": n, "class": c, "self_us": round(us, 1)} for (n, c), us in ranked]
+
+    def describe(self, explained: Explained, i: int, a: float, b: float) -> tuple[str, dict[str, Any]]:
+        """One gap's explanation (a sentence) and its evidence: self time by class on the thread it
+        was read from, the top frames by self time, and the thread that ran instead."""
+        cause = explained.cause[i]
+        tid = int(explained.tid[i])
+        stack = self.stacks.thread(tid)
+        top = stack.top(a, b, self.names)
+        evidence: dict[str, Any] = {
+            "thread": tid,
+            "self_us": {CLASSES[c]: round(float(v), 1) for c, v in enumerate(explained.class_us[i]) if v >= 0.05},
+            "top_frames": top,
         }
-
-
-class HostActivity:
-    """Host events of one rank, indexed once so that many windows can be asked about cheaply."""
-
-    def __init__(self, trace: Trace, rank: int):
-        self.trace = trace
-        mask = trace.complete() & (trace.rank == rank) & (trace.stream < 0) & trace.mask_category(*HOST_CATEGORIES)
-        rows = np.flatnonzero(mask)
-        rows = rows[~np.isin(trace.name_id[rows], trace.ids_matching(is_step_annotation))]
-        self.rows = rows[np.argsort(trace.ts[rows], kind="stable")]
-        self.start = trace.ts[self.rows]
-        self.end = self.start + trace.dur[self.rows]
-        self.longest = float(trace.dur[self.rows].max()) if self.rows.size else 0.0
-        self.names = trace.name_id[self.rows]
-        self.tids = trace.tid[self.rows]
-        self.is_tokenize = np.isin(self.names, trace.ids_matching(_is_tokenizer_name))
-        self.is_sync = np.isin(self.names, trace.ids_matching(lambda s: SYNC_NAMES.search(s) is not None))
-        self.is_phase = np.isin(self.names, trace.ids_matching(lambda s: s.startswith(PHASE_PREFIX)))
-        dev = np.flatnonzero(trace.device_mask() & (trace.rank == rank))
-        dev = dev[np.argsort(trace.ts[dev], kind="stable")]
-        self.dev_start = trace.ts[dev]  # sorted, so windows are found by binary search
-        self.dev_end = self.dev_start + trace.dur[dev]
-        self.dev_longest = float(trace.dur[dev].max()) if dev.size else 0.0
-
-    def device_overlapping(self, start_us: float, end_us: float) -> np.ndarray:
-        """Indices (into dev_start/dev_end) of device events overlapping [start, end)."""
-        lo = int(np.searchsorted(self.dev_start, start_us - self.dev_longest, side="left"))
-        hi = int(np.searchsorted(self.dev_start, end_us, side="left"))
-        idx = np.arange(lo, hi)
-        return idx[self.dev_end[idx] > start_us]
-
-    def window(self, start_us: float, end_us: float, tid: int | None = None, exclude_tid: int | None = None
-               ) -> HostWindow:
-        """Host activity clipped to [start, end): on every thread, only on ``tid``, or on
-        every thread but ``exclude_tid``."""
-        out = HostWindow(start_us, end_us)
-        # Events are sorted by start; any overlapping one starts after start - longest.
-        lo = int(np.searchsorted(self.start, start_us - self.longest, side="left"))
-        hi = int(np.searchsorted(self.start, end_us, side="left"))
-        idx = np.arange(lo, hi)
-        idx = idx[self.end[idx] > start_us]
-        if tid is not None:
-            idx = idx[self.tids[idx] == tid]
-        if exclude_tid is not None:
-            idx = idx[self.tids[idx] != exclude_tid]
-        if idx.size:
-            s, e = np.maximum(self.start[idx], start_us), np.minimum(self.end[idx], end_us)
-            tok, sync = self.is_tokenize[idx], self.is_sync[idx]
-            other = ~tok & ~sync & ~self.is_phase[idx]
-            out.tokenize_us = union_length(s[tok], e[tok])
-            out.sync_us = union_length(s[sync], e[sync])
-            out.op_us = union_length(s[other], e[other])
-            out.tokenize_request_ids = sorted(
-                {rid for i in idx[tok] for rid in _phase_ids(self.trace.names[int(self.names[i])])}
-            )
-            out.sync_calls = sorted({self.trace.names[int(n)] for n in self.names[idx[sync]]})
-            per_name: dict[str, float] = {}
-            for i, clip in zip(idx[other].tolist(), (e - s)[other].tolist(), strict=True):
-                name = self.trace.names[int(self.names[i])]
-                per_name[name] = per_name.get(name, 0.0) + clip
-            out.top_ops = sorted(per_name.items(), key=lambda kv: -kv[1])[:5]
-        near = self.device_overlapping(start_us, end_us)
-        s_dev, e_dev = self.dev_start[near], self.dev_end[near]
-        tiny = (s_dev >= start_us) & (e_dev <= end_us) & ((e_dev - s_dev) < TINY_KERNEL_US)
-        out.tiny_kernels = int(tiny.sum())
-        if out.tiny_kernels:
-            out.tiny_kernel_span_us = float(e_dev[tiny].max() - s_dev[tiny].min())
-        return out
-
-
-def _is_tokenizer_name(name: str) -> bool:
-    if name.startswith(PHASE_PREFIX):
-        return name.startswith((PHASE_PREFIX + "tokenize|", PHASE_PREFIX + "auto.tokenize|"))
-    return TOKENIZER_NAMES.search(name) is not None
+        other = int(explained.other_tid[i])
+        if other >= 0:
+            evidence["ran_instead"] = {"thread": other, "top_frames": self.stacks.thread(other).top(a, b, self.names),
+                                       "self_us": {CLASSES[c]: round(float(v), 1) for c, v in
+                                                   enumerate(explained.other_us[i]) if v >= 0.05}}
+        wanted = {"synchronize": "sync", "tokenization": "tokenize", "detokenization": "detokenize",
+                  "compiled_dispatch": None, "collective_wait": "collective"}.get(cause)
+        frames = evidence["ran_instead"]["top_frames"] if cause in ("gil_contention",) or (
+            cause == "tokenization" and other >= 0) else top
+        named = [f for f in frames if wanted is None or f["class"] == wanted] or frames
+        names = ", ".join(str(f["name"])[:90] for f in named[:3]) or "nothing recorded"
+        label = CAUSES.get(cause, CAUSES["untraced_host_time"])[0]
+        if cause in ("gil_contention",) or (cause == "tokenization" and other >= 0):
+            text = f"{label}: thread {other} ran {names} while thread {tid} (the one driving the model) recorded nothing"
+        elif cause in ("kernel_wait", "stream_wait"):
+            text = label
+            blocked = [f for f in top if f["class"] == "sync"]
+            if blocked:
+                text += f"; meanwhile thread {tid} blocked in {blocked[0]['name']} ({float(blocked[0]['self_us']) / 1000:.2f} ms)"
+        elif cause == "launch_bound":
+            text = label
+        elif cause == "untraced_host_time":
+            quiet = float(explained.class_us[i][UNTRACED])
+            text = f"{label}: thread {tid} recorded nothing for {quiet / 1000:.2f} of {(b - a) / 1000:.2f} ms"
+        else:
+            text = f"{label} on thread {tid}: {names}"
+        if cause == "tokenization":
+            ids = sorted({rid for f in frames for rid in _phase_ids(str(f["name"]))})
+            if ids:
+                evidence["tokenize_request_ids"] = ids[:20]
+        return text, evidence
 
 
 def _phase_ids(name: str) -> list[str]:

@@ -1,153 +1,163 @@
-"""Model steps (decode / prefill / mixed) found in a trace, whoever wrote it.
+"""Model steps (decode / prefill / mixed / training) found in a trace, whoever wrote it.
 
-Sources, first that is present wins (per rank):
-1. servprof's own phase markers: ``servprof:decode_step|ids`` and ``servprof:prefill|ids``;
-2. vLLM's step annotation ``execute_<T>_context_<C>(...)_generation_<G>(...)``
-   (C = requests in prefill, G = requests decoding; C == 0 is a pure decode step);
-3. SGLang's ``step[DECODE bs=N]`` / ``step[EXTEND bs=N]`` annotations;
-4. ``ProfilerStep#N``.
+Per rank, the first form present wins (readers in step_forms.py): servprof's phase
+markers (explicit, then automatic), SGLang's step annotations, vLLM's step
+annotations, vLLM's ``execute_model`` frames, then ``ProfilerStep#N`` or the outermost
+model forward (the forwards when each ProfilerStep holds several, as around a whole
+``generate``). Each step also gets the span of the device work it launched: under
+asynchronous scheduling the host range ends long before its kernels do, so step time,
+utilisation and gaps are read on the device timeline when there is one.
+
+Nothing after servprof's own ``stop()`` (session metadata ``stop_wall_ns``) is the
+app's: steps that start after it are dropped, steps that straddle it are cut there.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
-
 import numpy as np
 
+from servprof.detect.overhead import stop_cutoffs
+from servprof.detect.step_forms import (
+    SOURCE_LABELS,
+    Step,
+    forward_steps,
+    is_step_annotation,
+    label_unknown_kinds,
+    profiler_steps,
+    servprof_steps,
+    sglang_steps,
+    vllm_frame_steps,
+    vllm_steps,
+)
 from servprof.trace.model import Trace
-from servprof.trace.phases import phase_events
 
-# vLLM writes "execute_<T>_context_..." with attention sums, or "execute_context_..." with token counts.
-VLLM_STEP = re.compile(r"^execute_(?:(\d+)_)?context_(\d+)\(([^)]*)\)_generation_(\d+)\(([^)]*)\)")
-# ΣN_Q, ΣN_KV, ΣN_Q², ΣN_Q·N_KV inside the parentheses: "sq32sk55086sqsq32sqsk55086"
-VLLM_SEQ_SUMS = re.compile(r"sq(\d+)sk(\d+)sqsq(\d+)sqsk(\d+)")
-SGLANG_STEP = re.compile(r"^step\[(DECODE|EXTEND|MIXED|PREFILL|IDLE)[^\]]*?(?:bs=(\d+))?\]", re.IGNORECASE)
-PROFILER_STEP = re.compile(r"^ProfilerStep\s*#\s*(\d+)")
-_SERVPROF_STEP_PHASES = ("servprof:decode_step|", "servprof:prefill|", "servprof:auto.decode_step|",
-                         "servprof:auto.prefill|")
+__all__ = ["SOURCE_LABELS", "Step", "StepList", "device_segments", "find_steps", "is_step_annotation", "step_index"]
 
-
-def is_step_annotation(name: str) -> bool:
-    """A range that marks a whole model step (any framework's form): the step itself, not
-    host work inside it."""
-    return bool(VLLM_STEP.match(name) or SGLANG_STEP.match(name) or PROFILER_STEP.match(name)
-                or name.startswith(_SERVPROF_STEP_PHASES))
+NO_STEPS_MESSAGE = (
+    "No model step was found in this trace, so there is no per-step utilisation and no decode gap: mark each "
+    "step with `servprof.phase(\"decode_step\")` (servprof's automatic forward hooks do this while a session runs), "
+    "or record with `with_stack=True` (vLLM's execute_model frames, the model's forward) or a profiler "
+    "`schedule` with `prof.step()` (ProfilerStep#N)."
+)
 
 
-@dataclass
-class Step:
-    row: int
-    rank: int
-    tid: int
-    start_us: float
-    end_us: float
-    kind: str  # "decode" | "prefill" | "mixed" | "step" (unknown mix)
-    source: str  # "servprof" | "vllm" | "sglang" | "profiler_step"
-    label: str
-    request_ids: list[str] = field(default_factory=list)
-    batch: int | None = None
-    attention: dict[str, int] = field(default_factory=dict)  # vLLM sequence sums, when known
+class StepList(list[Step]):
+    """find_steps' result: the steps, plus what the search left out."""
 
-    @property
-    def dur_us(self) -> float:
-        return self.end_us - self.start_us
+    dropped_after_stop: int = 0  # steps that began after servprof's own stop()
+    ranks_without_steps: list[int]
+
+    def missing(self) -> list[dict[str, str]]:
+        """summary["missing"] entries (docs/CONTRACTS.md) for what the step search could not show."""
+        if not self:
+            return [{"what": "model steps", "message": NO_STEPS_MESSAGE}]
+        return []
 
 
-def _servprof_steps(trace: Trace) -> list[Step]:
-    """One step per batch: servers that mark decode_step once per request get their
-    overlapping markers on one thread merged, with the union of the request ids."""
-    steps: list[Step] = []
-    for event in phase_events(trace):
-        if event.phase not in ("decode_step", "prefill"):
-            continue
-        kind = "decode" if event.phase == "decode_step" else "prefill"
-        rank = int(trace.rank[event.row])
-        same = next((s for s in reversed(steps) if s.rank == rank and s.tid == event.tid and s.kind == kind), None)
-        if same is not None and event.start_us < same.end_us:
-            same.end_us = max(same.end_us, event.end_us)
-            same.request_ids.extend(r for r in event.request_ids if r not in same.request_ids)
-            same.batch = len(same.request_ids) or None
-            continue
-        steps.append(
-            Step(
-                row=event.row,
-                rank=rank,
-                tid=event.tid,
-                start_us=event.start_us,
-                end_us=event.end_us,
-                kind=kind,
-                source="servprof",
-                label=event.phase,
-                request_ids=list(event.request_ids),
-                batch=len(event.request_ids) or None,
-            )
-        )
-    return steps
+def find_steps(trace: Trace) -> StepList:
+    """All model steps, per rank from the best form present, in start order, with their device spans."""
+    found = StepList()
+    found.ranks_without_steps = []
+    readers = (servprof_steps, sglang_steps, vllm_steps, vllm_frame_steps, profiler_steps, forward_steps)
+    read: dict[int, list[Step]] = {}
 
+    def of_rank(i: int, rank: int) -> list[Step]:
+        if i not in read:  # each form is read once, and only when a rank needs it
+            read[i] = readers[i](trace)
+        return [s for s in read[i] if s.rank == rank]
 
-def _annotation_rows(trace: Trace, pattern: re.Pattern[str]) -> np.ndarray:
-    rows = np.flatnonzero(trace.mask_name(lambda s: pattern.match(s) is not None) & trace.complete() & (trace.stream < 0))
-    # The same annotation can be mirrored on the device timeline (gpu_user_annotation): keep the host one.
-    host = ~trace.mask_category("gpu_user_annotation")[rows]
-    return rows[host]
-
-
-def _vllm_steps(trace: Trace) -> list[Step]:
-    steps = []
-    for row in _annotation_rows(trace, VLLM_STEP):
-        name = trace.name(row)
-        match = VLLM_STEP.match(name)
-        assert match is not None
-        context, generation = int(match.group(2)), int(match.group(4))
-        attention: dict[str, int] = {}
-        sums = VLLM_SEQ_SUMS.search(match.group(5))
-        if sums:
-            attention = {"decode_sum_q": int(sums.group(1)), "decode_sum_kv": int(sums.group(2))}
-        kind = "decode" if context == 0 else ("prefill" if generation == 0 else "mixed")
-        steps.append(_step_from_row(trace, row, kind, "vllm", name, batch=context + generation, attention=attention))
-    return steps
-
-
-def _sglang_steps(trace: Trace) -> list[Step]:
-    steps = []
-    for row in _annotation_rows(trace, SGLANG_STEP):
-        match = SGLANG_STEP.match(trace.name(row))
-        assert match is not None
-        mode = match.group(1).upper()
-        kind = {"DECODE": "decode", "EXTEND": "prefill", "PREFILL": "prefill", "MIXED": "mixed"}.get(mode, "step")
-        batch = int(match.group(2)) if match.group(2) else None
-        steps.append(_step_from_row(trace, row, kind, "sglang", trace.name(row), batch=batch))
-    return steps
-
-
-def _profiler_steps(trace: Trace) -> list[Step]:
-    return [_step_from_row(trace, row, "step", "profiler_step", trace.name(row)) for row in _annotation_rows(trace, PROFILER_STEP)]
-
-
-def _step_from_row(trace: Trace, row: int, kind: str, source: str, label: str, batch: int | None = None,
-                   attention: dict[str, int] | None = None) -> Step:
-    start = float(trace.ts[row])
-    return Step(int(row), int(trace.rank[row]), int(trace.tid[row]), start, start + float(trace.dur[row]), kind,
-                source, label, batch=batch, attention=attention or {})
-
-
-def find_steps(trace: Trace) -> list[Step]:
-    """All model steps, per rank from the best source present, in start order."""
-    found: list[Step] = []
-    candidates = (_servprof_steps(trace), _vllm_steps(trace), _sglang_steps(trace), _profiler_steps(trace))
     for rank in trace.ranks:
-        for source_steps in candidates:
-            mine = [s for s in source_steps if s.rank == rank]
-            if mine:
-                found.extend(mine)
-                break
+        chosen = next((mine for i in range(4) if (mine := of_rank(i, rank))), [])
+        if not chosen:
+            chosen = _profiler_or_forward(of_rank(4, rank), of_rank(5, rank))
+        if not chosen:
+            found.ranks_without_steps.append(rank)
+        found.extend(chosen)
+    label_unknown_kinds(trace, found)
+    found.dropped_after_stop = _cut_at_stop(trace, found)
     found.sort(key=lambda s: (s.rank, s.start_us))
+    _attach_device_spans(trace, found)
     return found
 
 
+def _profiler_or_forward(profiler: list[Step], forwards: list[Step]) -> list[Step]:
+    """ProfilerStep#N unless each holds several model forwards (a whole generate() in one
+    profiler step): then every forward is a step."""
+    if not forwards:
+        return profiler
+    if not profiler:
+        return forwards
+    starts = np.array([f.start_us for f in forwards])
+    inside = [int(((starts >= p.start_us) & (starts < p.end_us)).sum()) for p in profiler]
+    return forwards if np.mean(inside) > 1.5 else profiler
+
+
+def _cut_at_stop(trace: Trace, steps: StepList) -> int:
+    cutoffs = stop_cutoffs(trace)
+    if not cutoffs:
+        return 0
+    kept, dropped = [], 0
+    for step in steps:
+        cutoff = cutoffs.get(step.rank)
+        if cutoff is not None and step.start_us >= cutoff:
+            dropped += 1
+            continue
+        if cutoff is not None and step.end_us > cutoff:
+            step.cut_at_stop_us = step.end_us - cutoff
+            step.end_us = cutoff
+        kept.append(step)
+    steps[:] = kept
+    return dropped
+
+
+def _attach_device_spans(trace: Trace, steps: list[Step]) -> None:
+    """Per step: first start and last end of the device work launched from inside its host range
+    (device work after servprof's stop is left out)."""
+    if not steps:
+        return
+    dev = np.flatnonzero(trace.device_mask())
+    launch = trace.launch_row_for(dev)
+    linked = launch >= 0
+    dev, launch = dev[linked], launch[linked]
+    owner = step_index(steps, trace.rank[dev], trace.ts[launch])
+    inside = owner >= 0
+    owner, dev = owner[inside], dev[inside]
+    start, end = trace.ts[dev], trace.ts[dev] + trace.dur[dev]
+    cutoffs = stop_cutoffs(trace)
+    if cutoffs:
+        limit = np.array([cutoffs.get(int(r), np.inf) for r in trace.rank[dev].tolist()])
+        keep = start < limit
+        owner, start, end = owner[keep], start[keep], np.minimum(end[keep], limit[keep])
+    first = np.full(len(steps), np.inf)
+    last = np.full(len(steps), -np.inf)
+    np.minimum.at(first, owner, start)
+    np.maximum.at(last, owner, end)
+    for step, a, b in zip(steps, first.tolist(), last.tolist(), strict=True):
+        if np.isfinite(a):
+            step.device_start_us, step.device_end_us = a, b
+
+
+def device_segments(steps: list[Step]) -> list[tuple[float, float] | None]:
+    """Per step (in the given order, one rank): its device span made disjoint from the previous
+    step's, so that no stretch of the timeline belongs to two steps. Device spans taken from
+    launches overlap when work of consecutive steps interleaves (several streams, or a
+    step's tail still running when the next one's first kernel starts); each step then starts
+    where the previous one ended. None for steps that launched no device work."""
+    out: list[tuple[float, float] | None] = []
+    previous_end = -np.inf
+    for step in steps:
+        if step.device_start_us is None or step.device_end_us is None:
+            out.append(None)
+            continue
+        start = max(step.device_start_us, previous_end)
+        end = max(step.device_end_us, start)
+        out.append((start, end))
+        previous_end = end
+    return out
+
+
 def step_index(steps: list[Step], ranks: np.ndarray, times: np.ndarray) -> np.ndarray:
-    """For each (rank, time): the index in ``steps`` of the step that contains it, -1 if none.
+    """For each (rank, time): the index in ``steps`` of the step whose host range contains it, -1 if none.
 
     One binary search per rank instead of a scan per step; where steps of one rank
     overlap, the latest-starting one that contains the time is taken.

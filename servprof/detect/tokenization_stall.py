@@ -1,10 +1,12 @@
 """Tokenization stalls: time a request spends tokenizing before its first model work.
 
-Per request (from servprof's ``tokenize`` phases, or recognised tokenizer ops and
-Python frames in traces without them): how long tokenization took, the share of
-the time to its first model step, and the harm to others: model steps of other
-requests that ran while it tokenized and took longer than usual (tokenizers that
-hold the GIL slow the engine thread down), and decode gaps it overlapped.
+Per request (from servprof's ``tokenize`` phases, explicit or automatic, or recognised
+tokenizer ops and Python frames in traces without them): how long tokenization took,
+the share of the time to its first model step, and the harm to others: model steps of
+other requests that ran while it tokenized and took longer than usual (tokenizers that
+hold the GIL slow the engine thread down), and decode gaps it overlapped. Nothing after
+servprof's own stop() counts. A trace without any tokenization says so in
+``summary["missing"]``, with how to get it.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from servprof.detect.causes import TOKENIZER_NAMES
-from servprof.detect.decode_gap import Gap
 from servprof.detect.finding import Finding
+from servprof.detect.gaps import Gap
+from servprof.detect.host_stacks import TOKENIZER_NAMES
+from servprof.detect.overhead import stop_cutoffs
 from servprof.detect.steps import Step
 from servprof.trace.model import Trace
 from servprof.trace.phases import phase_events
@@ -23,16 +26,49 @@ from servprof.trace.phases import phase_events
 # A Rust BPE tokenizer takes ~0.1-0.3 ms per 100 tokens; on a busy host a preemption can
 # stretch that to a few ms. Below 5 ms a tokenization is neither a stall nor worth fixing.
 MIN_TOKENIZE_MS = 5.0
+# Critical when it is most of the request's time to its first model step (or a fifth of the
+# session) and long enough to matter to a person: tens of ms.
+CRITICAL_SHARE, CRITICAL_MS = 0.5, 20.0
+MISSING_MESSAGE = (
+    "No tokenization was recorded in this trace, so tokenization stalls cannot be judged: mark it with "
+    "`servprof.phase(\"tokenize\")`, or let servprof's zero-touch instrumentation cover transformers, tokenizers, "
+    "tiktoken and sentencepiece while a session runs (SERVPROF_AUTO_INSTRUMENT, on by default); vLLM and SGLang "
+    "tokenize in their API-server process, which a worker's trace does not include."
+)
+FIX_ON_LOOP = (
+    "Take tokenization off the event loop: run it in a worker thread or process "
+    "(`await anyio.to_thread.run_sync(tokenizer.encode, text)`, or a ProcessPoolExecutor for long prompts); in vLLM it "
+    "runs in the tokenizer workers: raise `--renderer-num-workers` (or `--api-server-count`)."
+)
+FIX_GIL = (
+    "Tokenizing in the model's process slowed other requests' steps (it holds the GIL): tokenize in a separate "
+    "process (a process pool, or vLLM's API-server processes), or with a Rust tokenizer (`tokenizers`, use_fast=True)."
+)
+FIX_SLOW = (
+    "Use a fast (Rust) tokenizer (`tokenizers`, `AutoTokenizer.from_pretrained(..., use_fast=True)`), cache chat "
+    "templates and repeated prefixes, and tokenize in a pool off the request's critical path."
+)
+
+
+def missing(spans: list[Any], steps: list[Step]) -> list[dict[str, str]]:
+    """summary["missing"] entry when the trace shows no tokenization at all (not for training traces)."""
+    if spans or (steps and all(s.kind == "train" for s in steps)):
+        return []
+    return [{"what": "tokenization", "message": MISSING_MESSAGE}]
 
 
 def _tokenize_spans(trace: Trace) -> list[tuple[str | None, float, float, int, int]]:
-    """(request id or None, start, end, rank, tid) for every tokenization."""
+    """(request id or None, start, end, rank, tid) for every tokenization, cut at servprof's stop."""
+    cutoffs = stop_cutoffs(trace)
     spans: list[tuple[str | None, float, float, int, int]] = []
     for event in phase_events(trace):
         if event.phase == "tokenize":
             rank = int(trace.rank[event.row])
+            end = min(event.end_us, cutoffs.get(rank, np.inf))
+            if end <= event.start_us:
+                continue
             for rid in event.request_ids or (None,):
-                spans.append((rid, event.start_us, event.end_us, rank, event.tid))
+                spans.append((rid, event.start_us, end, rank, event.tid))
     if spans:
         return spans
     # Foreign traces: outermost tokenizer-named ranges (python frames or ops).
@@ -42,8 +78,8 @@ def _tokenize_spans(trace: Trace) -> list[tuple[str | None, float, float, int, i
     covered_until: dict[tuple[int, int], float] = {}
     for row in rows:
         key = (int(trace.rank[row]), int(trace.tid[row]))
-        start, end = float(trace.ts[row]), float(trace.ts[row] + trace.dur[row])
-        if start < covered_until.get(key, -np.inf):
+        start, end = float(trace.ts[row]), min(float(trace.ts[row] + trace.dur[row]), cutoffs.get(key[0], np.inf))
+        if end <= start or start < covered_until.get(key, -np.inf):
             continue  # nested inside the previous tokenizer range
         covered_until[key] = end
         spans.append((None, start, end, key[0], key[1]))
@@ -52,6 +88,7 @@ def _tokenize_spans(trace: Trace) -> list[tuple[str | None, float, float, int, i
 
 def detect_tokenization_stalls(trace: Trace, steps: list[Step], gaps: list[Gap]) -> tuple[list[Finding], dict[str, Any]]:
     spans = _tokenize_spans(trace)
+    session_us = float(trace.end.max() - trace.ts.min()) if len(trace) else 0.0
     decode_steps = [s for s in steps if s.kind == "decode"]
     typical_step = float(np.median([s.dur_us for s in decode_steps])) if decode_steps else 0.0
     # Decode steps more than 20% slower than the median: the ones a tokenizer may have delayed.
@@ -111,9 +148,13 @@ def detect_tokenization_stalls(trace: Trace, steps: list[Step], gaps: list[Gap])
         if entry["on_event_loop"]:
             harm += "; it ran on the event loop, blocking every other request"
         who = f"request {entry['request_id']}" if entry["request_id"] else "a tokenizer call"
+        big = (share or 0) >= CRITICAL_SHARE or (session_us > 0 and cost * 1000 >= 0.2 * session_us) \
+            or entry["on_event_loop"] or entry["delayed_steps"]
+        fix = FIX_ON_LOOP if entry["on_event_loop"] else (FIX_GIL if entry["delayed_steps"] else FIX_SLOW)
         findings.append(Finding(
             kind="tokenization_stall",
-            severity="critical" if (share or 0) >= 0.5 or entry["delayed_steps"] else "warning",
+            severity="critical" if big and cost >= CRITICAL_MS else "warning",
+            fix=fix,
             cost_ms=cost,
             start_us=entry["start_us"],
             end_us=entry["end_us"],
@@ -123,6 +164,7 @@ def detect_tokenization_stalls(trace: Trace, steps: list[Step], gaps: list[Gap])
         ))
     summary = {
         "tokenizations": len(spans),
+        "missing": missing(spans, steps),
         "requests": len(per_request),
         "stalled_requests": len(findings),
         "tokenize_ms_total": round(sum(e["tokenize_ms"] for e in per_request.values()), 3),

@@ -20,6 +20,7 @@ from rich.table import Table
 
 from servprof.detect.analysis import Analysis, analyse
 from servprof.detect.devices import DEVICES, UnknownDevice
+from servprof.report.utilisation import print_utilisation
 from servprof.trace import TraceError, load_trace, phase_events, request_phases
 from servprof.trace.loader import trace_files
 
@@ -89,8 +90,10 @@ def print_findings(analysis: Analysis, console: Console) -> None:
     s = analysis.summary
     console.print(f"[bold]{s['source']}[/]: {s['events']} events, {s['steps']['count']} model steps "
                   f"{s['steps']['by_kind']}, device: {s['bandwidth']['device']['name']}")
+    print_utilisation(s, console)  # per-step busy / idle first, then overhead and what is missing
     if not analysis.findings:
-        console.print("No findings: no tokenization stall, decode gap or bandwidth-bound decode op stood out.")
+        console.print("No findings: no tokenization stall, decode gap or bandwidth-bound decode op stood out"
+                      + (" in what this trace shows (see missing above)." if s.get("missing") else "."))
         return
     table = Table(show_lines=True)
     table.add_column("severity", no_wrap=True)

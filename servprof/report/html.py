@@ -10,9 +10,11 @@ from typing import Any
 import numpy as np
 
 from servprof.detect.analysis import Analysis
+from servprof.report.utilisation import utilisation_html
 
 WIDTH, LANE = 960, 18
 MAX_TIMELINE_STEPS = 3000
+MAX_TIMELINE_GAPS = 5000
 MAX_ROOFLINE_POINTS = 2000
 COLORS = {"decode": "#4c78a8", "prefill": "#72b7b2", "mixed": "#54a24b", "step": "#9d755d", "tokenize": "#f58518"}
 
@@ -21,12 +23,27 @@ def _esc(value: Any) -> str:
     return html.escape(str(value), quote=True)
 
 
+def _step_window(step: Any) -> tuple[float, float]:
+    """Where a step is drawn: its device span when it launched device work, else its host range."""
+    if step.device_start_us is not None and step.device_end_us is not None:
+        return step.device_start_us, step.device_end_us
+    return step.start_us, step.end_us
+
+
 def timeline_svg(analysis: Analysis, tokenize_spans: list[tuple[float, float, str]]) -> str:
+    """Steps (device spans where known), every gap the findings count (each once: long gaps as
+    red bars, a step's short gaps summed as one orange bar under the step), and tokenization,
+    on one labelled time axis."""
     steps = analysis.steps[:MAX_TIMELINE_STEPS]
     if not steps:
         return "<p>No model steps were found in this trace, so there is no timeline.</p>"
-    t0 = min(s.start_us for s in steps)
-    t1 = max(s.end_us for s in steps)
+    rank = min(s.rank for s in steps)
+    steps = [s for s in steps if s.rank == rank]
+    gaps = [g for g in analysis.gaps if g.rank == rank]
+    gaps = sorted(gaps, key=lambda g: -g.idle_us)[:MAX_TIMELINE_GAPS]  # the largest, each drawn once
+    windows = [_step_window(s) for s in steps]
+    t0 = min(w[0] for w in windows)
+    t1 = max(w[1] for w in windows)
     for start, end, _ in tokenize_spans:
         t0, t1 = min(t0, start), max(t1, end)
     scale = (WIDTH - 120) / max(t1 - t0, 1.0)
@@ -34,49 +51,81 @@ def timeline_svg(analysis: Analysis, tokenize_spans: list[tuple[float, float, st
     def x(t: float) -> float:
         return 110 + (t - t0) * scale
 
-    lanes = {"steps": 20, "gaps": 20 + LANE + 6, "tokenize": 20 + 2 * (LANE + 6)}
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{lanes["tokenize"] + LANE + 30}">']
+    lanes = {"steps": 20, "long gaps": 20 + LANE + 6, "short gaps": 20 + 2 * (LANE + 6),
+             "tokenize": 20 + 3 * (LANE + 6)}
+    axis_y = lanes["tokenize"] + LANE + 8
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{axis_y + 40}">']
     for label, y in lanes.items():
         parts.append(f'<text x="4" y="{y + 13}" font-size="12">{label}</text>')
-    for s in steps:
-        w = max((s.end_us - s.start_us) * scale, 0.5)
-        parts.append(f'<rect x="{x(s.start_us):.1f}" y="{lanes["steps"]}" width="{w:.1f}" height="{LANE}" '
+    for s, (a, b) in zip(steps, windows, strict=True):
+        w = max((b - a) * scale, 0.5)
+        parts.append(f'<rect x="{x(a):.1f}" y="{lanes["steps"]}" width="{w:.1f}" height="{LANE}" '
                      f'fill="{COLORS.get(s.kind, "#888")}"><title>{_esc(s.kind)} {_esc(s.label[:80])} '
-                     f'{s.dur_us / 1000:.2f} ms</title></rect>')
-    for g in analysis.gaps:
+                     f'{(b - a) / 1000:.2f} ms</title></rect>')
+    for g in (g for g in gaps if g.start_us < t1 and g.end_us > t0):
         w = max((g.end_us - g.start_us) * scale, 1.0)
-        parts.append(f'<rect x="{x(g.start_us):.1f}" y="{lanes["gaps"]}" width="{w:.1f}" height="{LANE}" '
-                     f'fill="#e45756"><title>{g.idle_us / 1000:.2f} ms idle: {_esc(g.explanation)}</title></rect>')
+        if g.count > 1:  # a step's short gaps, summed: drawn once under the step they fell in
+            lane, color, what = "short gaps", "#f2a541", f"{g.count} short gaps, {g.idle_us / 1000:.3f} ms in all"
+        else:
+            lane, color, what = "long gaps", "#e45756", f"{g.idle_us / 1000:.3f} ms idle"
+        parts.append(f'<rect x="{x(g.start_us):.1f}" y="{lanes[lane]}" width="{w:.1f}" height="{LANE}" '
+                     f'fill="{color}"><title>{_esc(g.where.replace("_", " "))}: {what}, {_esc(g.cause)}: '
+                     f'{_esc(g.explanation[:300])}</title></rect>')
     for start, end, rid in tokenize_spans:
         w = max((end - start) * scale, 0.5)
         parts.append(f'<rect x="{x(start):.1f}" y="{lanes["tokenize"]}" width="{w:.1f}" height="{LANE}" '
                      f'fill="{COLORS["tokenize"]}"><title>tokenize {_esc(rid)} {(end - start) / 1000:.2f} ms</title></rect>')
-    axis_y = lanes["tokenize"] + LANE + 16
-    parts.append(f'<text x="110" y="{axis_y}" font-size="11">0 ms</text>')
-    parts.append(f'<text x="{WIDTH - 10}" y="{axis_y}" font-size="11" text-anchor="end">{(t1 - t0) / 1000:.1f} ms</text>')
+    parts.append(f'<line x1="110" y1="{axis_y}" x2="{WIDTH - 10}" y2="{axis_y}" stroke="#333"/>')
+    for i in range(6):
+        t = (t1 - t0) * i / 5
+        parts.append(f'<line x1="{x(t0 + t):.1f}" y1="{axis_y}" x2="{x(t0 + t):.1f}" y2="{axis_y + 4}" stroke="#333"/>'
+                     f'<text x="{x(t0 + t):.1f}" y="{axis_y + 16}" font-size="10" text-anchor="middle">'
+                     f'{t / 1000:.1f}</text>')
+    timeline = "device" if any(s.device_start_us is not None for s in steps) else "host"
+    parts.append(f'<text x="110" y="{axis_y + 32}" font-size="11">time since the first step (ms), rank {rank}, '
+                 f'{timeline} timeline</text>')
     parts.append("</svg>")
     return "".join(parts)
 
 
 def histogram_svg(analysis: Analysis) -> str:
-    by_thread: dict[tuple[int, int], list[Any]] = {}
-    for s in analysis.steps:
-        by_thread.setdefault((s.rank, s.tid), []).append(s)
-    gaps = [(b.start_us - a.end_us) / 1000 for steps in by_thread.values() for a, b in zip(steps, steps[1:], strict=False)
-            if b.start_us >= a.end_us]
-    if not gaps:
-        return "<p>Fewer than two steps on one thread: no gaps between steps to plot.</p>"
-    counts, edges = np.histogram(np.array(gaps), bins=min(30, max(5, len(gaps) // 3)))
-    height, top = 200, max(int(counts.max()), 1)
-    bar_w = (WIDTH - 80) / len(counts)
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height + 40}">']
-    for i, c in enumerate(counts.tolist()):
-        h = c / top * height
-        parts.append(f'<rect x="{60 + i * bar_w:.1f}" y="{10 + height - h:.1f}" width="{bar_w - 1:.1f}" height="{h:.1f}" '
-                     f'fill="#4c78a8"><title>{edges[i]:.2f}-{edges[i + 1]:.2f} ms: {c}</title></rect>')
-    parts.append(f'<text x="60" y="{height + 28}" font-size="11">{edges[0]:.2f} ms</text>')
-    parts.append(f'<text x="{WIDTH - 20}" y="{height + 28}" font-size="11" text-anchor="end">{edges[-1]:.2f} ms</text>')
-    parts.append(f'<text x="4" y="20" font-size="11">{top}</text></svg>')
+    """How long the gaps are: every gap counted once, inside and between steps, on log-spaced
+    bins (a step's summed short gaps count as that many gaps of their mean length)."""
+    lengths: list[float] = []
+    where: list[str] = []
+    for g in analysis.gaps:
+        if g.cause == "collective_straggler" or g.idle_us <= 0:
+            continue
+        lengths.extend([g.idle_us / g.count / 1000] * g.count)
+        where.extend([g.where] * g.count)
+    if not lengths:
+        return "<p>No gaps in the steps: nothing to plot.</p>"
+    values = np.array(lengths)
+    lo, hi = math.log10(max(values.min(), 1e-4)), math.log10(max(values.max(), 1e-4))
+    edges = np.logspace(lo, hi + 1e-9, num=min(30, max(5, values.size // 3)) + 1)
+    inside = np.array([w == "inside_step" for w in where])
+    counts_in, _ = np.histogram(values[inside], bins=edges)
+    counts_between, _ = np.histogram(values[~inside], bins=edges)
+    height, left, top = 200, 60, max(int((counts_in + counts_between).max()), 1)
+    bar_w = (WIDTH - left - 20) / len(counts_in)
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height + 60}">']
+    for i, (c_in, c_between) in enumerate(zip(counts_in.tolist(), counts_between.tolist(), strict=True)):
+        y = 10 + height
+        for count, color, label in ((c_in, "#e45756", "inside steps"), (c_between, "#f2a541", "between steps")):
+            h = count / top * height
+            y -= h
+            parts.append(f'<rect x="{left + i * bar_w:.1f}" y="{y:.1f}" width="{bar_w - 1:.1f}" height="{h:.1f}" '
+                         f'fill="{color}"><title>{edges[i]:.4f}-{edges[i + 1]:.4f} ms: {count} gaps {label}'
+                         f'</title></rect>')
+    for i in (0, len(counts_in) // 2, len(counts_in)):
+        parts.append(f'<text x="{left + i * bar_w:.1f}" y="{height + 26}" font-size="10" text-anchor="middle">'
+                     f'{edges[i]:.3g}</text>')
+    parts.append(f'<text x="{left}" y="{height + 44}" font-size="11">idle per gap (ms, log scale); red: inside '
+                 f'steps, orange: between steps</text>')
+    parts.append(f'<text x="{left - 6}" y="18" font-size="10" text-anchor="end">{top}</text>'
+                 f'<text x="{left - 6}" y="{10 + height}" font-size="10" text-anchor="end">0</text>'
+                 f'<text x="14" y="{10 + height / 2}" font-size="11" transform="rotate(-90 14 {10 + height / 2})" '
+                 f'text-anchor="middle">gaps</text></svg>')
     return "".join(parts)
 
 
@@ -123,7 +172,7 @@ def roofline_svg(analysis: Analysis) -> str:
 
 
 def _legend() -> str:
-    items = [*COLORS.items(), ("reported gap", "#e45756")]
+    items = [*COLORS.items(), ("long gap", "#e45756"), ("short gaps (summed per step)", "#f2a541")]
     return " ".join(f'<span style="display:inline-block;width:10px;height:10px;background:{color}"></span> '
                     f"{_esc(label)}" for label, color in items)
 
@@ -142,11 +191,12 @@ td,th{{border:1px solid #ccc;padding:4px 8px;font-size:13px;vertical-align:top}}
 <body><h1>servprof report</h1>
 <p>{_esc(s.get("source"))}: {s.get("events")} events, ranks {_esc(s.get("ranks"))},
 {s["steps"]["count"]} model steps ({_esc(s["steps"]["by_kind"])}, from {_esc(", ".join(s["steps"]["source"]))}).</p>
+<h2>Utilisation per step</h2>{utilisation_html(s)}
 <h2>Findings</h2>
 <table><tr><th>severity</th><th>kind</th><th>cost ms</th><th>requests</th><th>what</th></tr>{rows}</table>
 <h2>Timeline: steps, gaps, tokenization</h2>
 <p>{_legend()} Hover a bar for its name, length and, for gaps, the cause.</p>{timeline_svg(analysis, tokenize_spans)}
-<h2>Gaps between consecutive steps</h2>{histogram_svg(analysis)}
+<h2>Gap lengths (inside and between steps)</h2>{histogram_svg(analysis)}
 <h2>Roofline of decode ops</h2>{roofline_svg(analysis)}
 </body></html>
 """

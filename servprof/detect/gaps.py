@@ -1,0 +1,318 @@
+"""Gaps in the model's work between and inside steps, each found once, with its cause.
+
+On a trace with device events, a gap is device idle time (the holes in the union of
+every kernel, copy and memset on the rank), each hole counted once: the timeline is
+cut into disjoint zones, inside each step's device span and between consecutive
+steps (device_segments), and every hole belongs to exactly one. Holes under
+max(50 µs, 2% of the step's device span) are summed per step and cause rather than
+listed one by one (1,000 tiny launch gaps are one cause: launch-bound). A collective
+kernel far longer than its median on the rank is time spent waiting for a slower
+rank (a straggler), listed beside the idle time. On a CPU-only trace, a gap is the
+host time between consecutive steps on the step's thread, and the part of an
+unusually slow decode step in which that thread recorded no work. Causes: causes.py.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from servprof.detect.causes import CAUSES, GapExplainer
+from servprof.detect.host_stacks import BUSY_CLASSES, CLASSES, GRAPH_LAUNCH, TOKENIZE, HostStacks, NameClasses
+from servprof.detect.intervals import merge
+from servprof.detect.overhead import stop_cutoffs
+from servprof.detect.steps import Step, device_segments
+
+CPU_MIN_GAP_US = 1000.0  # host gaps below 1 ms are the ordinary cost of a Python engine loop
+GPU_MIN_GAP_US = 50.0  # device idle below 50 µs is launch latency: summed per step, not listed
+RELATIVE_MIN_GAP = 0.25  # ... and a host gap must be at least this share of the median step
+# Device idle is listed one by one from this share of the step's device span (inside) or of
+# the median span (between); shorter holes are summed per step and cause.
+DEVICE_RELATIVE_MIN_GAP = 0.02
+# A collective kernel this many times its median on the rank waited for another rank.
+STRAGGLER_FACTOR = 3.0
+COLLECTIVE_KERNEL = re.compile(r"nccl|rccl|AllReduce|AllGather|ReduceScatter|all_reduce|allreduce|cross_device_reduce",
+                               re.IGNORECASE)
+MAX_NAMED_SUMS = 100
+STREAM_WAIT = re.compile(r"^(cuda|hip|cu)StreamWaitEvent")
+CONTINUING_KINDS = ("decode", "mixed", "step", "train")  # a gap before one of these is the engine's own
+
+
+@dataclass
+class Gap:
+    rank: int
+    start_us: float
+    end_us: float
+    idle_us: float
+    where: str  # "between_steps" | "inside_step"
+    cause: str
+    explanation: str
+    request_ids: list[str] = field(default_factory=list)
+    evidence: dict[str, Any] = field(default_factory=dict)
+    count: int = 1  # > 1: short gaps of one step and cause, summed (start/end: the step's span)
+    step: int = -1  # index in the steps list of the step it belongs to (between: the step after it)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "start_us": self.start_us,
+            "end_us": self.end_us,
+            "idle_us": round(self.idle_us, 1),
+            "where": self.where,
+            "cause": self.cause,
+            "explanation": self.explanation,
+            "count": self.count,
+            "request_ids": self.request_ids[:20],
+            **self.evidence,
+        }
+
+def find_gaps(trace: Any, steps: list[Step]) -> tuple[list[Gap], dict[str, Any]]:
+    gaps: list[Gap] = []
+    stats: dict[str, Any] = {"steps": len(steps), "mode": "cpu"}
+    classes = NameClasses(trace) if steps else None
+    cutoffs = stop_cutoffs(trace)
+    index = {id(s): i for i, s in enumerate(steps)}
+    for rank in trace.ranks:
+        rank_steps = [s for s in steps if s.rank == rank]
+        if not rank_steps:
+            continue
+        stacks = HostStacks(trace, rank, classes)
+        explainer = GapExplainer(stacks)
+        if any(s.on_device for s in rank_steps):
+            stats["mode"] = "device"
+            gaps.extend(_device_gaps(trace, rank, rank_steps, index, explainer, cutoffs.get(rank, np.inf)))
+        else:
+            gaps.extend(_host_gaps(rank_steps, index, explainer))
+            gaps.extend(_stalled_steps(rank_steps, index, explainer, stacks))
+    stats["median_step_us"] = round(float(np.median([s.time_us for s in steps])), 1) if steps else None
+    return gaps, stats
+
+
+# --- device timelines -------------------------------------------------------------------------
+
+
+def device_rows(trace: Any, rank: int, cutoff: float = np.inf) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rows, starts, ends) of the rank's device events in start order, cut at servprof's stop."""
+    rows = np.flatnonzero(trace.device_mask() & (trace.rank == rank))
+    rows = rows[np.argsort(trace.ts[rows], kind="stable")]
+    start = trace.ts[rows]
+    keep = start < cutoff
+    rows, start = rows[keep], start[keep]
+    return rows, start, np.minimum(start + trace.dur[rows], cutoff)
+
+
+def zones(steps: list[Step]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The rank's timeline cut into disjoint zones: (start, end, step position, inside?) in time
+    order; a between-steps zone belongs to the step after it."""
+    on_device = sorted((s for s in steps if s.on_device), key=lambda s: s.device_start_us or 0.0)
+    zs, ze, zi, inside = [], [], [], []
+    previous_end = None
+    for pos, segment in enumerate(device_segments(on_device)):
+        assert segment is not None
+        if previous_end is not None and segment[0] > previous_end:
+            zs.append(previous_end), ze.append(segment[0]), zi.append(pos), inside.append(False)
+        zs.append(segment[0]), ze.append(segment[1]), zi.append(pos), inside.append(True)
+        previous_end = segment[1]
+    return np.array(zs), np.array(ze), np.array(zi, dtype=np.int64), np.array(inside, dtype=bool)
+
+
+def _device_gaps(trace: Any, rank: int, steps: list[Step], index: dict[int, int], explainer: GapExplainer,
+                 cutoff: float) -> list[Gap]:
+    on_device = sorted((s for s in steps if s.on_device), key=lambda s: s.device_start_us or 0.0)
+    rows, dev_start, dev_end = device_rows(trace, rank, cutoff)
+    block_start, block_end = merge(dev_start, dev_end)
+    hole_a, hole_b = block_end[:-1], block_start[1:]
+    zs, ze, zstep, zinside = zones(on_device)
+    if hole_a.size == 0 or zs.size == 0:
+        return _stragglers(trace, rank, on_device, index, rows, dev_start, dev_end)
+    mid = (hole_a + hole_b) / 2
+    z = np.searchsorted(zs, mid, side="right") - 1
+    ok = (z >= 0) & (mid < ze[np.maximum(z, 0)])
+    hole_a, hole_b, z = hole_a[ok], hole_b[ok], z[ok]
+    step_pos, inside = zstep[z], zinside[z]
+    spans = np.array([s.time_us for s in on_device])
+    median_span = float(np.median(spans))
+    limit = np.maximum(GPU_MIN_GAP_US, DEVICE_RELATIVE_MIN_GAP * np.where(inside, spans[step_pos], median_span))
+    small = (hole_b - hole_a) < limit
+    # The device work that ended each hole: its launch says whether the device was starved.
+    nxt = rows[np.minimum(np.searchsorted(dev_start, hole_b, side="left"), rows.size - 1)]
+    launch = trace.launch_row_for(nxt)
+    has_launch = launch >= 0
+    lrow = np.maximum(launch, 0)
+    launch_ts = np.where(has_launch, trace.ts[lrow], -np.inf)
+    launch_end = np.where(has_launch, trace.ts[lrow] + trace.dur[lrow], hole_b)
+    # Starved: the device's queue was empty when the hole began (the launch was still to come or in
+    # progress) and the work started within launch latency of the launch returning. Work queued
+    # before the hole, or launched and then held back longer (a wait on another stream), was not
+    # waiting for the host.
+    held_back = hole_b - launch_end
+    starved = ~has_launch | ((launch_end > hole_a) & (held_back < np.maximum(GPU_MIN_GAP_US, launch_end - hole_a)))
+    tid = np.where(has_launch, trace.tid[lrow], np.array([on_device[p].tid for p in step_pos]))
+    graph = has_launch & np.isin(trace.name_id[lrow], trace.ids_matching(lambda s: GRAPH_LAUNCH.search(s) is not None))
+    waited, wait_rows = _stream_waits(trace, rank, rows, dev_start, hole_a, hole_b, launch_ts)
+    explained = explainer.explain(hole_a, hole_b, tid, starved, small, graph, launch_end, waited)
+    out: list[Gap] = []
+    continuing = np.array([s.kind in CONTINUING_KINDS for s in on_device])
+    # Idle before a new request's prefill: the engine had nothing to run.
+    counted = inside | continuing[step_pos]
+    cause_names, cause_code = np.unique(np.array(explained.cause, dtype=object), return_inverse=True)
+    summed: dict[tuple[int, bool, str], np.ndarray] = {}
+    short = np.flatnonzero(counted & small)
+    if short.size:
+        key = (step_pos[short] * 2 + inside[short]) * len(cause_names) + cause_code[short]
+        order = np.argsort(key, kind="stable")
+        keys, first = np.unique(key[order], return_index=True)
+        for k, members in zip(keys.tolist(), np.split(short[order], first[1:]), strict=True):
+            pos_inside, code = divmod(k, len(cause_names))
+            summed[(pos_inside // 2, bool(pos_inside % 2), str(cause_names[code]))] = members
+    for i in np.flatnonzero(counted & ~small).tolist():
+        step = on_device[int(step_pos[i])]
+        where = "inside_step" if inside[i] else "between_steps"
+        a, b = float(hole_a[i]), float(hole_b[i])
+        text, evidence = explainer.describe(explained, i, a, b)
+        if explained.cause[i] == "stream_wait" and wait_rows[i] >= 0:
+            w = int(wait_rows[i])
+            evidence["stream_wait"] = {"call": trace.name(w), "thread": int(trace.tid[w]), "ts": float(trace.ts[w])}
+            lead = (a - float(trace.ts[w])) / 1000
+            text += f" ({trace.name(w)} on thread {int(trace.tid[w])}, {abs(lead):.3f} ms " \
+                    f"{'before' if lead >= 0 else 'after'} the device went idle)"
+        out.append(Gap(rank, a, b, b - a, where, explained.cause[i], text, list(step.request_ids), evidence,
+                       step=index[id(step)]))
+    # Frames are named for the largest sums only (those a finding shows): one search per member gap.
+    named = sorted(summed, key=lambda key: -float((hole_b[summed[key]] - hole_a[summed[key]]).sum()))[:MAX_NAMED_SUMS]
+    for (pos, is_inside, cause), idx in summed.items():
+        step = on_device[pos]
+        idle = float((hole_b[idx] - hole_a[idx]).sum())
+        label = CAUSES[cause][0]
+        text = f"{idx.size} short device gaps (each under {limit[idx[0]]:.0f} µs), {idle:.0f} µs in all: {label}"
+        by_class = explained.class_us[idx].sum(axis=0)
+        evidence = {"gaps_summed": int(idx.size), "thread": int(explained.tid[idx[0]]),
+                    "self_us": {CLASSES[c]: round(float(v), 1) for c, v in enumerate(by_class) if v >= 0.05},
+                    "longest_us": round(float((hole_b[idx] - hole_a[idx]).max()), 1),
+                    "top_frames": explainer.top_frames(explained, idx[np.argsort(hole_a[idx] - hole_b[idx])[:20]],
+                                                       hole_a, hole_b) if (pos, is_inside, cause) in named else []}
+        out.append(Gap(rank, float(hole_a[idx].min()), float(hole_b[idx].max()), idle,
+                       "inside_step" if is_inside else "between_steps", cause, text, list(step.request_ids),
+                       evidence, count=int(idx.size), step=index[id(step)]))
+    out.extend(_stragglers(trace, rank, on_device, index, rows, dev_start, dev_end))
+    return out
+
+
+def _stream_waits(trace: Any, rank: int, rows: np.ndarray, dev_start: np.ndarray, hole_a: np.ndarray,
+                  hole_b: np.ndarray, next_launch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per hole: was a stream-wait-event enqueued between the launch of the last work before the
+    hole and the launch of the work after it (the row of that call, -1 when none)?"""
+    waits = np.flatnonzero(trace.complete() & (trace.rank == rank) & (trace.stream < 0)
+                           & trace.mask_name(lambda s: STREAM_WAIT.search(s) is not None))
+    found = np.full(hole_a.size, -1, dtype=np.int64)
+    if waits.size == 0:
+        return found >= 0, found
+    waits = waits[np.argsort(trace.ts[waits])]
+    before = rows[np.maximum(np.searchsorted(dev_start, hole_a, side="left") - 1, 0)]
+    launch = trace.launch_row_for(before)
+    lower = np.where(launch >= 0, trace.ts[np.maximum(launch, 0)], hole_a - (hole_b - hole_a))
+    upper = np.where(np.isfinite(next_launch), next_launch, hole_b)
+    pos = np.searchsorted(trace.ts[waits], upper, side="right") - 1
+    ok = (pos >= 0) & (trace.ts[waits[np.maximum(pos, 0)]] > lower)
+    found[ok] = waits[pos[ok]]
+    return ok, found
+
+
+def _stragglers(trace: Any, rank: int, steps: list[Step], index: dict[int, int], rows: np.ndarray,
+                start: np.ndarray, end: np.ndarray) -> list[Gap]:
+    """Collective kernels far longer than their median on this rank: the excess is time spent
+    waiting for a slower rank (busy on the timeline, but not work)."""
+    if rows.size == 0 or not steps:
+        return []
+    collective = np.isin(trace.name_id[rows], trace.ids_matching(lambda s: COLLECTIVE_KERNEL.search(s) is not None))
+    out: list[Gap] = []
+    spans = [(s.device_start_us or 0.0, s.device_end_us or 0.0) for s in steps]
+    for name_id in np.unique(trace.name_id[rows[collective]]).tolist():
+        sel = np.flatnonzero(collective & (trace.name_id[rows] == name_id))
+        if sel.size < 3:
+            continue
+        dur = end[sel] - start[sel]
+        median = float(np.median(dur))
+        for j in sel[dur >= STRAGGLER_FACTOR * max(median, 1.0)].tolist():
+            excess = float(end[j] - start[j]) - median
+            pos = next((k for k, (a, b) in enumerate(spans) if a <= start[j] < b), None)
+            if pos is None or excess < max(GPU_MIN_GAP_US, DEVICE_RELATIVE_MIN_GAP * (spans[pos][1] - spans[pos][0])):
+                continue
+            name = trace.names[name_id]
+            text = (f"{CAUSES['collective_straggler'][0]}: {name[:80]} ran {(end[j] - start[j]) / 1000:.2f} ms "
+                    f"against a median of {median / 1000:.3f} ms over {sel.size} calls")
+            out.append(Gap(rank, float(start[j] + median), float(end[j]), excess, "inside_step", "collective_straggler",
+                           text, list(steps[pos].request_ids),
+                           {"collective": name, "duration_us": round(float(end[j] - start[j]), 1),
+                            "median_us": round(median, 1), "calls": int(sel.size)}, step=index[id(steps[pos])]))
+    return out
+
+
+# --- CPU-only traces --------------------------------------------------------------------------
+
+
+def _host_gaps(steps: list[Step], index: dict[int, int], explainer: GapExplainer) -> list[Gap]:
+    threshold = max(CPU_MIN_GAP_US, RELATIVE_MIN_GAP * float(np.median([s.dur_us for s in steps])))
+    pairs = []
+    by_thread: dict[int, list[Step]] = {}
+    for s in steps:
+        by_thread.setdefault(s.tid, []).append(s)
+    for thread_steps in by_thread.values():
+        for prev, nxt in zip(thread_steps, thread_steps[1:], strict=False):
+            if nxt.kind in CONTINUING_KINDS and nxt.start_us - prev.end_us >= threshold:
+                pairs.append((prev, nxt))
+    if not pairs:
+        return []
+    a = np.array([p.end_us for p, _ in pairs])
+    b = np.array([n.start_us for _, n in pairs])
+    tid = np.array([n.tid for _, n in pairs], dtype=np.int64)
+    ones = np.ones(a.size, dtype=bool)
+    explained = explainer.explain(a, b, tid, ones, ~ones, ~ones)
+    out = []
+    for i, (_, nxt) in enumerate(pairs):
+        text, evidence = explainer.describe(explained, i, float(a[i]), float(b[i]))
+        out.append(Gap(nxt.rank, float(a[i]), float(b[i]), float(b[i] - a[i]), "between_steps", explained.cause[i],
+                       text, list(nxt.request_ids), evidence, step=index[id(nxt)]))
+    return out
+
+
+def _stalled_steps(steps: list[Step], index: dict[int, int], explainer: GapExplainer, stacks: HostStacks
+                   ) -> list[Gap]:
+    """Decode steps whose own thread recorded no work for much of the step (it waited for the
+    GIL, or was off the CPU): the unrecorded time is a gap inside the step."""
+    decode = [s for s in steps if s.kind == "decode"]
+    if len(decode) < 3:
+        return []
+    typical = float(np.median([s.dur_us for s in decode]))
+    slow = [s for s in decode if s.dur_us >= 1.5 * typical]
+    out: list[Gap] = []
+    for tid in {s.tid for s in slow}:
+        mine = [s for s in slow if s.tid == tid]
+        a, b = np.array([s.start_us for s in mine]), np.array([s.end_us for s in mine])
+        busy = stacks.thread(tid).class_times(a, b)[:, list(BUSY_CLASSES)].sum(axis=1)
+        stalled = (b - a) - busy
+        keep = stalled >= max(CPU_MIN_GAP_US, RELATIVE_MIN_GAP * typical)
+        if not keep.any():
+            continue
+        a, b, stalled = a[keep], b[keep], stalled[keep]
+        mine = [s for s, k in zip(mine, keep.tolist(), strict=True) if k]
+        ones = np.ones(a.size, dtype=bool)
+        explained = explainer.explain(a, b, np.full(a.size, tid, dtype=np.int64), ones, ~ones, ~ones,
+                                      look_elsewhere=True)
+        for i, step in enumerate(mine):
+            # Its own recorded work is not what made it slow: the time it recorded nothing is, and
+            # the thread that ran meanwhile (holding the GIL), if one did.
+            other = explained.other_us[i]
+            busy_other = float(other[list(BUSY_CLASSES)].sum())
+            if explained.other_tid[i] >= 0 and busy_other >= 0.5 * stalled[i]:
+                cause = "tokenization" if other[TOKENIZE] >= 0.5 * busy_other else "gil_contention"
+            else:
+                cause = "untraced_host_time"
+                explained.other_tid[i] = -1
+            explained.cause[i] = cause
+            text, evidence = explainer.describe(explained, i, float(a[i]), float(b[i]))
+            out.append(Gap(step.rank, float(a[i]), float(b[i]), float(stalled[i]), "inside_step", cause, text,
+                           list(step.request_ids), evidence, step=index[id(step)]))
+    return out

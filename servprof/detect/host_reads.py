@@ -1,0 +1,118 @@
+"""A decode loop that reads a device tensor on the host every step.
+
+``.item()`` records ``aten::item`` / ``aten::_local_scalar_dense``; ``.tolist()`` and
+``.numpy()`` record a top-level ``aten::resolve_neg`` (after ``aten::resolve_conj``);
+with ``with_stack`` the Python call itself shows; on a GPU the copy is a device-to-host
+memcpy. On a GPU such a read right after a step waits for the whole step (a device sync
+per step: the device idles while the host reads and launches the next step); on a CPU
+trace it costs next to nothing, but it is the same loop, and it is named with what it
+costs where it was measured.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+from servprof.detect.causes import CAUSES, cause_fix
+from servprof.detect.finding import Finding
+from servprof.detect.host_stacks import _device_to_host_launches
+from servprof.detect.step_forms import Step, outermost
+from servprof.trace.model import Trace
+
+READ_OPS = re.compile(r"^aten::(item|_local_scalar_dense)$|<method '(tolist|item|cpu|numpy)' of"
+                      r"|<built-in method (tolist|item|cpu|numpy) of")
+TOLIST_SIGNATURE = "aten::resolve_neg"  # what .tolist() / .numpy() leave when not nested in another op
+MIN_STEPS = 3
+MIN_SHARE_OF_STEPS = 0.8  # "every step": at least this share of the decode steps read something
+
+
+def _label(name: str) -> str:
+    if name.startswith("aten::item") or name.startswith("aten::_local_scalar_dense") or "item" in name:
+        return ".item()"
+    if name == TOLIST_SIGNATURE or "tolist" in name or "numpy" in name:
+        return ".tolist() / .numpy()"
+    if "cpu" in name:
+        return ".cpu()"
+    return "device-to-host copy"
+
+
+def read_rows(trace: Trace) -> np.ndarray:
+    """Outermost host reads of device values, in time order."""
+    base = trace.complete() & (trace.stream < 0)
+    named = np.flatnonzero(base & trace.mask_name(lambda s: READ_OPS.search(s) is not None))
+    d2h = _device_to_host_launches(trace)
+    tolist = _top_level(trace, np.flatnonzero(base & (trace.name_id == trace.string_id(TOLIST_SIGNATURE))))
+    rows = np.unique(np.concatenate([named, d2h, tolist]).astype(np.int64))
+    rows = rows[np.argsort(trace.ts[rows], kind="stable")]
+    return outermost(trace, rows)
+
+
+def _top_level(trace: Trace, rows: np.ndarray) -> np.ndarray:
+    """The rows that no other op (an ATen op, not an annotation) on their thread contains."""
+    if rows.size == 0:
+        return rows
+    ops = np.flatnonzero(trace.complete() & trace.mask_category("cpu_op") & (trace.stream < 0)
+                         & ~trace.mask_name(lambda s: s.startswith("servprof:")))
+    keep = []
+    for key in {(int(r), int(t)) for r, t in zip(trace.rank[rows].tolist(), trace.tid[rows].tolist(), strict=True)}:
+        mine = ops[(trace.rank[ops] == key[0]) & (trace.tid[ops] == key[1])]
+        mine = mine[np.lexsort((-trace.dur[mine], trace.ts[mine]))]
+        prior_end = np.concatenate([[-np.inf], np.maximum.accumulate(trace.end[mine])[:-1]])
+        position = {int(r): p for p, r in enumerate(mine.tolist())}
+        for row in rows[(trace.rank[rows] == key[0]) & (trace.tid[rows] == key[1])].tolist():
+            if prior_end[position[row]] < trace.end[row]:
+                keep.append(row)
+    return np.array(keep, dtype=np.int64)
+
+
+def detect_host_reads(trace: Trace, steps: list[Step], span_us: float) -> tuple[Finding | None, dict[str, Any]]:
+    """(a finding for CPU traces, summary). On device traces the same reads show up as sync gaps
+    with their measured device idle (decode_gap, cause synchronize); the summary gives the count
+    per step for both."""
+    decode = [s for s in steps if s.kind == "decode"] or [s for s in steps if s.kind in ("step", "mixed")]
+    if len(decode) < MIN_STEPS:
+        return None, {}
+    rows = read_rows(trace)
+    counts = np.zeros(len(decode), dtype=np.int64)
+    spent = np.zeros(len(decode))
+    labels: dict[str, int] = {}
+    for tid in {s.tid for s in decode}:
+        mine = sorted((i for i, s in enumerate(decode) if s.tid == tid), key=lambda i: decode[i].start_us)
+        starts = np.array([decode[i].start_us for i in mine])
+        # A step's reads: inside it or after it, before the next step of its thread begins.
+        ends = np.append(starts[1:], decode[mine[-1]].end_us + float(np.median([decode[i].dur_us for i in mine])))
+        sel = rows[(trace.tid[rows] == tid) & (trace.rank[rows] == decode[mine[0]].rank)]
+        pos = np.searchsorted(starts, trace.ts[sel], side="right") - 1
+        ok = (pos >= 0) & (trace.ts[sel] < ends[np.maximum(pos, 0)])
+        for row, p in zip(sel[ok].tolist(), pos[ok].tolist(), strict=True):
+            counts[mine[p]] += 1
+            spent[mine[p]] += float(trace.dur[row])
+            label = _label(trace.name(row))
+            labels[label] = labels.get(label, 0) + 1
+    reading = int((counts > 0).sum())
+    summary = {"steps": len(decode), "steps_with_reads": reading, "reads": int(counts.sum()),
+               "reads_per_step": round(float(counts.mean()), 3), "calls": labels,
+               "host_ms_per_step": round(float(spent.mean()) / 1000, 4)}
+    if reading < MIN_SHARE_OF_STEPS * len(decode) or trace.has_device_events():
+        return None, summary
+    cost_ms = float(spent.sum()) / 1000
+    share = cost_ms * 1000 / span_us if span_us > 0 else 0.0
+    from servprof.detect.decode_gap import severity_for_share
+
+    calls = ", ".join(f"{name} x{n}" for name, n in sorted(labels.items(), key=lambda kv: -kv[1]))
+    title = (f"the decode loop reads a tensor to the host every step ({calls}: {counts.mean():.1f} per step, "
+             f"{spent.mean():.1f} µs per step here, {share:.2%} of step time on this CPU trace); on a GPU "
+             f"each read of the step just launched is a device sync per step: the GPU idles while the host reads "
+             f"and launches the next step")
+    return Finding(
+        kind="decode_gap", severity=severity_for_share(share, cost_ms),  # type: ignore[arg-type]
+        cost_ms=cost_ms, start_us=decode[0].start_us, end_us=decode[-1].end_us, title=title,
+        request_ids=sorted({r for s in decode for r in s.request_ids})[:100],
+        evidence={"cause": "host_read_per_step", "where": "per_step", "what": CAUSES["host_read_per_step"][0],
+                  **summary, "share_of_step_time": round(share, 5),
+                  "on_gpu": "a device synchronisation per step (the read waits for every kernel queued before it)"},
+        fix=cause_fix("host_read_per_step"),
+    ), summary

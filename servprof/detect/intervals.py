@@ -1,0 +1,40 @@
+"""Interval arithmetic on numpy columns: unions and the holes between them."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def merge(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The union of the intervals as disjoint, sorted blocks (starts, ends)."""
+    if starts.size == 0:
+        return np.zeros(0), np.zeros(0)
+    order = np.argsort(starts, kind="stable")
+    s, e = starts[order], np.maximum.accumulate(ends[order])
+    # A new block starts where an interval begins after everything before it ended.
+    new_block = np.empty(s.size, dtype=bool)
+    new_block[0] = True
+    new_block[1:] = s[1:] > e[:-1]
+    last = np.flatnonzero(np.append(new_block[1:], True))
+    return s[new_block], e[last]
+
+
+def union_length(starts: np.ndarray, ends: np.ndarray) -> float:
+    """Total length covered by the intervals (overlaps counted once)."""
+    s, e = merge(starts, ends)
+    return float(np.sum(e - s))
+
+
+def covered(block_start: np.ndarray, block_end: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """For disjoint sorted blocks: how much of each window [a, b] they cover (vectorised)."""
+    if block_start.size == 0:
+        return np.zeros(np.shape(a))
+    cum = np.concatenate([[0.0], np.cumsum(block_end - block_start)])
+
+    def before(t: np.ndarray) -> np.ndarray:
+        i = np.searchsorted(block_start, t, side="right") - 1
+        j = np.maximum(i, 0)
+        partial = np.clip(t - block_start[j], 0.0, block_end[j] - block_start[j])
+        return np.where(i >= 0, cum[j] + partial, 0.0)
+
+    return before(np.asarray(b, dtype=float)) - before(np.asarray(a, dtype=float))

@@ -1,0 +1,149 @@
+"""The step/gap parts of the reports: the per-step utilisation table, the HTA-style idle split,
+servprof's own overhead and what the trace could not show, for the terminal and the HTML."""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+UTILISATION_COLUMNS = ("rank", "kind", "steps", "step ms", "busy", "idle inside", "idle between")
+
+
+def _ms_pct(row: dict[str, Any], key: str) -> str:
+    return f"{row['median_' + key]:.2f} ms ({row[key.replace('_ms', '') + '_pct']:.0f}%)"
+
+
+def utilisation_rows(summary: dict[str, Any]) -> list[list[str]]:
+    """One row per rank and step kind: median per step in ms, and share of all the steps' time."""
+    rows = []
+    for agg in (summary.get("utilisation") or {}).get("aggregates", []):
+        rows.append([str(agg["rank"]), agg["kind"], str(agg["steps"]), f"{agg['median_step_ms']:.2f}",
+                     _ms_pct(agg, "busy_ms"), _ms_pct(agg, "idle_inside_ms"), _ms_pct(agg, "idle_between_ms")])
+    return rows
+
+
+def utilisation_caption(summary: dict[str, Any]) -> str:
+    util = summary.get("utilisation") or {}
+    sources = ", ".join(f"rank {rank}: {label}" for rank, label in (util.get("sources") or {}).items())
+    if util.get("mode") == "device":
+        where = ("device timeline (busy = any kernel, copy or memset running; the step is its device span, "
+                 "idle between = since the previous step's device work ended)")
+    else:
+        where = ("host timeline: no device events in this trace (busy = work recorded on the step's thread; "
+                 "idle = time it recorded nothing)")
+    return f"Per-step utilisation on the {where}. Median per step, and share of all steps' time. Steps from {sources}."
+
+
+def print_utilisation(summary: dict[str, Any], console: Console) -> None:
+    """The table an operator needs first, then the idle split, servprof's overhead and what is missing."""
+    rows = utilisation_rows(summary)
+    if rows:
+        table = Table(title="GPU utilisation per step" if (summary.get("utilisation") or {}).get("mode") == "device"
+                      else "Host utilisation per step", title_justify="left")
+        for column in UTILISATION_COLUMNS:
+            table.add_column(column, justify="left" if column in ("rank", "kind") else "right", no_wrap=True)
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+        console.print(f"[dim]{utilisation_caption(summary)}[/]")
+    split = idle_split_rows(summary)
+    if split:
+        console.print("Idle split per stream (HTA's rule): " + "; ".join(
+            f"rank {r[0]} stream {r[1]}: host_wait {r[2]}, kernel_wait {r[3]}, other {r[4]}" for r in split))
+    overhead = summary.get("servprof_overhead")
+    if isinstance(overhead, dict) and overhead.get("message"):
+        console.print(f"[dim]servprof overhead:[/] {overhead['message']}")
+    print_missing(summary, console)
+
+
+def print_missing(summary: dict[str, Any], console: Console) -> None:
+    for entry in summary.get("missing") or []:
+        if isinstance(entry, dict) and entry.get("message"):
+            console.print(f"[yellow]missing {entry.get('what', '')}:[/] {entry['message']}")
+
+
+def idle_split_rows(summary: dict[str, Any]) -> list[list[str]]:
+    out = []
+    for s in (summary.get("decode_gap") or {}).get("idle_split", []):
+        out.append([str(s["rank"]), str(s["stream"]), f"{s['host_wait_us'] / 1000:.2f} ms / {s['host_wait_gaps']}",
+                    f"{s['kernel_wait_us'] / 1000:.2f} ms / {s['kernel_wait_gaps']}",
+                    f"{s['other_us'] / 1000:.2f} ms / {s['other_gaps']}"])
+    return out
+
+
+# --- HTML ------------------------------------------------------------------------------------
+
+WIDTH = 960
+PART_COLORS = {"busy": "#4c78a8", "idle inside": "#e45756", "idle between": "#f2a541"}
+
+
+def _esc(value: Any) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _table(header: tuple[str, ...] | list[str], rows: list[list[str]]) -> str:
+    head = "".join(f"<th>{_esc(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def utilisation_html(summary: dict[str, Any]) -> str:
+    """The utilisation table, a stacked bar per step (busy / idle inside / idle between, % of the
+    step's cycle), the idle split, servprof's overhead and what the trace could not show."""
+    parts = [missing_html(summary)]
+    rows = utilisation_rows(summary)
+    if rows:
+        parts.append(f"<p>{_esc(utilisation_caption(summary))}</p>{_table(UTILISATION_COLUMNS, rows)}")
+        parts.append(step_bars_svg(summary))
+    else:
+        parts.append("<p>No model steps: no per-step utilisation.</p>")
+    split = idle_split_rows(summary)
+    if split:
+        parts.append("<p>Idle split per stream, HTA's rule (time / gaps): host_wait = the device waited for the "
+                     "host to launch; kernel_wait = under 30 µs between queued work; other = the rest.</p>")
+        parts.append(_table(("rank", "stream", "host_wait", "kernel_wait", "other"), split))
+    overhead = summary.get("servprof_overhead")
+    if isinstance(overhead, dict) and overhead.get("message"):
+        parts.append(f"<p><b>servprof's own overhead:</b> {_esc(overhead['message'])}</p>")
+    return "".join(parts)
+
+
+def missing_html(summary: dict[str, Any]) -> str:
+    items = "".join(f"<li><b>{_esc(m.get('what', ''))}</b>: {_esc(m.get('message', ''))}</li>"
+                    for m in summary.get("missing") or [] if isinstance(m, dict))
+    return f"<ul>{items}</ul>" if items else ""
+
+
+def step_bars_svg(summary: dict[str, Any], limit: int = 400) -> str:
+    steps = (summary.get("utilisation") or {}).get("steps", [])[:limit]
+    if not steps:
+        return ""
+    height, left, bottom = 160, 50, 40
+    bar = (WIDTH - left - 20) / len(steps)
+    svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height + bottom + 20}">']
+    for i, row in enumerate(steps):
+        y = 10.0
+        x = left + i * bar
+        for label, key in (("idle between", "idle_between_pct"), ("idle inside", "idle_inside_pct"),
+                           ("busy", "busy_pct")):
+            h = height * row[key] / 100
+            svg.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{max(bar - 0.5, 0.5):.1f}" height="{h:.1f}" '
+                       f'fill="{PART_COLORS[label]}"><title>rank {row["rank"]} {_esc(row["kind"])} step {row["index"]}: '
+                       f'{label} {row[key.replace("_pct", "_ms")]:.3f} ms ({row[key]:.1f}% of '
+                       f'{row["cycle_ms"]:.3f} ms)</title></rect>')
+            y += h
+    for pct in (0, 50, 100):
+        y = 10 + height * (1 - pct / 100)
+        svg.append(f'<line x1="{left - 4}" y1="{y:.1f}" x2="{left}" y2="{y:.1f}" stroke="#333"/>'
+                   f'<text x="{left - 6}" y="{y + 4:.1f}" font-size="10" text-anchor="end">{pct}%</text>')
+    svg.append(f'<text x="{left}" y="{height + 26}" font-size="11">steps in time order (first {len(steps)}), '
+               f'one bar each: share of the step\'s cycle</text>')
+    svg.append(f'<text x="12" y="{10 + height / 2}" font-size="11" transform="rotate(-90 12 {10 + height / 2})" '
+               f'text-anchor="middle">% of step</text>')
+    legend = " ".join(f'<span style="display:inline-block;width:10px;height:10px;background:{c}"></span> {_esc(k)}'
+                      for k, c in PART_COLORS.items())
+    svg.append("</svg>")
+    return f"<p>{legend}</p>" + "".join(svg)

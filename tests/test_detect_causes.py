@@ -1,0 +1,243 @@
+"""The cause of each gap, on small synthetic Kineto traces with known answers: read from the
+thread that launched the device work, by self time (nested frames once, generic wrappers left
+out, never more than the gap), sleeping threads never named, gaps counted once, short gaps
+summed per step, and each cause with a fix. Only the timings are invented (tests/_kineto_builder.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from _kineto_builder import KinetoTrace, covered_in, eager_step, union
+
+from servprof.detect.analysis import analyse
+from servprof.trace import load_trace
+
+ENGINE, OTHER, MONITOR = 1, 2, 3
+DECODE = "servprof:decode_step|r1,r2"
+
+
+def _gaps(analysis, cause=None):
+    return [f for f in analysis.findings if f.kind == "decode_gap" and (cause is None or f.evidence["cause"] == cause)]
+
+
+def _sleeping_monitor(trace: KinetoTrace, until: float) -> None:
+    """A tqdm monitor thread asleep for the whole trace (as in real HF traces)."""
+    trace.frame("threading.py(1032): _bootstrap", 0.0, until, tid=MONITOR)
+    trace.frame("tqdm/_monitor.py(60): run", 1.0, until - 2, tid=MONITOR)
+    trace.frame("threading.py(359): wait", 2.0, until - 4, tid=MONITOR)
+
+
+def test_python_gap_named_by_self_time_never_more_than_the_gap(tmp_path: Path):
+    trace = KinetoTrace()
+    t = 0.0
+    for _ in range(6):
+        trace.host(DECODE, t, 60)
+        end = eager_step(trace, t, kernels=10)
+        # Between steps the engine prepares the next batch in Python: nested frames under a
+        # generic wrapper that spans more than the gap.
+        trace.frame("torch/nn/modules/module.py(1779): _call_impl", end - 100, 700)
+        trace.frame("myapp/engine.py(10): prepare_batch", end + 20, 450)
+        trace.host("aten::index", end + 200, 100)
+        t = end + 500
+    _sleeping_monitor(trace, t + 100)
+    analysis = analyse(load_trace(trace.write(tmp_path / "t.json")))
+    (gap,) = _gaps(analysis)
+    assert gap.evidence["cause"] == "host_python" and gap.evidence["where"] == "between_steps"
+    worst = gap.evidence["worst_gaps"][0]
+    assert worst["thread"] == ENGINE
+    frames = {f["name"]: f["self_us"] for f in worst["top_frames"]}
+    # prepare_batch's own time excludes the op inside it; the wrapper's time goes to nobody by name.
+    assert frames["myapp/engine.py(10): prepare_batch"] == pytest.approx(350.0)
+    assert frames["aten::index"] == pytest.approx(100.0)
+    assert not any("_call_impl" in name for name in frames) or frames.get(
+        "torch/nn/modules/module.py(1779): _call_impl", 0) < 100
+    assert sum(worst["self_us"].values()) <= worst["idle_us"] + 1e-6
+    assert all(g["thread"] != MONITOR for g in gap.evidence["worst_gaps"])
+    assert gap.fix and "CUDA graphs" in gap.fix
+
+
+def test_a_thread_that_holds_the_gil_is_named_and_a_sleeping_one_never(tmp_path: Path):
+    trace = KinetoTrace()
+    t = 0.0
+    for _ in range(5):
+        trace.host(DECODE, t, 60)
+        end = eager_step(trace, t, kernels=10)
+        # The engine thread records nothing for 800 µs; another thread runs the app's Python.
+        trace.frame("myapp/normalise.py(5): slow_normalise", end + 10, 780, tid=OTHER)
+        t = end + 800
+    _sleeping_monitor(trace, t + 100)
+    analysis = analyse(load_trace(trace.write(tmp_path / "t.json")))
+    (gap,) = _gaps(analysis)
+    assert gap.evidence["cause"] == "gil_contention"
+    worst = gap.evidence["worst_gaps"][0]
+    assert worst["ran_instead"]["thread"] == OTHER
+    assert worst["ran_instead"]["top_frames"][0]["name"] == "myapp/normalise.py(5): slow_normalise"
+    assert f"thread {OTHER} ran myapp/normalise.py(5): slow_normalise" in gap.title
+
+
+def test_only_a_sleeping_thread_meanwhile_is_not_a_cause(tmp_path: Path):
+    trace = KinetoTrace()
+    t = 0.0
+    for _ in range(5):
+        trace.host(DECODE, t, 60)
+        t = eager_step(trace, t, kernels=10) + 800
+    _sleeping_monitor(trace, t + 100)
+    (gap,) = _gaps(analyse(load_trace(trace.write(tmp_path / "t.json"))))
+    assert gap.evidence["cause"] == "untraced_host_time"
+    assert "ran_instead" not in gap.evidence["worst_gaps"][0]
+
+
+def test_blocking_device_to_host_read_every_step(tmp_path: Path):
+    """Each step ends with .item(): aten::item > _local_scalar_dense > a DtoH copy into pageable memory
+    and cudaStreamSynchronize. The device drains while the host waits, then idles while the host
+    runs 200 µs of Python before launching the next step: a sync per step."""
+    trace = KinetoTrace()
+    t = 0.0
+    syncs = []
+    for _ in range(6):
+        end = eager_step(trace, t, kernels=10)
+        trace.host(DECODE, t, end + 10 - t)  # the read is the step's last act
+        h = t + 60
+        trace.host("aten::item", h, end + 10 - h)
+        trace.host("aten::_local_scalar_dense", h + 1, end + 8 - h)
+        trace.launch(h + 2, end, 4.0, name="Memcpy DtoH (Device -> Pageable)", runtime="cudaMemcpyAsync",
+                     cat="gpu_memcpy")
+        trace.host("cudaStreamSynchronize", h + 6, end + 4 - h, cat="cuda_runtime")
+        syncs.append((end + 4, end + 6))
+        t = end + 10 + 200
+    analysis = analyse(load_trace(trace.write(tmp_path / "t.json")))
+    (gap,) = _gaps(analysis)
+    assert gap.evidence["cause"] == "synchronize" and gap.evidence["where"] == "between_steps"
+    assert gap.evidence["gaps"] == 5
+    # The device idles from the copy's end to the next step's first kernel (launch + 20 µs).
+    assert gap.evidence["median_gap_ms"] == pytest.approx((6 + 200 + 20) / 1000, abs=1e-6)
+    assert gap.evidence["host_reads_per_step"] == 1.0 and gap.evidence["host_read_calls"] == {".item()": 6}
+    worst = gap.evidence["worst_gaps"][0]
+    assert {"aten::item", "cudaStreamSynchronize"} & {f["name"] for f in worst["top_frames"]}
+    assert ".item()" in gap.fix and "one step behind" in gap.fix
+
+
+def test_python_before_the_first_graph_launch_of_a_compiled_forward(tmp_path: Path):
+    trace = KinetoTrace()
+    t = 0.0
+    for _ in range(5):
+        trace.host(DECODE, t, 700)
+        # torch.compile's guards and dispatch: Python frames, no runtime call, no kernel ...
+        trace.frame("torch/_dynamo/eval_frame.py(1039): _fn", t, 650)
+        trace.host("TorchDynamo Cache Lookup", t + 5, 300)
+        trace.frame("torch/_dynamo/guards.py(2100): check", t + 310, 290)
+        # ... then one graph replay runs the whole step.
+        corr = trace.launch(t + 610, t + 640, 50, runtime="cudaGraphLaunch")
+        for i in range(1, 8):
+            trace.device(t + 640 + i * 50, 50, f"graph_kernel_{i}", corr)
+        t += 1100
+    analysis = analyse(load_trace(trace.write(tmp_path / "t.json")))
+    (gap,) = _gaps(analysis)
+    assert gap.evidence["cause"] == "compiled_dispatch"
+    worst = gap.evidence["worst_gaps"][0]
+    names = {f["name"] for f in worst["top_frames"]}
+    assert "TorchDynamo Cache Lookup" in names and "torch/_dynamo/guards.py(2100): check" in names
+    assert "CUDA graph" in gap.fix
+
+
+def test_a_thousand_tiny_gaps_are_one_launch_bound_cause_summed_per_step(tmp_path: Path):
+    """Eager decode: 1,000 kernels of 5 µs per step, each launched as the previous one ends, so the
+    device idles ~10 µs before each: no gap is worth listing, together they are half the step."""
+    trace = KinetoTrace()
+    t = 0.0
+    for _ in range(3):
+        trace.host(DECODE, t, 15020)
+        for i in range(1000):
+            trace.launch(t + i * 15, t + i * 15 + 10, 5.0, launch_dur=4.0)
+        t += 15100
+    analysis = analyse(load_trace(trace.write(tmp_path / "t.json")))
+    (gap,) = _gaps(analysis)
+    assert gap.evidence["cause"] == "launch_bound" and gap.evidence["where"] == "inside_step"
+    assert gap.evidence["gaps"] == 3 * 999
+    holes = union(trace.kernels)
+    inside = sum(b[0] - a[1] for a, b in zip(holes, holes[1:], strict=False) if b[0] - a[1] < 50)
+    assert gap.cost_ms == pytest.approx(inside / 1000)
+    assert len(gap.evidence["worst_gaps"]) == 3  # one summed entry per step, not 2,997
+    assert gap.severity == "critical"  # two thirds of every step
+
+
+def test_straggler_collective(tmp_path: Path):
+    trace = KinetoTrace()
+    t = 0.0
+    for k in range(8):
+        trace.host(DECODE, t, 60)
+        end = eager_step(trace, t, kernels=5)
+        wait = 2000.0 if k == 5 else 100.0
+        trace.launch(t + 30, end, wait, name="ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevComm*)")
+        t = end + wait + 10
+    analysis = analyse(load_trace(trace.write(tmp_path / "t.json")))
+    (gap,) = _gaps(analysis, "collective_straggler")
+    assert gap.cost_ms == pytest.approx(1.9)
+    assert gap.evidence["worst_gaps"][0]["median_us"] == pytest.approx(100.0)
+    assert "straggler rank" in gap.fix
+    # It is waiting, but the device shows it busy: it is never counted as idle too.
+    assert gap.evidence["gaps"] == 1 and not _gaps(analysis, "kernel_wait")
+
+
+def test_overlapping_step_windows_count_each_idle_stretch_once(tmp_path: Path):
+    """Step k's last kernel (on a second stream) runs past step k+1's first kernels: the device
+    spans overlap. Every hole of the device timeline belongs to exactly one step or gap."""
+    trace = KinetoTrace()
+    t = 0.0
+    for _ in range(5):
+        trace.host(DECODE, t, 200)
+        end = eager_step(trace, t, kernels=6)
+        trace.launch(t + 40, end - 100, 700, name="side_stream_kernel", stream=8)
+        t = end + 300  # the next step launches while the side kernel still runs
+    analysis = analyse(load_trace(trace.write(tmp_path / "t.json")))
+    steps = sorted(analysis.steps, key=lambda s: s.device_start_us)
+    assert any(a.device_end_us > b.device_start_us for a, b in zip(steps, steps[1:], strict=False))
+    blocks = union(trace.kernels)
+    span = (steps[0].device_start_us, max(s.device_end_us for s in steps))
+    idle = (span[1] - span[0]) - covered_in(blocks, *span)
+    rows = analysis.summary["utilisation"]["steps"]
+    assert sum(r["idle_inside_ms"] + r["idle_between_ms"] for r in rows) == pytest.approx(idle / 1000)
+    assert sum(r["cycle_ms"] for r in rows) == pytest.approx((span[1] - span[0]) / 1000)
+    counted = sum(g.idle_us for g in analysis.gaps) + sum(
+        g["idle_us"] for g in analysis.summary["decode_gap"].get("unreported_gaps", []))
+    assert counted <= idle + 1e-6
+
+
+def test_a_cause_that_costs_next_to_nothing_is_never_critical(tmp_path: Path):
+    trace = KinetoTrace()
+    t = 0.0
+    for _ in range(3):  # 3 tiny steps, each with 70 µs of idle: 40% of the step, 0.14 ms in all
+        trace.host(DECODE, t, 30)
+        end = eager_step(trace, t, kernels=2, kernel_us=20)
+        t = end + 50
+    analysis = analyse(load_trace(trace.write(tmp_path / "t.json")))
+    for gap in _gaps(analysis):
+        assert gap.severity != "critical" and (gap.cost_ms >= 0.1 or gap.severity == "info")
+
+
+def test_nothing_after_servprofs_stop_is_blamed_on_the_app(tmp_path: Path):
+    """Session metadata says stop() began at 3,000 µs: the step running then is cut there, the one
+    after it dropped, and the 'gap' the stop caused (the engine thread held off the GIL) is gone."""
+    base_ns = 1_700_000_000_000_000  # (trace µs = (unix ns - base) / 1000)
+    trace = KinetoTrace()
+    trace.metadata = {"baseTimeNanoseconds": base_ns,
+                      "servprof": {"session_id": "s", "stop_wall_ns": base_ns + 2_900_000}}
+    t = 0.0
+    for k in range(5):
+        length = 1400.0 if k == 3 else 500.0  # step 3 straddles the stop and seems stalled by it
+        trace.host(DECODE, t, length)
+        trace.host("aten::mm", t, 400)
+        t += length + 100
+    analysis = analyse(load_trace(trace.write(tmp_path / "t.json")))
+    assert [s.end_us for s in analysis.steps] == [500.0, 1100.0, 1700.0, 2900.0]
+    overhead = analysis.summary["servprof_overhead"]
+    assert overhead["steps_cut"] == 1 and overhead["steps_dropped"] == 1
+    assert overhead["steps_cut_ms"] == pytest.approx(0.3)
+    assert overhead["after_stop_ms"] == pytest.approx((t - 100 - 2900) / 1000)
+    assert all(f.end_us <= 2900.0 for f in analysis.findings)
+    assert not [f for f in analysis.findings if f.kind == "decode_gap" and f.severity != "info"]
+    # Without the stop time the same trace blames the app for the stalled step.
+    trace.metadata = {}
+    blamed = analyse(load_trace(trace.write(tmp_path / "u.json")))
+    assert [g for g in blamed.gaps if g.start_us < 2900.0 < g.end_us]

@@ -1,0 +1,54 @@
+"""tokenization_stall on small synthetic traces: its fix, severity by share, servprof's stop,
+and what it says when a trace shows no tokenization at all."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from _kineto_builder import KinetoTrace
+
+from servprof.detect.analysis import analyse
+from servprof.trace import load_trace
+
+ENGINE, LOOP = 1, 2
+
+
+def _trace(tokenize_ms: float, metadata: dict | None = None) -> KinetoTrace:
+    trace = KinetoTrace()
+    trace.metadata = metadata or {}
+    trace.host("servprof:tokenize|r1", 0.0, tokenize_ms * 1000, tid=LOOP)
+    t = tokenize_ms * 1000 + 100
+    trace.host("servprof:prefill|r1", t, 2000)
+    for _ in range(6):
+        t += 2100
+        trace.host("servprof:decode_step|r1", t, 2000)
+        trace.host("aten::mm", t, 1900)
+    return trace
+
+
+def test_a_short_stall_is_a_warning_and_says_what_to_do(tmp_path: Path):
+    (stall,) = [f for f in analyse(load_trace(_trace(8.0).write(tmp_path / "t.json"))).findings
+                if f.kind == "tokenization_stall"]
+    # 8 ms of 8.1 ms to the first step: most of it, but 8 ms is not critical.
+    assert stall.severity == "warning" and stall.fix
+    long = [f for f in analyse(load_trace(_trace(60.0).write(tmp_path / "u.json"))).findings
+            if f.kind == "tokenization_stall"]
+    assert long[0].severity == "critical"
+
+
+def test_tokenization_after_servprofs_stop_is_not_the_apps(tmp_path: Path):
+    base_ns = 1_700_000_000_000_000
+    meta = {"baseTimeNanoseconds": base_ns, "servprof": {"stop_wall_ns": base_ns + 40_000_000}}
+    (stall,) = [f for f in analyse(load_trace(_trace(60.0, meta).write(tmp_path / "t.json"))).findings
+                if f.kind == "tokenization_stall"]
+    assert stall.evidence["tokenize_ms"] == 40.0 and stall.end_us == 40000.0
+
+
+def test_no_tokenization_in_the_trace_says_how_to_get_it(tmp_path: Path):
+    trace = KinetoTrace()
+    for k in range(4):
+        trace.host("servprof:decode_step|r1", k * 2100.0, 2000)
+    analysis = analyse(load_trace(trace.write(tmp_path / "t.json")))
+    (entry,) = analysis.summary["missing"]
+    assert entry["what"] == "tokenization"
+    assert "servprof.phase(\"tokenize\")" in entry["message"] and "tiktoken" in entry["message"]
