@@ -26,7 +26,6 @@ from typing import Any
 import orjson
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 # Each injected fault as demo-server flags; the values are those the detectors' recorded
 # fixtures were made with (tests/fixtures/README.md).
@@ -308,23 +307,11 @@ class Demo:
         self.print_findings(orjson.loads(paths["report JSON"].read_bytes()))
 
     def print_findings(self, report: dict[str, Any]) -> None:
-        findings = report.get("findings") or []
-        if not findings:
-            self.console.print("servprof demo: no findings: no tokenization stall, decode gap or "
-                               "bandwidth-bound decode stood out in the sampled requests")
-            return
-        table = Table(title="servprof findings (sampled requests)", title_justify="left", show_lines=True)
-        for column, justify in [("severity", "left"), ("kind", "left"), ("cost ms", "right"), ("requests", "left"),
-                                ("finding", "left")]:
-            table.add_column(column, justify=justify)  # type: ignore[arg-type]
-        styles = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
-        for finding in findings:
-            ids = finding.get("request_ids") or []
-            severity = finding.get("severity", "info")
-            table.add_row(f"[{styles.get(severity, '')}]{severity}[/]", finding.get("kind", "?"),
-                          f"{finding.get('cost_ms', 0):.1f}", f"{len(ids)}: {ids[0]}" if ids else "-",
-                          finding.get("title", ""))
-        self.console.print(table)
+        from servprof.report.findings_table import print_findings
+
+        summary = report.get("summary") if isinstance(report.get("summary"), dict) else {}
+        findings = [f for f in report.get("findings") or [] if isinstance(f, dict)]
+        print_findings(self.console, summary, findings, title="servprof findings")
 
     def print_artifacts(self) -> bool:
         """One line per artifact (never wrapped, so paths stay copyable); False if any is missing."""

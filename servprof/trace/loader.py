@@ -27,6 +27,10 @@ from servprof.trace.model import Trace
 # exhausting memory. Override with SERVPROF_MAX_TRACE_BYTES.
 DEFAULT_MAX_TRACE_BYTES = 2 * 1024**3
 TRACE_SUFFIXES = (".json", ".json.gz")
+# servprof's own files beside its session traces (capture.py): never traces themselves.
+SIDECAR_SUFFIXES = (".session.json", ".analysis.json")
+# Added to each file's metadata: the file's name, for messages about it (e.g. two files claiming a rank).
+SOURCE_FILE_KEY = "servprof_source_file"
 
 ProgressCallback = Callable[[str], None]  # called with the stage just finished: "read", "parse", "columns"
 
@@ -47,7 +51,8 @@ def trace_files(path: str | os.PathLike[str]) -> list[Path]:
     """The trace files a path names: itself, or the .json/.json.gz files in a directory."""
     p = Path(path)
     if p.is_dir():
-        files = sorted(f for f in p.iterdir() if f.is_file() and f.name.endswith(TRACE_SUFFIXES))
+        files = sorted(f for f in p.iterdir() if f.is_file() and f.name.endswith(TRACE_SUFFIXES)
+                       and not f.name.endswith(SIDECAR_SUFFIXES))
         if not files:
             raise TraceError(f"{p}: directory holds no .json or .json.gz trace files")
         return files
@@ -328,8 +333,9 @@ def _load(path: str | os.PathLike[str], files: list[Path], limit: int, progress:
             progress("parse")
         info = document.get("distributedInfo")
         rank = _int_or(info.get("rank"), index) if isinstance(info, dict) else index
-        if rank in metadata:  # two files claim one rank: keep them apart
+        if rank in metadata:  # two files claim one rank: keep them apart (the analysis warns)
             rank = max(metadata) + 1
+        document[SOURCE_FILE_KEY] = file.name
         metadata[rank] = document
         columns = _columns(events, rank, interner, file)
         thread_names.update(_thread_names(columns.pop("metadata_events"), rank))
