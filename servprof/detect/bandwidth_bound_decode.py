@@ -69,7 +69,7 @@ def detect_bandwidth_bound(trace: Trace, steps: list[Step], device: str | None
             points.append(_point(trace, row, cost, time_us, spec))
             step_bytes[step] = step_bytes.get(step, 0.0) + cost[1]
     judged = [p for p in points if not p["above_peak"]]
-    time_judged = _time_judged(trace, decode_steps or steps, on_device)
+    time_judged = _time_judged(trace, decode_steps, on_device)  # no decode steps: the whole trace's span
     summary, grouped = _summarise(points, judged, spec, scope, trace, warnings)
     summary["time_judged_ms"] = round(time_judged / 1000, 3)
     # Every byte the ops of one step move, re-reads included: more than the data it touches.

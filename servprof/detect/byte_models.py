@@ -161,7 +161,7 @@ def op_cost(name: str, dims: Any, types: Any, concrete: Any = None, strides: Any
     if model is None or not tensors or tensors[0] is None:
         return None
     try:
-        cost = model(name, tensors, concrete)
+        cost = model(name, tensors, concrete, types)
     except (ValueError, TypeError, IndexError, OverflowError):
         return None
     if cost is None or not all(math.isfinite(v) and v >= 0 for v in cost) or cost[1] <= 0:
@@ -169,7 +169,7 @@ def op_cost(name: str, dims: Any, types: Any, concrete: Any = None, strides: Any
     return float(cost[0]), float(cost[1])
 
 
-def _gemm(name: str, tensors: list[_Tensor | None], concrete: Any) -> Cost | None:
+def _gemm(name: str, tensors: list[_Tensor | None], concrete: Any, types: list[Any]) -> Cost | None:
     bias: _Tensor | None = None
     if name == "aten::linear":  # linear(input [..., K], weight [N, K], bias [N]?)
         a, weight, bias = tensors[0], _arg(tensors, 1), _arg(tensors, 2)
@@ -206,7 +206,7 @@ def _gemm(name: str, tensors: list[_Tensor | None], concrete: Any) -> Cost | Non
     return flops, reads + batch * m * n * out_elem
 
 
-def _attention(name: str, tensors: list[_Tensor | None], concrete: Any) -> Cost | None:
+def _attention(name: str, tensors: list[_Tensor | None], concrete: Any, types: list[Any]) -> Cost | None:
     q, k, v = tensors[0], _arg(tensors, 1), _arg(tensors, 2)
     if q is None or k is None or v is None or len(q.dims) != 4 or len(k.dims) != 4 or len(v.dims) != 4:
         return None
@@ -218,14 +218,14 @@ def _attention(name: str, tensors: list[_Tensor | None], concrete: Any) -> Cost 
     return flops, reads + b * h * sq * dv * q.elem
 
 
-def _reduced_numel(name: str, x: _Tensor, concrete: Any, types: int) -> int:
+def _reduced_numel(name: str, x: _Tensor, concrete: Any, types: list[Any]) -> int:
     position = REDUCTIONS[name]
     if name in _INT_DIM_REDUCTIONS:
         # dim is one int, and present only in the dim overloads (max(self) reduces everything).
-        dim = _int(_arg(concrete, position)) if types > 2 else None
+        dim = _int(_arg(concrete, position)) if len(types) > 2 else None
         reduced = [dim] if dim is not None else None
-    else:
-        reduced = _int_list(_arg(concrete, position))
+    else:  # a dim list; sum(self, dtype) has a dtype (a Scalar) where the list would be
+        reduced = _int_list(_arg(concrete, position)) if _arg(types, position) == "ScalarList" else None
     if not reduced or not x.dims:  # no dims (or []) = reduce over all of them
         return 1
     rank = len(x.dims)
@@ -233,10 +233,10 @@ def _reduced_numel(name: str, x: _Tensor, concrete: Any, types: int) -> int:
     return math.prod(d for i, d in enumerate(x.dims) if i not in axes)
 
 
-def _reduction(name: str, tensors: list[_Tensor | None], concrete: Any) -> Cost | None:
+def _reduction(name: str, tensors: list[_Tensor | None], concrete: Any, types: list[Any]) -> Cost | None:
     x = tensors[0]
     assert x is not None
-    out = _reduced_numel(name, x, concrete, len(tensors))
+    out = _reduced_numel(name, x, concrete, types)
     if name in _INDEX_OUTPUT:
         out_bytes = out * 8
     elif name in _VALUES_AND_INDICES and len(tensors) > 2:
@@ -245,11 +245,13 @@ def _reduction(name: str, tensors: list[_Tensor | None], concrete: Any) -> Cost 
         out_bytes = out
     else:
         dtype_at = {"aten::sum": 3, "aten::mean": 3, "aten::prod": 3, "aten::linalg_vector_norm": 4}.get(name, -1)
+        if len(types) == 2 and name in ("aten::sum", "aten::mean", "aten::prod"):
+            dtype_at = 1  # sum(self, dtype)
         out_bytes = out * (_dtype_bytes(concrete, dtype_at) or x.elem)
     return float(x.numel), x.nbytes + out_bytes
 
 
-def _same_shape(name: str, tensors: list[_Tensor | None], concrete: Any) -> Cost | None:
+def _same_shape(name: str, tensors: list[_Tensor | None], concrete: Any, types: list[Any]) -> Cost | None:
     x = tensors[0]
     assert x is not None
     out_elem = x.elem
@@ -260,14 +262,14 @@ def _same_shape(name: str, tensors: list[_Tensor | None], concrete: Any) -> Cost
     return 5.0 * x.numel, x.nbytes + x.numel * out_elem
 
 
-def _norm(name: str, tensors: list[_Tensor | None], concrete: Any) -> Cost | None:
+def _norm(name: str, tensors: list[_Tensor | None], concrete: Any, types: list[Any]) -> Cost | None:
     x = tensors[0]
     assert x is not None
     params = sum(t.nbytes for t in tensors[1:] if t is not None)  # weight and bias, when given
     return 5.0 * x.numel, x.nbytes + params + x.numel * x.elem
 
 
-def _copy(name: str, tensors: list[_Tensor | None], concrete: Any) -> Cost | None:
+def _copy(name: str, tensors: list[_Tensor | None], concrete: Any, types: list[Any]) -> Cost | None:
     if name == "aten::copy_":
         dst, src = tensors[0], _arg(tensors, 1)
         if dst is None or src is None:
@@ -283,13 +285,13 @@ def _copy(name: str, tensors: list[_Tensor | None], concrete: Any) -> Cost | Non
     return 0.0, src.nbytes + src.numel * dst_elem
 
 
-def _fill(name: str, tensors: list[_Tensor | None], concrete: Any) -> Cost | None:
+def _fill(name: str, tensors: list[_Tensor | None], concrete: Any, types: list[Any]) -> Cost | None:
     x = tensors[0]
     assert x is not None
     return float(x.numel), x.numel * x.elem
 
 
-def _gather(name: str, tensors: list[_Tensor | None], concrete: Any) -> Cost | None:
+def _gather(name: str, tensors: list[_Tensor | None], concrete: Any, types: list[Any]) -> Cost | None:
     table = tensors[0]
     assert table is not None
     if name == "aten::embedding":
@@ -305,7 +307,7 @@ def _gather(name: str, tensors: list[_Tensor | None], concrete: Any) -> Cost | N
     return 0.0, 2 * rows * table.elem + index.nbytes  # rows read, the same rows written, the indices
 
 
-def _elementwise(name: str, tensors: list[_Tensor | None], concrete: Any) -> Cost | None:
+def _elementwise(name: str, tensors: list[_Tensor | None], concrete: Any, types: list[Any]) -> Cost | None:
     inputs = [t for t in tensors if t is not None]
     reads = sum(t.nbytes for t in inputs)
     if name.endswith("_"):  # in place: the first argument is read and written back
