@@ -36,8 +36,11 @@ INJECT_FLAGS: dict[str, list[str]] = {
 }
 # The server's default session budget is sized for production (a few ms of capture, so
 # serving barely notices); the demo wants a trace with tens of decode steps so that each
-# detector has something to judge. An env var the user set wins.
-DEMO_SESSION_ENV = {"SERVPROF_MAX_SESSION_EVENTS": "50000", "SERVPROF_MAX_SESSION_STEPS": "64"}
+# detector has something to judge, and op shapes so that the bandwidth detector can model
+# bytes (bench/bench_demo_shapes.py measures what shapes add to the session's stop). An env
+# var the user set wins.
+DEMO_SESSION_ENV = {"SERVPROF_MAX_SESSION_EVENTS": "50000", "SERVPROF_MAX_SESSION_STEPS": "64",
+                    "SERVPROF_RECORD_SHAPES": "1"}
 HEALTH_TIMEOUT_S = 180.0
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -337,6 +340,29 @@ class Demo:
         return all_there
 
 
+def cpu_peak_note() -> str:
+    """This CPU's peak bandwidth for the bandwidth detector: measured once (a few seconds) and cached
+    with `servprof calibrate`'s own code, so the demo's CPU decode is judged against a measured peak,
+    not an assumed one."""
+    from servprof.detect import calibrate
+    from servprof.detect.devices import calibration_path, calibrations
+
+    name = calibrate.cpu_name()
+    known = [r for r in calibrations() if r["name"] == name and calibrate.calibration_kind(r) == "cpu"]
+    if known:
+        return (f"judging bandwidth against this CPU's measured {known[-1]['memory_bandwidth_gbs']:.1f} GB/s "
+                f"({calibration_path()}; re-measure with `servprof calibrate`)")
+    cache = calibrate.cpu_cache_bytes() or 0
+    copy_mib = min(max(64, 4 * cache // 1024**2), 512)  # well past the last-level cache: DRAM, not cache
+    try:
+        result = calibrate.measure("cpu", copy_mib=copy_mib, matmul_n=1024, repeats=3)
+        calibrate.save(result)
+    except (OSError, RuntimeError, ValueError) as exc:
+        return f"could not measure this CPU's bandwidth ({exc}): bandwidth is judged against an assumed peak"
+    return (f"measured this CPU's memory bandwidth once: {result['memory_bandwidth_gbs']:.1f} GB/s "
+            f"(cached in {calibration_path()})")
+
+
 def run(args: argparse.Namespace) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=120)
     err = Console(stderr=True)
@@ -364,6 +390,8 @@ def run(args: argparse.Namespace) -> int:
         err.print("servprof demo: note: --inject sync costs nothing on CPU (no device to wait for); use --device cuda")
     demo = Demo(args, console)
     try:
+        if args.device == "cpu":
+            console.print(f"servprof demo: {cpu_peak_note()}", soft_wrap=True, highlight=False)
         console.print(f"servprof demo: starting the demo server ({args.size}, {args.device}) on {demo.url}")
         demo.start_server()
         demo.wait_for_health()

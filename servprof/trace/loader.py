@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from servprof.trace.meta import MAX_RANK, claimed_rank
 from servprof.trace.model import Trace
 
 # Uncompressed bytes accepted per file; a bigger trace is refused rather than
@@ -331,10 +332,10 @@ def _load(path: str | os.PathLike[str], files: list[Path], limit: int, progress:
         del data
         if progress:
             progress("parse")
-        info = document.get("distributedInfo")
-        rank = _int_or(info.get("rank"), index) if isinstance(info, dict) else index
+        claimed = claimed_rank(document)  # type-checked and in int32 range, else the file's index
+        rank = index if claimed is None else claimed
         if rank in metadata:  # two files claim one rank: keep them apart (the analysis warns)
-            rank = max(metadata) + 1
+            rank = max(metadata) + 1 if max(metadata) < MAX_RANK else min(set(range(len(files))) - set(metadata))
         document[SOURCE_FILE_KEY] = file.name
         metadata[rank] = document
         columns = _columns(events, rank, interner, file)

@@ -34,11 +34,18 @@ def base_time_ns(metadata: dict[int, dict[str, Any]]) -> int | None:
     return None
 
 
+MAX_RANK = 2**31 - 1  # ranks are stored as int32
+
+
 def claimed_rank(document: Any) -> int | None:
-    """distributedInfo.rank of one file, when it names one."""
+    """distributedInfo.rank of one file, when it names one: a whole number (or its digits as text)
+    from 0 to 2**31 - 1. Anything else names no rank."""
     info = document.get("distributedInfo") if isinstance(document, dict) else None
-    rank = whole_int(info.get("rank")) if isinstance(info, dict) else None
-    return rank if rank is not None and rank >= 0 else None
+    value = info.get("rank") if isinstance(info, dict) else None
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    rank = whole_int(value)
+    return rank if rank is not None and 0 <= rank <= MAX_RANK else None
 
 
 def servprof_fields(raw: Any) -> dict[str, Any]:
