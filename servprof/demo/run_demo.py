@@ -35,11 +35,12 @@ INJECT_FLAGS: dict[str, list[str]] = {
     "sync": ["--sync-per-step"],
 }
 # The server's default session budget is sized for production (a few ms of capture, so
-# serving barely notices); the demo wants a trace with tens of decode steps so that each
-# detector has something to judge, and op shapes so that the bandwidth detector can model
-# bytes (bench/bench_demo_shapes.py measures what shapes add to the session's stop). An env
-# var the user set wins.
-DEMO_SESSION_ENV = {"SERVPROF_MAX_SESSION_EVENTS": "50000", "SERVPROF_MAX_SESSION_STEPS": "64",
+# serving barely notices); the demo wants a trace with enough decode steps for each detector
+# to judge, and op shapes so that the bandwidth detector can model bytes. Shapes make the
+# profiler's stop ~3.8x dearer per event (bench/bench_demo_shapes.py: 64 steps without shapes
+# stalled the server ~320 ms, 16 steps with shapes ~270 ms), so the session stops at 16 decode
+# steps: no longer a stall than the demo's sessions had without shapes. An env var the user set wins.
+DEMO_SESSION_ENV = {"SERVPROF_MAX_SESSION_EVENTS": "50000", "SERVPROF_MAX_SESSION_STEPS": "16",
                     "SERVPROF_RECORD_SHAPES": "1"}
 HEALTH_TIMEOUT_S = 180.0
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
