@@ -346,10 +346,10 @@ def cpu_peak_note() -> str:
     with `servprof calibrate`'s own code, so the demo's CPU decode is judged against a measured peak,
     not an assumed one."""
     from servprof.detect import calibrate
-    from servprof.detect.devices import calibration_path, calibrations
+    from servprof.detect.devices import calibration_kind, calibration_path, calibrations
 
     name = calibrate.cpu_name()
-    known = [r for r in calibrations() if r["name"] == name and calibrate.calibration_kind(r) == "cpu"]
+    known = [r for r in calibrations() if r["name"] == name and calibration_kind(r) == "cpu"]
     if known:
         return (f"judging bandwidth against this CPU's measured {known[-1]['memory_bandwidth_gbs']:.1f} GB/s "
                 f"({calibration_path()}; re-measure with `servprof calibrate`)")
