@@ -176,3 +176,34 @@ def test_report_json_keeps_the_device_basis_and_the_fix(tmp_path: Path):
     report = orjson.loads(out.read_bytes())
     assert report["summary"]["bandwidth"]["device"]["basis"] == "datasheet"
     assert all(f["fix"] for f in report["findings"])
+
+
+@pytest.mark.parametrize("with_big_op", [False, True])
+def test_ops_too_small_to_be_bandwidth_bound_are_per_op_overhead(tmp_path: Path, with_big_op: bool):
+    # 30 one-element adds whose kernels take 2 us: this trace's shortest ops, so its per-op floor.
+    # 10 adds of 4 KB x 3 taking 40 us each: at 3350 GB/s their bytes need 3.7 ns, far under the
+    # 2 us floor: no memory system would make them faster, so they are overhead, not bandwidth.
+    synth = SynthTrace([H100])
+    t = 0.0
+    for _ in range(30):
+        synth.op("aten::add", t, 10, [[1], [1], []], ["float", "float", "Scalar"], kernel_us=2.0)
+        t += 12
+    for _ in range(10):
+        synth.op("aten::add", t, 50, [[1024], [1024], []], ["float", "float", "Scalar"], kernel_us=40.0)
+        t += 52
+    if with_big_op:  # plus the 12 MB add at 3.6% of peak: bandwidth-limited, 96 us left
+        synth.op(*ADD[:1], t, 120, *ADD[1:], kernel_us=100.0)
+        t += 122
+    analysis = analyse(load_trace(synth.write(tmp_path / "t.json.gz")))
+    assert analysis.summary["bandwidth"]["op_floor_us"] == pytest.approx(2.0)
+    (finding,) = [f for f in analysis.findings if f.kind == "bandwidth_bound_decode"]
+    assert finding.evidence["overhead_bound_ops"] == 2  # the 1-element and the 4 KB shapes
+    if with_big_op:
+        left = 100.0 - ADD_BYTES / 3350e9 * 1e6
+        # Only the big add's 96.4 us count, against the device span: kernels from 5 us to 885 + 100 us.
+        assert finding.evidence["ops_below_half_peak"] == 1 and finding.cost_ms == pytest.approx(left / 1000, rel=1e-3)
+        assert finding.evidence["left_on_table_share"] == pytest.approx(left / 980.0, abs=1e-4)
+        assert finding.severity == "warning"  # 9.8%; counting the overhead-bound ops too would make it 57%
+    else:
+        assert finding.severity == "info" and "per-op overhead" in finding.title
+        assert "per-op overhead" in finding.evidence["severity_capped"] and "fewer, larger ops" in finding.fix

@@ -41,6 +41,7 @@ MIN_SHARE_OF_STEP = 0.05  # memory-bound ops under this share of the time judged
 LOW_BANDWIDTH_SHARE = 0.5  # memory-bound ops reaching under half of peak bandwidth leave it on the table
 CRITICAL_SHARE, WARNING_SHARE = 0.2, 0.05  # of step time (or the trace's span) left on the table
 MAX_TOP_OPS = 10
+MIN_OPS_FOR_FLOOR = 20
 
 
 def detect_bandwidth_bound(trace: Trace, steps: list[Step], device: str | None
@@ -225,6 +226,9 @@ def _summarise(points: list[dict[str, Any]], judged: list[dict[str, Any]], spec:
         g["bound"] = _bound(g["intensity"], spec)
         g["left_on_table_us"] = max(0.0, g["time_us"] - g["roofline_us"]) if spec.memory_bandwidth_gbs else 0.0
         grouped.append(g)
+    floor_us = _op_floor_us(judged)
+    for g in grouped:
+        g["overhead_bound"] = g["roofline_us"] / g["calls"] < floor_us
     grouped.sort(key=lambda g: -g["time_us"])
     total = sum(p["time_us"] for p in judged)
     memory_time = sum(p["time_us"] for p in judged if p["bound"] == "memory")
@@ -233,6 +237,7 @@ def _summarise(points: list[dict[str, Any]], judged: list[dict[str, Any]], spec:
         "op_time_ms": round(total / 1000, 3),
         "memory_bound_share": round(memory_time / total, 4) if total else None,
         "achieved_gbs": round(sum(p["bytes"] for p in judged) / (total * 1e-6) / 1e9, 3) if total else None,
+        "op_floor_us": round(floor_us, 3),
     }
     if warnings:
         summary["warnings"] = warnings
@@ -275,6 +280,14 @@ def _missing(points: list[dict[str, Any]], spec: DeviceSpec, replayed: bool) -> 
     return []
 
 
+def _op_floor_us(points: list[dict[str, Any]]) -> float:
+    """What the shortest ops of this trace take at all (5th percentile of the modelled ops' times):
+    the device's fixed cost per op here (launch, dispatch, the profiler's own per-op cost). Too few
+    ops to tell (under MIN_OPS_FOR_FLOOR): 0, and no op counts as overhead-bound."""
+    times = [p["time_us"] for p in points]
+    return float(np.percentile(times, 5)) if len(times) >= MIN_OPS_FOR_FLOOR else 0.0
+
+
 def _graph_replay_kernels(trace: Trace) -> dict[str, Any]:
     dev = np.flatnonzero(trace.device_mask())
     launch = trace.launch_row_for(dev)
@@ -309,14 +322,22 @@ def _findings(grouped: list[dict[str, Any]], spec: DeviceSpec, scope: str, steps
     mem_time = sum(g["time_us"] for g in memory)
     if mem_time < MIN_SHARE_OF_STEP * time_judged_us:
         return []
-    slow = sorted((g for g in memory if g["bandwidth_share"] < LOW_BANDWIDTH_SHARE),
-                  key=lambda g: -g["left_on_table_us"])
+    below = sorted((g for g in memory if g["bandwidth_share"] < LOW_BANDWIDTH_SHARE),
+                   key=lambda g: -g["left_on_table_us"])
+    # An op whose bytes take less time at peak than the shortest ops of this trace take at all is
+    # bounded by per-op overhead, not bandwidth: its time "left" is not a bandwidth finding's.
+    slow = [g for g in below if not g["overhead_bound"]]
+    overhead = [g for g in below if g["overhead_bound"]]
     achieved = sum(g["bytes"] for g in memory) / (mem_time * 1e-6) / 1e9
     left = sum(g["left_on_table_us"] for g in slow)
+    overhead_left = sum(g["left_on_table_us"] for g in overhead)
     share = achieved / spec.memory_bandwidth_gbs
     left_share = left / time_judged_us
     severity = "critical" if left_share >= CRITICAL_SHARE else "warning" if left_share >= WARNING_SHARE else "info"
     capped = _cap_reason(spec, working_set)
+    if not slow and overhead and not capped:
+        capped = ("the ops below peak move too little per call to be bandwidth-bound (their bytes take less time "
+                  "at peak than the shortest ops of this trace take at all): per-op overhead, not memory, bounds them")
     if capped:
         severity = "info"
     what = "decode op" if steps else "op"
@@ -326,21 +347,27 @@ def _findings(grouped: list[dict[str, Any]], spec: DeviceSpec, scope: str, steps
         peak += " (assumed)"
     title = (f"{len(memory)} memory-bound {what} shape(s) in {where} reach {achieved:.1f} GB/s, "
              f"{100 * share:.1f}% of {peak}")
+    judged = "step time" if steps else "the trace span"
     if slow:
         title += (f"; {len(slow)} leave {left / 1000:.2f} ms on the table ({100 * left_share:.1f}% of "
-                  f"{'step time' if steps else 'the trace span'})")
+                  f"{judged})")
+    elif overhead:
+        title += (f"; {len(overhead)} move too little per call to be bandwidth-bound: per-op overhead holds "
+                  f"{overhead_left / 1000:.2f} ms ({100 * overhead_left / time_judged_us:.1f}% of {judged})")
     start = min((s.start_us for s in steps), default=0.0)
     end = max((s.end_us for s in steps), default=0.0)
-    top = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in g.items()} for g in (slow or memory)[:MAX_TOP_OPS]]
+    shown = slow or overhead or memory
+    top = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in g.items()} for g in shown[:MAX_TOP_OPS]]
     evidence = {"device": spec.to_dict(), "scope": scope, "left_on_table_share": round(left_share, 4),
                 "time_judged_ms": round(time_judged_us / 1000, 3), "memory_bound_time_ms": round(mem_time / 1000, 3),
                 "achieved_gbs": round(achieved, 3), "bandwidth_share": round(share, 4),
-                "ops_below_half_peak": len(slow), "top_ops": top}
+                "ops_below_half_peak": len(slow), "overhead_bound_ops": len(overhead),
+                "overhead_bound_left_ms": round(overhead_left / 1000, 3), "top_ops": top}
     if capped:
         evidence["severity_capped"] = f"at most info: {capped}"
     return [Finding(
-        kind="bandwidth_bound_decode", severity=severity, cost_ms=left / 1000.0, start_us=start, end_us=end,
-        title=title, request_ids=sorted({r for s in steps for r in s.request_ids}),
-        evidence=evidence, fix=fix_text(slow or memory, spec, share, capped),
+        kind="bandwidth_bound_decode", severity=severity, cost_ms=(left if slow else overhead_left) / 1000.0,
+        start_us=start, end_us=end, title=title, request_ids=sorted({r for s in steps for r in s.request_ids}),
+        evidence=evidence, fix=fix_text(shown, spec, share, capped),
     )]
 

@@ -50,8 +50,7 @@ def fix_text(groups: list[dict[str, Any]], spec: DeviceSpec, share: float, cappe
             f"{top['op']} {top['shapes']}, moves {_size(per_call_bytes)} per call in {per_call_us:.1f} us")
     if roof_us > 0:
         text += f" (the roofline allows {roof_us:.2f} us)"
-    overhead = bool(roof_us and roof_us < 0.1 * per_call_us and per_call_bytes < 1e6)
-    if overhead or (capped and spec.identified):
+    if top.get("overhead_bound") or (capped and spec.identified):
         # Not a bandwidth problem: quantising or faster memory would not help these ops.
         text += (". They move too little for memory bandwidth to be their limit: per-op overhead dominates, so "
                  "fewer, larger ops help (fuse them with torch.compile, batch more requests per step, capture "
