@@ -207,3 +207,12 @@ def test_ops_too_small_to_be_bandwidth_bound_are_per_op_overhead(tmp_path: Path,
     else:
         assert finding.severity == "info" and "per-op overhead" in finding.title
         assert "per-op overhead" in finding.evidence["severity_capped"] and "fewer, larger ops" in finding.fix
+
+
+def test_a_named_stand_in_for_an_unknown_gpu_is_judged_with_a_warning(tmp_path: Path):
+    props = [{"name": "NVIDIA RTX PRO 6000 Blackwell Server Edition"}]
+    analysis = analyse(load_trace(_gpu_trace(tmp_path, kernel_us=100.0, span_us=300.0, props=props)),
+                       device="h100-sxm")
+    assert any("does not know" in w for w in analysis.summary["warnings"])
+    (finding,) = [f for f in analysis.findings if f.kind == "bandwidth_bound_decode"]
+    assert finding.severity == "critical"  # the user's stand-in is not contradicted by the trace

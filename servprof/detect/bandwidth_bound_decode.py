@@ -49,8 +49,8 @@ def detect_bandwidth_bound(trace: Trace, steps: list[Step], device: str | None
     properties = trace_device_properties(trace.metadata)
     on_device = trace.has_device_events()
     spec = resolve_device(device, properties, on_device)
-    warnings = device_warnings(device, spec, properties, on_device)
-    if warnings:
+    warnings, contradicted = device_warnings(device, spec, properties, on_device)
+    if contradicted:
         spec = with_mismatch(spec)
     rows = np.flatnonzero(trace.mask_name(lambda s: s in MODELLED) & trace.complete() & (trace.stream < 0))
     taken, costs = _outermost_modelled(trace, rows)

@@ -259,29 +259,37 @@ def resolve_device(requested: str | None, trace_devices: list[dict[str, Any]], h
 
 
 def device_warnings(requested: str | None, spec: DeviceSpec, trace_devices: list[dict[str, Any]],
-                    has_device_events: bool) -> list[str]:
-    """Where the device asked for disagrees with what the trace says it ran on."""
+                    has_device_events: bool) -> tuple[list[str], bool]:
+    """(warnings, contradicted): where the device asked for disagrees with what the trace says it ran
+    on. Contradicted: the trace names a device servprof knows and it is another one, or the device
+    kinds differ; a device the table does not know may be stood in for by a named one (a warning)."""
     if not requested:
-        return []
+        return [], False
     names = list(dict.fromkeys(n for n in (device_name(p) for p in trace_devices) if n))
     if not has_device_events:
         if spec.kind == "gpu":
             return [f"--device {requested}: this trace has no device kernels (its ops ran on the host CPU), "
-                    f"so their times are judged against {spec.name}'s peak, which they cannot reach"]
-        return []
+                    f"so their times are judged against {spec.name}'s peak, which they cannot reach"], True
+        return [], False
     if spec.kind == "cpu":
         return [f"--device {requested}: this trace ran kernels on {names[0] if names else 'a GPU'}, "
-                f"judged here against a CPU's peak ({spec.name})"]
+                f"judged here against a CPU's peak ({spec.name})"], True
     if not names:
-        return []
-    trace_keys = {match_device_name(n) for n in names}
-    spec_key = next((k for k, s in DEVICES.items() if s == spec), None)
-    same = spec.name in names if spec.basis == BASIS_CALIBRATED else spec_key in trace_keys
+        return [], False
+    if spec.basis == BASIS_CALIBRATED:
+        same, known = spec.name in names, True
+    else:
+        trace_keys = {match_device_name(n) for n in names} - {None}
+        spec_key = next((k for k, s in DEVICES.items() if s == spec), None)
+        same, known = spec_key in trace_keys, bool(trace_keys)
     if same:
-        return []
-    return [f"--device {requested} ({spec.name}, {spec.memory_bandwidth_gbs} GB/s) disagrees with the trace's "
+        return [], False
+    if not known:
+        return [f"--device {requested}: judged against {spec.name} ({spec.memory_bandwidth_gbs:g} GB/s) as asked; "
+                f"the trace ran on {', '.join(names)}, which servprof's table does not know"], False
+    return [f"--device {requested} ({spec.name}, {spec.memory_bandwidth_gbs:g} GB/s) disagrees with the trace's "
             f"deviceProperties ({', '.join(names)}): figures are judged against the device asked for, "
-            "not the one the trace ran on"]
+            "not the one the trace ran on"], True
 
 
 def with_mismatch(spec: DeviceSpec) -> DeviceSpec:
