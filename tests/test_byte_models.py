@@ -52,6 +52,7 @@ def test_full_and_partial_reductions():
     assert bytes_of("aten::max", [[4, 8], [], []], [F32, "Scalar", "Scalar"], ["", "1", "False"]) \
         == 32 * 4 + 4 * (4 + 8)
     assert bytes_of("aten::max", [[4, 8]], [F32], [""]) == 32 * 4 + 4  # max(self): one value
+    assert bytes_of("aten::max", [[4, 8], [4, 8]], [F32, F32]) == 3 * 32 * 4  # max(a, b): element-wise
     # var(self, dim=[-1], correction, keepdim): one float per row.
     assert bytes_of("aten::var", [[6, 10], [], [], []], [F32, "ScalarList", "Scalar", "Scalar"],
                     ["", "[-1]", "1", "False"]) == 60 * 4 + 6 * 4

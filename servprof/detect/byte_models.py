@@ -236,6 +236,8 @@ def _reduced_numel(name: str, x: _Tensor, concrete: Any, types: list[Any]) -> in
 def _reduction(name: str, tensors: list[_Tensor | None], concrete: Any, types: list[Any]) -> Cost | None:
     x = tensors[0]
     assert x is not None
+    if name in _VALUES_AND_INDICES and _arg(tensors, 1) is not None:  # max(a, b): element-wise
+        return _elementwise(name, tensors, concrete, types)
     out = _reduced_numel(name, x, concrete, types)
     if name in _INDEX_OUTPUT:
         out_bytes = out * 8
