@@ -4,7 +4,8 @@
 
 Inputs come from tests/_fuzz_helpers.py (the same strategies CI runs a few hundred of): real
 traces broken at the byte level (truncation, bit flips, splices, gzip damage) and the structure
-level (dropped/retyped fields, NaN/huge/negative ts and dur, garbage args, no traceEvents).
+level (dropped/retyped fields, NaN/huge/negative ts and dur, garbage args, no traceEvents, and retyped or
+dropped metadata fields: deviceProperties entries, distributedInfo, baseTimeNanoseconds, servprof's block).
 Every input goes through load_trace and the whole `servprof analyze --json --html` in this
 process; a sample, plus a gzip bomb, multi-GB sparse files and 100k-deep JSON, also through the
 command as its own process (peak RSS per child from wait4). Prints counts, failures (any

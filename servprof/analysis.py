@@ -149,9 +149,10 @@ def analyse(trace_path: Path, session: dict[str, Any]) -> dict[str, Any]:
     (one line, TraceError); a detector that fails still leaves the phase timings."""
     from servprof.detect.analysis import analyse as run_all_detectors
     from servprof.trace import load_trace, request_phases
+    from servprof.trace.meta import base_time_ns
 
     trace = load_trace(trace_path)
-    base_ns = next((m.get("baseTimeNanoseconds") for m in trace.metadata.values()), None)
+    base_ns = base_time_ns(trace.metadata)
     requests = {rid: {"phases": phases} for rid, phases in request_phases(trace).items()}
     findings: list[Any] = []
     summary: dict[str, Any] = {"event_count": len(trace)}

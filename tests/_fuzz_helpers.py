@@ -23,6 +23,8 @@ from hypothesis import strategies as st
 FIXTURES = Path(__file__).parent / "fixtures"
 PUBLIC_TRACES = FIXTURES / "public"
 SEED_EVENTS = 300  # timed events kept per seed, so one loader+detector pass stays in milliseconds
+SEED_DEVICE_EVENTS = 50
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 def seed_sources() -> list[Path]:
@@ -41,7 +43,12 @@ def seed_documents() -> tuple[dict[str, Any], ...]:
         meta = [e for e in events if e.get("ph") == "M"][:50]
         timed = [e for e in events if e.get("ph") != "M"]
         start = max(0, len(timed) // 2 - SEED_EVENTS // 2)
-        document["traceEvents"] = meta + timed[start:start + SEED_EVENTS]
+        window = timed[start:start + SEED_EVENTS]
+        # GPU traces keep device work in the window, so what reads the device's properties runs.
+        device = [e for e in timed if e.get("cat") in DEVICE_CATEGORIES]
+        if device and not any(e.get("cat") in DEVICE_CATEGORIES for e in window):
+            window = window[: SEED_EVENTS - SEED_DEVICE_EVENTS] + device[len(device) // 2:][:SEED_DEVICE_EVENTS]
+        document["traceEvents"] = meta + window
         documents.append(document)
     return tuple(documents)
 
@@ -60,7 +67,13 @@ scalars = st.one_of(
 garbage = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
                        | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
 EVENT_FIELDS = ["ts", "dur", "ph", "name", "cat", "pid", "tid", "args", "id"]
-ARG_FIELDS = ["stream", "correlation", "External id", "name", "device"]
+ARG_FIELDS = ["stream", "correlation", "External id", "name", "device", "Input Dims", "Input type",
+              "Concrete Inputs", "Input Strides"]
+# Every metadata field some part of servprof reads, by where it lives in the document.
+DEVICE_FIELDS = ["name", "totalGlobalMem", "computeMajor", "computeMinor", "numSms", "memoryClockRate",
+                 "memoryBusWidth"]
+SERVPROF_FIELDS = ["session_id", "request_ids", "wall_start_ns", "perf_start_ns", "stop_reason", "reason",
+                   "event_loop_tid", "stop_wall_ns"]
 
 
 def _to_json(document: Any) -> bytes:
@@ -75,8 +88,9 @@ def structure_mutation(draw: st.DrawFn) -> bytes:
     events: list[Any] = document["traceEvents"]
     for _ in range(draw(st.integers(1, 6))):
         kind = draw(st.sampled_from(["drop_field", "retype_field", "odd_time", "args", "event", "dup",
-                                     "top", "servprof_meta", "phase_name"]))
-        if not events and kind not in ("top", "servprof_meta"):
+                                     "top", "servprof_meta", "phase_name", "meta_field", "meta_field",
+                                     "meta_field"]))
+        if not events and kind not in ("top", "servprof_meta", "meta_field"):
             kind = "top"
         index = draw(st.integers(0, max(0, len(events) - 1)))
         event = events[index] if events else None
@@ -115,10 +129,57 @@ def structure_mutation(draw: st.DrawFn) -> bytes:
                 events.clear()
             else:
                 document[draw(st.text(max_size=10))] = draw(garbage)
+        elif kind == "meta_field":
+            _mutate_metadata_field(draw, document)
         elif kind == "servprof_meta":
             meta = draw(garbage)
             document[draw(st.sampled_from(["servprof", "distributedInfo", "deviceProperties"]))] = (
                 _to_json(meta).decode() if draw(st.booleans()) else meta)
+    return _to_json(document)
+
+
+def _mutate_metadata_field(draw: st.DrawFn, document: dict[str, Any]) -> None:
+    """One field of the metadata servprof reads retyped or dropped: a deviceProperties entry's field,
+    distributedInfo.rank, baseTimeNanoseconds, or a field of servprof's own session block."""
+    where = draw(st.sampled_from(["deviceProperties", "distributedInfo", "baseTimeNanoseconds", "servprof"]))
+    if where == "baseTimeNanoseconds":
+        if draw(st.integers(0, 4)) == 0:
+            document.pop(where, None)
+        else:
+            document[where] = draw(garbage | st.sampled_from(ODD_NUMBERS))
+        return
+    if where == "deviceProperties":
+        entries = document.get(where)
+        if not isinstance(entries, list) or not entries or not isinstance(entries[0], dict):
+            entries = document[where] = [{"id": 0, "name": "NVIDIA H100 80GB HBM3", "computeMajor": 9,
+                                           "computeMinor": 0, "numSms": 132, "totalGlobalMem": 85018279936}]
+        target, fields = entries[draw(st.integers(0, len(entries) - 1))], DEVICE_FIELDS
+    elif where == "distributedInfo":
+        target = document.get(where)
+        if not isinstance(target, dict):
+            target = document[where] = {"backend": "nccl", "rank": 0, "world_size": 1}
+        fields = ["rank", "world_size", "backend"]
+    else:
+        target = document.get(where)
+        if not isinstance(target, dict):
+            target = document[where] = {"session_id": "s", "request_ids": ["r1"], "event_loop_tid": 1}
+        fields = SERVPROF_FIELDS
+    if not isinstance(target, dict):
+        return
+    # A few fields at once: readers check one field, then use another (a name, then a size).
+    for key in draw(st.lists(st.sampled_from(fields), min_size=1, max_size=3, unique=True)):
+        if draw(st.integers(0, 4)) == 0:
+            target.pop(key, None)
+        else:
+            target[key] = draw(garbage | st.sampled_from(ODD_NUMBERS))
+
+
+@st.composite
+def metadata_mutation(draw: st.DrawFn) -> bytes:
+    """A seed document, whole, with one to four metadata fields servprof reads retyped or dropped."""
+    document = copy.deepcopy(draw(st.sampled_from(seed_documents())))
+    for _ in range(draw(st.integers(1, 4))):
+        _mutate_metadata_field(draw, document)
     return _to_json(document)
 
 
@@ -179,8 +240,12 @@ def gzip_mutation(draw: st.DrawFn, data: bytes) -> bytes:
 def trace_inputs(draw: st.DrawFn) -> tuple[str, bytes]:
     """(file suffix, file bytes): a real trace broken at the structure level, the byte level, or both,
     stored plain or gzipped (sometimes under the other suffix: the loader sniffs the gzip magic)."""
-    data = draw(structure_mutation()) if draw(st.booleans()) else _to_json(draw(st.sampled_from(seed_documents())))
-    if draw(st.integers(0, 3)) > 0:
+    form = draw(st.sampled_from(["structure", "structure", "metadata", "seed"]))
+    if form == "metadata":  # left whole otherwise: the metadata readers must see it parse
+        data = draw(metadata_mutation())
+    else:
+        data = draw(structure_mutation()) if form == "structure" else _to_json(draw(st.sampled_from(seed_documents())))
+    if form != "metadata" and draw(st.integers(0, 3)) > 0:
         data = draw(byte_mutation(data))
     if draw(st.booleans()):
         data = draw(gzip_mutation(data))

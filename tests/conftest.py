@@ -5,13 +5,21 @@ the controller, when one was made, is given time to become idle."""
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 
 import pytest
 
 SETTLE_TIMEOUT_S = 60.0
+# servprof's cache (CPU calibration, demo tokenizer) is the suite's own, never the user's: a
+# calibration saved in ~/.cache would change what the analyses in every later test judge against.
+os.environ["SERVPROF_CACHE_DIR"] = tempfile.mkdtemp(prefix="servprof-test-cache-")
+atexit.register(shutil.rmtree, os.environ["SERVPROF_CACHE_DIR"], True)
 
 
 @pytest.fixture(autouse=True)

@@ -25,7 +25,8 @@ def test_json_and_html_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str
     kinds = [f["kind"] for f in report["findings"]]
     assert "decode_gap" in kinds and "tokenization_stall" not in kinds
     gap = next(f for f in report["findings"] if f["kind"] == "decode_gap")
-    assert set(gap) == {"kind", "severity", "cost_ms", "start_us", "end_us", "request_ids", "title", "evidence", "fix"}
+    assert set(gap) == {"kind", "severity", "cost_ms", "start_us", "end_us", "request_ids", "sampled_request_ids",
+                        "title", "evidence", "fix"}
     assert gap["evidence"]["cause"] == "untraced_host_time" and gap["fix"]
     # The injected delay, and the loop's per-step host read (named at info on a CPU trace).
     assert report["summary"]["findings"]["decode_gap"] == 2

@@ -128,8 +128,9 @@ def test_run_detectors_matches_the_contract(analyses):
     assert [f.cost_ms for f in findings] == sorted((f.cost_ms for f in findings), reverse=True)
     for f in findings:
         d = f.to_dict()
-        assert set(d) == {"kind", "severity", "cost_ms", "start_us", "end_us", "request_ids", "title", "evidence", "fix"}
-        assert d["fix"] if d["kind"] in ("decode_gap", "tokenization_stall") else True
+        assert set(d) == {"kind", "severity", "cost_ms", "start_us", "end_us", "request_ids", "sampled_request_ids",
+                          "title", "evidence", "fix"}
+        assert d["fix"]
         assert d["kind"] in ("tokenization_stall", "decode_gap", "bandwidth_bound_decode")
         assert d["severity"] in ("info", "warning", "critical")
         assert d["end_us"] >= d["start_us"]

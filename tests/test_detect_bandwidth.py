@@ -9,31 +9,9 @@ import pytest
 import torch
 
 from servprof.detect.analysis import analyse
-from servprof.detect.bandwidth_bound_decode import op_cost
-from servprof.detect.devices import DEVICES, match_device_properties, resolve_device
+from servprof.detect.devices import DEVICES, match_device_name, match_device_properties, resolve_device
 from servprof.phases import phase
 from servprof.trace import load_trace
-
-
-def test_gemm_and_elementwise_cost_models():
-    flops, nbytes = op_cost("aten::mm", [[8, 256], [256, 512]], ["float", "float"])
-    assert flops == 2 * 8 * 256 * 512
-    assert nbytes == (8 * 256 + 256 * 512 + 8 * 512) * 4
-    # addmm: the bias is the first input; the GEMM shapes are the next two.
-    flops, nbytes = op_cost("aten::addmm", [[512], [8, 256], [256, 512], [], []],
-                            ["c10::BFloat16", "c10::BFloat16", "c10::BFloat16", "Scalar", "Scalar"])
-    assert flops == 2 * 8 * 256 * 512
-    assert nbytes == (8 * 256 + 256 * 512 + 8 * 512) * 2
-    flops, nbytes = op_cost("aten::bmm", [[4, 8, 16], [4, 16, 32]], ["float", "float"])
-    assert flops == 2 * 4 * 8 * 16 * 32 and nbytes == 4 * (8 * 16 + 16 * 32 + 8 * 32) * 4
-    flops, nbytes = op_cost("aten::mul", [[4, 1024], [4, 1024]], ["float", "float"])
-    assert flops == 4 * 1024 and nbytes == 3 * 4 * 1024 * 4
-    flops, nbytes = op_cost("aten::scaled_dot_product_attention", [[2, 8, 1, 64], [2, 8, 100, 64], [2, 8, 100, 64]],
-                            ["float", "float", "float"])
-    assert flops == 2 * 2 * 8 * 1 * 100 * (64 + 64)
-    assert nbytes == (2 * 8 * 64 + 2 * 2 * 8 * 100 * 64 + 2 * 8 * 64) * 4
-    assert op_cost("aten::mm", [[], []], ["Scalar", "Scalar"]) is None
-    assert op_cost("aten::unknown_op", [[4, 4]], ["float"]) is None
 
 
 def test_device_table_and_resolution():
@@ -45,6 +23,21 @@ def test_device_table_and_resolution():
     assert match_device_properties({"name": "NVIDIA H200", "numSms": 132}) == "h200"
     assert match_device_properties({"name": "", "computeMajor": 9, "computeMinor": 0, "numSms": 132,
                                     "totalGlobalMem": 150e9}) == "h200"
+    names = {"NVIDIA GH200 480GB": None, "NVIDIA H20": "h20", "NVIDIA GB200": "gb200", "NVIDIA B200": "b200",
+             "NVIDIA H100 NVL": "h100-nvl", "NVIDIA A100-SXM4-40GB": "a100-40gb", "NVIDIA A100-SXM4-80GB": "a100",
+             "NVIDIA RTX PRO 6000 Blackwell Server Edition": None, "AMD Instinct MI210": "mi210"}
+    assert {name: match_device_name(name) for name in names} == names
+
+
+@pytest.mark.parametrize("prop", [
+    {"name": 5, "computeMajor": "9", "computeMinor": 0.0, "numSms": None, "totalGlobalMem": "80GB"},
+    {"computeMajor": 9, "computeMinor": 0, "numSms": 132, "totalGlobalMem": "80GB"},
+    {"computeMajor": True, "computeMinor": [0], "numSms": {"n": 1}, "totalGlobalMem": float("nan")},
+    {"name": ["H100"], "memoryClockRate": "fast", "memoryBusWidth": -1},
+])
+def test_device_properties_of_the_wrong_type_are_ignored(prop):
+    assert match_device_properties(prop) in (None, "h100-sxm")
+    assert resolve_device(None, [prop], True).kind == "gpu"
 
 
 @pytest.fixture(scope="module")

@@ -163,7 +163,7 @@ def test_sglang_prefill_is_labelled_sglang_and_its_hold_up_explained():
 
 
 def test_hf_qwen_on_h100_never_names_the_sleeping_tqdm_thread():
-    trace = load_trace(public_trace("hf_qwen1.5_0.5b_chat_h100.json.gz"))
+    trace = load_trace(public_trace("hf_qwen1.5_0.5b_prefill_h100.json.gz"))
     analysis = analyse(trace)
     (step,) = analysis.steps
     # One ProfilerStep around one forward; the embedding's input ids [1, S>1] make it a prefill.

@@ -1,4 +1,6 @@
-"""Fuzzing the trace loader and `servprof analyze` with inputs mutated from real traces.
+"""Fuzzing the trace loader and `servprof analyze` with inputs mutated from real traces (events,
+args, bytes, and every metadata field servprof reads: deviceProperties, distributedInfo,
+baseTimeNanoseconds, servprof's own session block).
 
 CI runs a few hundred generated inputs (bench/fuzz_analyze.py runs >= 10,000 and reports
 counts, the slowest input and peak memory). Whatever the input: `load_trace` succeeds or
@@ -17,6 +19,7 @@ from _fuzz_helpers import (
     analyze_in_process,
     clean_failure_line,
     deeply_nested,
+    metadata_mutation,
     run_analyze,
     seed_documents,
     seed_sources,
@@ -65,6 +68,25 @@ def test_mutated_traces_load_or_fail_cleanly(tmp_path_factory: pytest.TempPathFa
         assert orjson.loads((work / "report.json").read_bytes())["summary"]["events"] >= 0
     # Not a wall-clock threshold on speed: a guard against a hang (inputs here are a few hundred events).
     assert time.perf_counter() - started < PER_INPUT_LIMIT_S
+
+
+@settings(max_examples=300, deadline=None, database=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                 HealthCheck.function_scoped_fixture])
+@given(data=metadata_mutation())
+def test_mutated_metadata_analyses_cleanly(tmp_path_factory: pytest.TempPathFactory, data: bytes) -> None:
+    """Every metadata field servprof reads (deviceProperties, distributedInfo, baseTimeNanoseconds,
+    servprof's own block), retyped or dropped, on whole real traces: the analysis still runs."""
+    from servprof.analysis import analyse as child_analyse
+
+    work = tmp_path_factory.mktemp("meta")
+    path = work / "input.json"
+    path.write_bytes(data)
+    status, stderr = analyze_in_process(path, work)
+    assert status == 0 or (status == 2 and clean_failure_line(stderr)), (status, stderr)
+    if status == 0:  # and the serving side's analysis child, with session records
+        result = child_analyse(path, {"session_id": "s", "requests": [{"request_id": "r1", "arrival_ns": 1}]})
+        assert "failed" not in str(result["summary"].get("detectors")), result["summary"]
 
 
 @pytest.mark.parametrize("depth", [1000, 1025, 5000, 100_000])
@@ -186,4 +208,54 @@ def test_modelled_op_without_a_kernel_in_a_trace_with_kernels(tmp_path: Path) ->
               "args": {"stream": 7, "correlation": 1, "External id": 6}}
     path.write_bytes(orjson.dumps({"traceEvents": [op, kernel]}))
     status, stderr = analyze_in_process(path, tmp_path)
+    assert status == 0, stderr
+
+
+@pytest.mark.parametrize("field", [
+    {"name": "", "computeMajor": 9, "computeMinor": 0, "numSms": 132, "totalGlobalMem": "80GB"},  # issue 18 item 12
+    {"name": ["H100"], "computeMajor": "9", "numSms": 1.5, "memoryClockRate": "2619000", "memoryBusWidth": {}},
+    {"name": "NVIDIA Unknown", "memoryClockRate": float("inf"), "memoryBusWidth": True},
+])
+def test_device_property_fields_of_the_wrong_type(tmp_path: Path, field: dict) -> None:
+    kernel = {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": 2.0, "dur": 1.0,
+              "args": {"stream": 7, "correlation": 1}}
+    op = {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 2, "ts": 1.0, "dur": 4.0,
+          "args": {"Input Dims": [[64, 64], [64, 64]], "Input type": ["float", "float"]}}
+    path = tmp_path / "t.json"
+    path.write_bytes(orjson.dumps({"deviceProperties": [field], "traceEvents": [op, kernel]}))
+    status, stderr = analyze_in_process(path, tmp_path)
+    assert status == 0, stderr
+
+
+@pytest.mark.parametrize("meta", [
+    {"baseTimeNanoseconds": "1700000000000000000", "distributedInfo": {"rank": [0]}},
+    {"baseTimeNanoseconds": float("inf"), "distributedInfo": {"rank": "zero"}},
+    {"servprof": {"session_id": 5, "request_ids": {"a": 1}, "event_loop_tid": "main", "stop_wall_ns": "late"}},
+    {"servprof": {"request_ids": ["r1", 3, None], "event_loop_tid": 2.5, "wall_start_ns": [1]}},
+])
+def test_metadata_fields_of_the_wrong_type(tmp_path: Path, meta: dict) -> None:
+    """Every metadata field servprof reads, retyped: `servprof analyze` and the analysis child both run."""
+    from servprof.analysis import analyse as child_analyse
+
+    document = orjson.loads(gzip.decompress(seed_sources()[0].read_bytes()))
+    document.update(meta)
+    path = tmp_path / "t.json"
+    path.write_bytes(orjson.dumps(document))
+    status, stderr = analyze_in_process(path, tmp_path)
+    assert status == 0, stderr
+    result = child_analyse(path, {"session_id": "s", "requests": [{"request_id": "r1", "arrival_ns": "soon"}]})
+    assert result["error"] is None and "failed" not in str(result["summary"].get("detectors"))
+
+
+@pytest.mark.parametrize("ranks", [[-(2**63)], [2**31], [2**31 - 1, 2**31 - 1], ["7", 7.0]])
+def test_ranks_out_of_range_or_repeated_load(tmp_path: Path, ranks: list) -> None:
+    """Found by the metadata fuzzer: a distributedInfo.rank beyond int32 overflowed the rank column."""
+    run = tmp_path / "run"
+    run.mkdir()
+    document = orjson.loads(gzip.decompress(seed_sources()[0].read_bytes()))
+    for index, rank in enumerate(ranks):
+        (run / f"r{index}.json").write_bytes(orjson.dumps({**document, "distributedInfo": {"rank": rank}}))
+    trace = load_trace(run)
+    assert len(trace.ranks) == len(ranks) and all(0 <= r < 2**31 for r in trace.ranks)
+    status, stderr = analyze_in_process(run, tmp_path)
     assert status == 0, stderr

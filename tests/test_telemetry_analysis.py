@@ -167,14 +167,20 @@ def test_phase_children_under_the_ended_request_span(sampled: Any) -> None:
     steps = spans["decode_step"]
     assert [s.attributes["servprof.step"] for s in steps] == [0, 1, 2, 3, 4]
     assert all(s.parent.span_id == decode.context.span_id for s in steps)
-    # Findings for this request and for the whole session, none of another request's.
+    # Findings for this request, none of another request's; the one naming no request is the
+    # session's: on the session's analysis span, linked to the request span, not on the request's.
     (analysis,) = spans["servprof.analysis"]
     assert analysis.attributes["servprof.trace_file"] == "/out/traces/session-1.pt.trace.json.gz"
     assert analysis.attributes["servprof.session_id"] == "session-1"
-    assert analysis.attributes["servprof.findings"] == 2
+    assert analysis.attributes["servprof.findings"] == 1
     assert analysis.attributes["servprof.phase.decode_step.count"] == 5
-    assert [e.name for e in analysis.events] == ["servprof.finding", "servprof.finding"]
-    gap, wide = analysis.events
+    assert [e.name for e in analysis.events] == ["servprof.finding"]
+    (gap,) = analysis.events
+    (session,) = spans["servprof.session_analysis"]
+    assert session.parent is None and session.context.trace_id != request_span.context.trace_id
+    assert [link.context.span_id for link in session.links] == [request_span.context.span_id]
+    assert session.attributes["servprof.session_id"] == "session-1" and session.attributes["servprof.findings"] == 1
+    (wide,) = session.events
     assert dict(gap.attributes) | {} == {
         "servprof.finding.kind": "decode_gap",
         "servprof.finding.severity": "warning",
@@ -187,7 +193,8 @@ def test_phase_children_under_the_ended_request_span(sampled: Any) -> None:
     assert (analysis.start_time, analysis.end_time) == (request_span.start_time, request_span.end_time)
     status = observer.status()
     assert status["analysed_requests"] == 1 and status["analysis_orphaned_requests"] == 0
-    assert status["analysis_spans"] == len(children) + len(steps)
+    assert status["analysis_spans"] == len(children) + len(steps) + 1  # + the session's
+    assert status["analysis_session_spans"] == 1
 
 
 def test_many_decode_steps_become_bounded_events(sampled: Any) -> None:

@@ -34,9 +34,10 @@ def _walk_spans(line: dict[str, Any]) -> list[dict[str, Any]]:
 def _independent_parse(raw: dict[str, Any]) -> ExportTraceServiceRequest:
     """The OTLP JSON mapping's ids are hex; protobuf's JSON parser wants base64 for bytes."""
     for span in _walk_spans(raw):
-        for key in ("traceId", "spanId", "parentSpanId"):
-            if key in span:
-                span[key] = base64.b64encode(bytes.fromhex(span[key])).decode()
+        for item in (span, *span.get("links", [])):
+            for key in ("traceId", "spanId", "parentSpanId"):
+                if key in item:
+                    item[key] = base64.b64encode(bytes.fromhex(item[key])).decode()
     return json_format.ParseDict(raw, ExportTraceServiceRequest())
 
 
@@ -71,9 +72,18 @@ def test_spans_file_follows_the_otlp_json_mapping(tmp_path: Path) -> None:
                     "cost_ms": 2.0,
                     "start_us": 1.5,
                     "end_us": 2.0,
-                    "request_ids": [],
+                    "request_ids": [sampled.request_id],
                     "title": "t",
-                }
+                },
+                {  # names no request: the session's, on its own span linked to the request span
+                    "kind": "bandwidth_bound_decode",
+                    "severity": "info",
+                    "cost_ms": 1.0,
+                    "start_us": 0.0,
+                    "end_us": 0.0,
+                    "request_ids": [],
+                    "title": "whole trace",
+                },
             ],
             "clock": {"trace_us_to_unix_ns_offset": sampled.arrival_ns},
         },
@@ -98,7 +108,8 @@ def test_spans_file_follows_the_otlp_json_mapping(tmp_path: Path) -> None:
         resource = {a.key: a.value.string_value for a in message.resource_spans[0].resource.attributes}
         assert resource["service.name"] == "wire-test"
     names = {span["name"]: span for span in spans}
-    assert set(names) == {"GET /hello", "POST /v1/chat/completions", "prefill", "servprof.analysis"}
+    assert set(names) == {"GET /hello", "POST /v1/chat/completions", "prefill", "servprof.analysis",
+                          "servprof.session_analysis"}
     request = names["POST /v1/chat/completions"]
     assert request["traceId"] == "ab" * 16 and request["parentSpanId"] == "cd" * 8
     assert names["prefill"]["parentSpanId"] == request["spanId"]
@@ -107,6 +118,12 @@ def test_spans_file_follows_the_otlp_json_mapping(tmp_path: Path) -> None:
     assert event["name"] == "servprof.finding"
     assert {a["key"]: a["value"] for a in event["attributes"]}["servprof.finding.kind"] == {
         "stringValue": "decode_gap"
+    }
+    session = names["servprof.session_analysis"]
+    assert session["links"][0]["spanId"] == request["spanId"] and "parentSpanId" not in session
+    (event,) = session["events"]
+    assert {a["key"]: a["value"] for a in event["attributes"]}["servprof.finding.kind"] == {
+        "stringValue": "bandwidth_bound_decode"
     }
 
     metrics_lines = (tmp_path / "metrics" / "metrics.otlp.jsonl").read_bytes().splitlines()

@@ -25,7 +25,6 @@ from typing import Any
 
 import orjson
 from rich.console import Console
-from rich.table import Table
 
 from servprof.demo.progress import progress_for
 
@@ -37,9 +36,13 @@ INJECT_FLAGS: dict[str, list[str]] = {
     "sync": ["--sync-per-step"],
 }
 # The server's default session budget is sized for production (a few ms of capture, so
-# serving barely notices); the demo wants a trace with tens of decode steps so that each
-# detector has something to judge. An env var the user set wins.
-DEMO_SESSION_ENV = {"SERVPROF_MAX_SESSION_EVENTS": "50000", "SERVPROF_MAX_SESSION_STEPS": "64"}
+# serving barely notices); the demo wants a trace with enough decode steps for each detector
+# to judge, and op shapes so that the bandwidth detector can model bytes. Shapes make the
+# profiler's stop ~3.8x dearer per event (bench/bench_demo_shapes.py: 64 steps without shapes
+# stalled the server ~320 ms, 16 steps with shapes ~270 ms), so the session stops at 16 decode
+# steps: no longer a stall than the demo's sessions had without shapes. An env var the user set wins.
+DEMO_SESSION_ENV = {"SERVPROF_MAX_SESSION_EVENTS": "50000", "SERVPROF_MAX_SESSION_STEPS": "16",
+                    "SERVPROF_RECORD_SHAPES": "1"}
 HEALTH_TIMEOUT_S = 180.0
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -310,23 +313,11 @@ class Demo:
         self.print_findings(orjson.loads(paths["report JSON"].read_bytes()))
 
     def print_findings(self, report: dict[str, Any]) -> None:
-        findings = report.get("findings") or []
-        if not findings:
-            self.console.print("servprof demo: no findings: no tokenization stall, decode gap or "
-                               "bandwidth-bound decode stood out in the sampled requests")
-            return
-        table = Table(title="servprof findings (sampled requests)", title_justify="left", show_lines=True)
-        for column, justify in [("severity", "left"), ("kind", "left"), ("cost ms", "right"), ("requests", "left"),
-                                ("finding", "left")]:
-            table.add_column(column, justify=justify)  # type: ignore[arg-type]
-        styles = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
-        for finding in findings:
-            ids = finding.get("request_ids") or []
-            severity = finding.get("severity", "info")
-            table.add_row(f"[{styles.get(severity, '')}]{severity}[/]", finding.get("kind", "?"),
-                          f"{finding.get('cost_ms', 0):.1f}", f"{len(ids)}: {ids[0]}" if ids else "-",
-                          finding.get("title", ""))
-        self.console.print(table)
+        from servprof.report.findings_table import print_findings
+
+        summary = report.get("summary") if isinstance(report.get("summary"), dict) else {}
+        findings = [f for f in report.get("findings") or [] if isinstance(f, dict)]
+        print_findings(self.console, summary, findings, title="servprof findings")
 
     def print_artifacts(self) -> bool:
         """One line per artifact (never wrapped, so paths stay copyable); False if any is missing."""
@@ -350,6 +341,29 @@ class Demo:
         (self.out / "demo.json").write_bytes(orjson.dumps({"complete": all_there, "artifacts": manifest},
                                                           option=orjson.OPT_INDENT_2))
         return all_there
+
+
+def cpu_peak_note() -> str:
+    """This CPU's peak bandwidth for the bandwidth detector: measured once (a few seconds) and cached
+    with `servprof calibrate`'s own code, so the demo's CPU decode is judged against a measured peak,
+    not an assumed one."""
+    from servprof.detect import calibrate
+    from servprof.detect.devices import calibration_kind, calibration_path, calibrations
+
+    name = calibrate.cpu_name()
+    known = [r for r in calibrations() if r["name"] == name and calibration_kind(r) == "cpu"]
+    if known:
+        return (f"judging bandwidth against this CPU's measured {known[-1]['memory_bandwidth_gbs']:.1f} GB/s "
+                f"({calibration_path()}; re-measure with `servprof calibrate`)")
+    cache = calibrate.cpu_cache_bytes() or 0
+    copy_mib = min(max(64, 4 * cache // 1024**2), 512)  # well past the last-level cache: DRAM, not cache
+    try:
+        result = calibrate.measure("cpu", copy_mib=copy_mib, matmul_n=1024, repeats=3)
+        calibrate.save(result)
+    except (OSError, RuntimeError, ValueError) as exc:
+        return f"could not measure this CPU's bandwidth ({exc}): bandwidth is judged against an assumed peak"
+    return (f"measured this CPU's memory bandwidth once: {result['memory_bandwidth_gbs']:.1f} GB/s "
+            f"(cached in {calibration_path()})")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -379,6 +393,8 @@ def run(args: argparse.Namespace) -> int:
         err.print("servprof demo: note: --inject sync costs nothing on CPU (no device to wait for); use --device cuda")
     demo = Demo(args, console)
     try:
+        if args.device == "cpu":
+            console.print(f"servprof demo: {cpu_peak_note()}", soft_wrap=True, highlight=False)
         console.print(f"servprof demo: starting the demo server ({args.size}, {args.device}) on {demo.url}")
         demo.start_server()
         demo.wait_for_health()

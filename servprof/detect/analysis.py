@@ -7,12 +7,13 @@ from typing import Any
 
 from servprof.detect.bandwidth_bound_decode import detect_bandwidth_bound
 from servprof.detect.decode_gap import detect_decode_gaps, find_gaps
-from servprof.detect.finding import Finding
+from servprof.detect.finding import WHOLE_TRACE, Finding
 from servprof.detect.overhead import overhead_summary
 from servprof.detect.steps import Step, find_steps
 from servprof.detect.tokenization_stall import detect_tokenization_stalls
 from servprof.detect.utilisation import utilisation
-from servprof.trace.loader import paused_gc
+from servprof.trace.loader import SOURCE_FILE_KEY, paused_gc
+from servprof.trace.meta import base_time_ns, claimed_rank, whole_int
 from servprof.trace.model import Trace
 
 
@@ -37,7 +38,13 @@ def _analyse(trace: Trace, requests: list[dict[str, Any]] | None, device: str | 
     token_findings, token_summary = detect_tokenization_stalls(trace, steps, gaps)
     bw_findings, bw_summary, kernels = detect_bandwidth_bound(trace, steps, device)
     findings = sorted([*gap_findings, *token_findings, *bw_findings], key=lambda f: f.cost_ms, reverse=True)
-    _attribute_to_session(findings, requests)
+    sampled = sampled_request_ids(trace, requests)
+    _attribute_to_session(findings, requests, trace)
+    for finding in findings:
+        finding.sampled_request_ids = [r for r in finding.request_ids if r in sampled]
+    parts = (gap_summary, token_summary, bw_summary)
+    # What the trace could not show, once, at the top (the detectors' own summaries keep no copy).
+    missing = [*steps.missing(), *(m for part in parts for m in part.pop("missing", []))]
     summary = {
         "source": trace.source,
         "events": len(trace),
@@ -49,26 +56,72 @@ def _analyse(trace: Trace, requests: list[dict[str, Any]] | None, device: str | 
             "source": sorted({s.source for s in steps}),
             "median_step_ms": round(gap_summary["median_step_us"] / 1000, 4) if gap_summary.get("median_step_us") else None,
         },
-        "utilisation": utilisation(trace, steps),  # per-step busy / idle inside / idle between (i19a)
+        "utilisation": utilisation(trace, steps),  # per-step busy / idle inside / idle between
         "servprof_overhead": overhead_summary(trace, steps, steps.dropped_after_stop),
-        "missing": [*steps.missing(), *token_summary.pop("missing", [])],
+        "missing": missing,
         "findings": {k: sum(1 for f in findings if f.kind == k) for k in
                      ("tokenization_stall", "decode_gap", "bandwidth_bound_decode")},
         "decode_gap": gap_summary,
         "tokenization": token_summary,
         "bandwidth": bw_summary,
         "requests_given": len(requests or []),
+        "sampled_request_ids": sorted(sampled),
+        # What the user must know to trust the figures (two files claiming one rank, a --device the
+        # trace contradicts), and what the trace could not show.
+        "warnings": [*rank_warnings(trace), *(w for part in parts for w in part.get("warnings", []))],
     }
     return Analysis(findings, summary, steps, gaps, kernels)
 
 
-def _attribute_to_session(findings: list[Finding], requests: list[dict[str, Any]] | None) -> None:
-    """Traces without phase markers (e.g. vLLM's worker traces) name no request: a gap or a
-    slow kernel in the session's window then concerns the requests the session sampled."""
+def sampled_request_ids(trace: Trace, requests: list[dict[str, Any]] | None) -> set[str]:
+    """The requests the session sampled: the records given, else the trace's servprof metadata."""
+    given = {str(r["request_id"]) for r in requests or [] if isinstance(r, dict) and r.get("request_id")}
+    return given or set(trace.servprof_metadata().get("request_ids", []))
+
+
+def rank_warnings(trace: Trace) -> list[str]:
+    """Two files that claim the same distributedInfo.rank are not one run's ranks: say so."""
+    claims: dict[int, list[str]] = {}
+    for rank, document in sorted(trace.metadata.items()):
+        claimed = claimed_rank(document)
+        if claimed is not None:
+            name = document.get(SOURCE_FILE_KEY)
+            claims.setdefault(claimed, []).append(name if isinstance(name, str) else f"the file loaded as rank {rank}")
+    return [f"{len(files)} files claim rank {rank} ({', '.join(files)}): they were kept apart as separate ranks, not "
+            "merged; if they come from different runs or sessions, analyse each file on its own"
+            for rank, files in sorted(claims.items()) if len(files) > 1]
+
+
+def _request_windows(trace: Trace, requests: list[dict[str, Any]] | None) -> dict[str, tuple[float, float]]:
+    """Sampled request id -> (arrival, end) in trace µs, from the session records (end open while streaming)."""
+    base = base_time_ns(trace.metadata)
+    windows: dict[str, tuple[float, float]] = {}
+    for record in requests or []:
+        if base is None or not isinstance(record, dict) or not record.get("request_id"):
+            continue
+        arrival, arrival_perf, end = (whole_int(record.get(k)) for k in ("arrival_ns", "arrival_perf_ns", "end_ns"))
+        if arrival is None or arrival_perf is None:
+            continue
+        end_us = (arrival + end - arrival_perf - base) / 1e3 if end is not None else float("inf")
+        windows[str(record["request_id"])] = ((arrival - base) / 1e3, end_us)
+    return windows
+
+
+def _attribute_to_session(findings: list[Finding], requests: list[dict[str, Any]] | None, trace: Trace) -> None:
+    """Traces without phase markers (e.g. vLLM's worker traces) name no request: a gap or a slow
+    kernel then concerns the sampled requests in flight at that time (all of them when the records
+    carry no times). A finding about the whole trace stays the session's, on no request."""
     sampled = [str(r["request_id"]) for r in requests or [] if isinstance(r, dict) and r.get("request_id")]
     if not sampled:
         return
+    windows = _request_windows(trace, requests)
     for finding in findings:
-        if not finding.request_ids and finding.kind != "tokenization_stall":
-            finding.request_ids = sampled[:100]
-            finding.evidence["request_ids_from"] = "session records (the trace carries no phase markers)"
+        if finding.request_ids or finding.kind == "tokenization_stall" or finding.evidence.get("scope") == WHOLE_TRACE:
+            continue
+        if finding.end_us <= finding.start_us:
+            continue
+        in_flight = [r for r in sampled if r not in windows
+                     or (windows[r][0] < finding.end_us and windows[r][1] > finding.start_us)]
+        if in_flight:
+            finding.request_ids = in_flight
+            finding.evidence["request_ids_from"] = "session records in flight at the time (the trace carries no phase markers)"

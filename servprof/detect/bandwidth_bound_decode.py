@@ -1,176 +1,291 @@
 """Decode ops bound by memory bandwidth, and how much bandwidth they leave unused.
 
-Per op inside decode steps, from record_shapes (Input Dims / Input type): FLOPs
-and bytes moved (GEMM: 2MNK FLOPs, (MK+KN+MN)·element size bytes; attention:
-2·B·H·Sq·Sk·(d_qk+d_v) FLOPs, Q+K+V+out bytes; element-wise: inputs + output
-bytes, one FLOP per output element). Time is the op's device kernels when the
-trace has them (joined on External id), else the op's own host duration. The
-op's arithmetic intensity is compared with the device's ridge point; a
-memory-bound op's achieved GB/s against peak says what it leaves on the table.
+Per op inside decode steps (the whole trace when none is found), FLOPs and the minimum
+bytes it must move come from its record_shapes args (byte_models.py). Ops that wrap
+others are modelled once, at the outermost level that can be (aten::linear, not the
+addmm inside it). Time is the device kernels the op launched (on its own thread, inside
+its span) when the trace has device events, else the op's host duration. The op's
+arithmetic intensity against the device's ridge point says whether memory bounds it;
+a memory-bound op's GB/s against the peak says what it leaves on the table.
+
+A GB/s above the device's peak is physically impossible: such ops are never findings;
+the summary lists them with the reason (the peak is not this device's, or the model or
+the op's time is wrong). Severity is the share of step time (or of the trace's span,
+without steps) left on the table, and at most `info` when the peak was assumed rather
+than identified or measured.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 import orjson
 
-from servprof.detect.devices import DeviceSpec, resolve_device
-from servprof.detect.finding import Finding
+from servprof.detect.bandwidth_fix import fix_text
+from servprof.detect.byte_models import MODELLED, op_cost, op_family
+from servprof.detect.devices import (
+    BASIS_ASSUMED,
+    MIN_GPU_RIDGE,
+    DeviceSpec,
+    device_warnings,
+    resolve_device,
+    trace_device_properties,
+    with_mismatch,
+)
+from servprof.detect.finding import WHOLE_TRACE, Finding
 from servprof.detect.steps import Step, step_index
 from servprof.trace.model import Trace
 
-ELEMENT_BYTES = {
-    "double": 8, "float": 4, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "long": 8, "int64_t": 8,
-    "int": 4, "short int": 2, "bool": 1, "signed char": 1, "unsigned char": 1, "c10::Float8_e4m3fn": 1,
-    "c10::Float8_e5m2": 1, "c10::Float8_e4m3fnuz": 1, "c10::Float8_e5m2fnuz": 1, "c10::complex<float>": 8,
-}
-GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
-ATTENTION = {"aten::scaled_dot_product_attention"}
-ELEMENTWISE = {"aten::add", "aten::mul", "aten::sub", "aten::div", "aten::silu", "aten::neg", "aten::rsqrt",
-               "aten::pow", "aten::mean", "aten::exp", "aten::softmax", "aten::_softmax", "aten::where",
-               "aten::copy_", "aten::add_", "aten::mul_", "aten::gelu", "aten::cat", "aten::index"}
-MIN_SHARE_OF_STEP = 0.05
+MIN_SHARE_OF_STEP = 0.05  # memory-bound ops under this share of the time judged are not where it goes
 LOW_BANDWIDTH_SHARE = 0.5  # memory-bound ops reaching under half of peak bandwidth leave it on the table
-
-
-def _numel(dims: Any) -> int:
-    return math.prod(int(d) for d in dims) if isinstance(dims, list) and dims and all(isinstance(d, int) for d in dims) else 0
-
-
-def op_cost(name: str, dims: list[Any], types: list[Any]) -> tuple[float, float] | None:
-    """(FLOPs, bytes) of one op from its record_shapes args; None when it cannot be modelled."""
-    tensors = [(d, ELEMENT_BYTES.get(t, 0)) for d, t in zip(dims, types, strict=False)
-               if isinstance(d, list) and d and t in ELEMENT_BYTES]
-    if not tensors:
-        return None
-    elem = tensors[-1][1] if name == "aten::addmm" else tensors[0][1]
-    if name in GEMMS:
-        mats = [d for d, _ in tensors if len(d) in (2, 3)]
-        if name in ("aten::addmm", "aten::baddbmm"):
-            mats = mats[1:] if len(mats) >= 3 else mats
-        if len(mats) < 2:
-            return None
-        a, b = mats[0], mats[1]
-        batch = a[0] if len(a) == 3 else 1
-        m, k, n = a[-2], a[-1], b[-1]
-        flops = 2.0 * batch * m * n * k
-        nbytes = float(batch * (m * k + k * n + m * n) * elem)
-        return flops, nbytes
-    if name in ATTENTION:
-        if len(tensors) < 3 or len(tensors[0][0]) != 4:
-            return None
-        (q, e), (k, _), (v, _) = tensors[0], tensors[1], tensors[2]
-        b, h, sq, dqk = q
-        sk, dv = k[-2], v[-1]
-        flops = 2.0 * b * h * sq * sk * (dqk + dv)
-        out = b * h * sq * dv
-        nbytes = float((_numel(q) + _numel(k) + _numel(v) + out) * e)
-        return flops, nbytes
-    if name in ELEMENTWISE:
-        sizes = [_numel(d) * e for d, e in tensors]
-        out_elems = max(_numel(d) for d, _ in tensors)
-        return float(out_elems), float(sum(sizes) + out_elems * tensors[0][1])
-    return None
-
-
-def _device_properties(trace: Trace) -> list[dict[str, Any]]:
-    listed = [meta.get("deviceProperties") for meta in trace.metadata.values()]
-    return [p for props in listed if isinstance(props, list) for p in props if isinstance(p, dict)]
+CRITICAL_SHARE, WARNING_SHARE = 0.2, 0.05  # of step time (or the trace's span) left on the table
+MAX_TOP_OPS = 10
+MIN_OPS_FOR_FLOOR = 20
 
 
 def detect_bandwidth_bound(trace: Trace, steps: list[Step], device: str | None
                            ) -> tuple[list[Finding], dict[str, Any], list[dict[str, Any]]]:
-    spec = resolve_device(device, _device_properties(trace), trace.has_device_events())
-    modelled = GEMMS | ATTENTION | ELEMENTWISE
-    rows = np.flatnonzero(trace.mask_name(lambda s: s in modelled) & trace.complete() & (trace.stream < 0))
+    properties = trace_device_properties(trace.metadata)
+    on_device = trace.has_device_events()
+    spec = resolve_device(device, properties, on_device)
+    warnings, contradicted = device_warnings(device, spec, properties, on_device)
+    if contradicted:
+        spec = with_mismatch(spec)
+    rows = np.flatnonzero(trace.mask_name(lambda s: s in MODELLED) & trace.complete() & (trace.stream < 0))
+    taken, costs = _outermost_modelled(trace, rows)
     decode_steps = [s for s in steps if s.kind == "decode"]
-    scope = "decode steps" if decode_steps else "whole trace (no decode steps found)"
-    if decode_steps:
-        rows = rows[step_index(decode_steps, trace.rank[rows], trace.ts[rows]) >= 0]
-    kernel_time = _kernel_time_by_external_id(trace)
+    scope = "decode steps" if decode_steps else WHOLE_TRACE
+    step_of = np.zeros(taken.shape, dtype=np.int64)
+    if decode_steps and taken.size:
+        step_of = step_index(decode_steps, trace.rank[taken], trace.ts[taken])
+        inside = step_of >= 0
+        taken, step_of = taken[inside], step_of[inside]
+        costs = [c for c, keep in zip(costs, inside.tolist(), strict=True) if keep]
+    times = _device_time(trace, taken) if on_device else trace.dur[taken].astype(np.float64)
     points: list[dict[str, Any]] = []
-    costs: dict[bytes, tuple[float, float] | None] = {}  # decode repeats the same shapes every step
-    for row in rows:
-        args = trace.args(row)
-        name, dims, types = trace.name(row), args.get("Input Dims") or [], args.get("Input type") or []
-        shape_key = orjson.dumps([name, dims, types])
-        if shape_key not in costs:
-            costs[shape_key] = op_cost(name, dims, types)
-        cost = costs[shape_key]
-        if cost is None or cost[1] <= 0:
-            continue
-        key = (int(trace.rank[row]), int(trace.external_id[row]))
-        time_us = kernel_time.get(key) if kernel_time else float(trace.dur[row])
-        if time_us is None or not time_us >= 1e-3:  # no kernel, or under 1 ns (or NaN): no rate to compute
-            continue
-        points.append(_point(trace.name(row), args.get("Input Dims"), cost, time_us, spec))
-    summary, grouped = _summarise(points, spec, scope, trace)
-    step_time = sum(s.dur_us for s in decode_steps or steps) or sum(p["time_us"] for p in points)
-    findings = _findings(grouped, spec, scope, decode_steps, step_time)
+    step_bytes: dict[int, float] = {}
+    for row, cost, time_us, step in zip(taken.tolist(), costs, times.tolist(), step_of.tolist(), strict=True):
+        if time_us >= 1e-3:  # no kernel (NaN), or under 1 ns: no rate to compute
+            points.append(_point(trace, row, cost, time_us, spec))
+            step_bytes[step] = step_bytes.get(step, 0.0) + cost[1]
+    judged = [p for p in points if not p["above_peak"]]
+    time_judged = _time_judged(trace, decode_steps, on_device)  # no decode steps: the whole trace's span
+    summary, grouped = _summarise(points, judged, spec, scope, trace, warnings)
+    summary["time_judged_ms"] = round(time_judged / 1000, 3)
+    # Every byte the ops of one step move, re-reads included: more than the data it touches.
+    working_set = max(step_bytes.values(), default=0.0)
+    summary["bytes_per_step_max"] = working_set
+    findings = _findings(grouped, spec, scope, decode_steps, time_judged, working_set)
     return findings, summary, points
 
 
-def _kernel_time_by_external_id(trace: Trace) -> dict[tuple[int, int], float]:
-    dev = np.flatnonzero(trace.device_mask() & (trace.external_id >= 0))
-    out: dict[tuple[int, int], float] = {}
-    for r, e, d in zip(trace.rank[dev].tolist(), trace.external_id[dev].tolist(), trace.dur[dev].tolist(), strict=True):
-        out[(r, e)] = out.get((r, e), 0.0) + d
+def _outermost_modelled(trace: Trace, rows: np.ndarray) -> tuple[np.ndarray, list[tuple[float, float]]]:
+    """The modelled ops to count, each once: per thread, an op inside one already counted is part of
+    it (addmm's bias copy_, to -> _to_copy -> copy_); an op that cannot be modelled leaves its
+    children to be counted instead."""
+    order = np.lexsort((-trace.dur[rows], trace.ts[rows], trace.tid[rows], trace.pid[rows], trace.rank[rows]))
+    rows = rows[order]
+    cache: dict[bytes, tuple[float, float] | None] = {}  # decode repeats the same shapes every step
+    taken: list[int] = []
+    costs: list[tuple[float, float]] = []
+    ends = (trace.ts[rows] + trace.dur[rows]).tolist()
+    keys = zip(trace.rank[rows].tolist(), trace.pid[rows].tolist(), trace.tid[rows].tolist(), strict=True)
+    covered: dict[tuple[int, int, int], float] = {}
+    for row, start, end, thread in zip(rows.tolist(), trace.ts[rows].tolist(), ends, keys, strict=True):
+        if start < covered.get(thread, -np.inf):
+            continue
+        args = trace.args(row)
+        name = trace.name(row)
+        shape_key = orjson.dumps([name, args.get("Input Dims"), args.get("Input type"), args.get("Concrete Inputs"),
+                                  args.get("Input Strides")], default=str)
+        if shape_key not in cache:
+            cache[shape_key] = op_cost(name, args.get("Input Dims"), args.get("Input type"),
+                                       args.get("Concrete Inputs"), args.get("Input Strides"))
+        cost = cache[shape_key]
+        if cost is not None:
+            taken.append(row)
+            costs.append(cost)
+            covered[thread] = end
+    return np.array(taken, dtype=np.int64), costs
+
+
+def _device_time(trace: Trace, ops: np.ndarray) -> np.ndarray:
+    """Per op: the summed duration of the device work launched from its thread inside its span (NaN: none)."""
+    out = np.full(ops.shape, np.nan)
+    dev = np.flatnonzero(trace.device_mask())
+    launch = trace.launch_row_for(dev)
+    linked = launch >= 0
+    dev, launch = dev[linked], launch[linked]
+    if not ops.size or not dev.size:
+        return out
+    threads: dict[tuple[int, int, int], list[int]] = {}
+    for i, key in enumerate(zip(trace.rank[ops].tolist(), trace.pid[ops].tolist(), trace.tid[ops].tolist(),
+                                strict=True)):
+        threads.setdefault(key, []).append(i)
+    launch_threads = np.stack([trace.rank[launch], trace.pid[launch], trace.tid[launch]], axis=1)
+    for key, members in threads.items():
+        mine = np.array(members, dtype=np.int64)
+        mine = mine[np.argsort(trace.ts[ops[mine]], kind="stable")]  # counted ops of one thread never overlap
+        starts, ends = trace.ts[ops[mine]], trace.ts[ops[mine]] + trace.dur[ops[mine]]
+        here = np.flatnonzero((launch_threads == np.array(key)).all(axis=1))
+        if not here.size:
+            continue
+        at = trace.ts[launch[here]]
+        pos = np.searchsorted(starts, at, side="right") - 1
+        ok = (pos >= 0) & (at <= ends[np.maximum(pos, 0)])
+        totals = np.zeros(mine.size)
+        np.add.at(totals, pos[ok], trace.dur[dev[here[ok]]])
+        launched = np.zeros(mine.size, dtype=bool)
+        launched[pos[ok]] = True
+        out[mine[launched]] = totals[launched]
     return out
 
 
-def _point(name: str, dims: Any, cost: tuple[float, float], time_us: float, spec: DeviceSpec) -> dict[str, Any]:
+def _point(trace: Trace, row: int, cost: tuple[float, float], time_us: float, spec: DeviceSpec) -> dict[str, Any]:
     flops, nbytes = cost
+    args = trace.args(row)
     achieved_gbs = nbytes / (time_us * 1e-6) / 1e9
     intensity = flops / nbytes
-    roofline_us = max(flops / (spec.peak_tflops * 1e12), nbytes / (spec.memory_bandwidth_gbs * 1e9)) * 1e6
+    share = achieved_gbs / spec.memory_bandwidth_gbs if spec.memory_bandwidth_gbs else None
     return {
-        "op": name, "shapes": dims, "flops": flops, "bytes": nbytes, "time_us": time_us,
-        "intensity": intensity, "achieved_gbs": achieved_gbs,
-        "achieved_tflops": flops / (time_us * 1e-6) / 1e12,
-        "bandwidth_share": achieved_gbs / spec.memory_bandwidth_gbs,
-        "bound": "memory" if intensity < spec.ridge_flops_per_byte else "compute",
-        "roofline_us": roofline_us,
+        "op": trace.name(row), "shapes": args.get("Input Dims"), "types": args.get("Input type"),
+        "flops": flops, "bytes": nbytes, "time_us": time_us, "intensity": intensity, "achieved_gbs": achieved_gbs,
+        "achieved_tflops": flops / (time_us * 1e-6) / 1e12, "bandwidth_share": share,
+        "bound": _bound(intensity, spec), "roofline_us": _roofline_us(flops, nbytes, spec),
+        "above_peak": share is not None and share > 1.0,
     }
 
 
-def _summarise(points: list[dict[str, Any]], spec: DeviceSpec, scope: str, trace: Trace
-               ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    groups: dict[tuple[str, str], dict[str, Any]] = {}
-    for p in points:
-        g = groups.setdefault((p["op"], str(p["shapes"])), {"op": p["op"], "shapes": p["shapes"], "calls": 0,
-                                                             "time_us": 0.0, "bytes": 0.0, "flops": 0.0,
-                                                             "roofline_us": 0.0})
+def _bound(intensity: float, spec: DeviceSpec) -> str:
+    ridge = spec.ridge_flops_per_byte
+    if ridge is None:  # FLOP/s unknown: below every known GPU's ridge is memory-bound on any GPU
+        return "memory" if spec.kind == "gpu" and intensity < MIN_GPU_RIDGE else "unknown"
+    return "memory" if intensity < ridge else "compute"
+
+
+def _roofline_us(flops: float, nbytes: float, spec: DeviceSpec) -> float | None:
+    if not spec.memory_bandwidth_gbs:
+        return None
+    compute_s = flops / (spec.peak_tflops * 1e12) if spec.peak_tflops else 0.0
+    return max(compute_s, nbytes / (spec.memory_bandwidth_gbs * 1e9)) * 1e6
+
+
+def _time_judged(trace: Trace, steps: list[Step], on_device: bool) -> float:
+    """What "left on the table" is a share of: the steps' time, or without steps the trace's span
+    per rank (its device timeline where it has one)."""
+    if steps:
+        return float(sum(s.time_us for s in steps))  # the device span under async scheduling
+    rows = trace.device_mask() if on_device else trace.complete()
+    total = 0.0
+    for rank in trace.ranks:
+        mine = np.flatnonzero(rows & (trace.rank == rank))
+        if mine.size:
+            total += float((trace.ts[mine] + trace.dur[mine]).max() - trace.ts[mine].min())
+    return total
+
+
+def _above_peak_summary(points: list[dict[str, Any]], spec: DeviceSpec) -> dict[str, Any] | None:
+    above = [p for p in points if p["above_peak"]]
+    if not above:
+        return None
+    if not spec.identified:
+        error, why = "device", (f"the peak used ({spec.memory_bandwidth_gbs:g} GB/s, {spec.basis}) is not this "
+                                f"device's: {spec.source}")
+    elif spec.kind == "cpu":
+        error, why = "model", ("the ops' data is small enough to stay in the CPU's caches, which are faster than "
+                               "the DRAM bandwidth `servprof calibrate` measured; the roofline does not model caches")
+    else:
+        error, why = "model", ("servprof's byte model, or the time it gave these ops, is wrong for them (or their "
+                               "data was already in the device's cache); please report the op and shapes")
+    worst = sorted(above, key=lambda p: -p["bandwidth_share"])[:5]
+    return {"ops": len(above), "error": error, "why": why,
+            "examples": [{"op": p["op"], "shapes": p["shapes"], "types": p["types"], "bytes": p["bytes"],
+                          "time_us": round(p["time_us"], 3), "achieved_gbs": round(p["achieved_gbs"], 1)}
+                         for p in worst],
+            "note": "left out of every finding: no op moves bytes faster than the device's peak"}
+
+
+def _summarise(points: list[dict[str, Any]], judged: list[dict[str, Any]], spec: DeviceSpec, scope: str,
+               trace: Trace, warnings: list[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    groups: dict[str, dict[str, Any]] = {}
+    for p in judged:
+        key = orjson.dumps([p["op"], p["shapes"], p["types"]], default=str).decode()
+        g = groups.setdefault(key, {"op": p["op"], "family": op_family(p["op"]), "shapes": p["shapes"],
+                                    "types": p["types"], "calls": 0,
+                                    "time_us": 0.0, "bytes": 0.0, "flops": 0.0, "roofline_us": 0.0})
         g["calls"] += 1
-        for k in ("time_us", "bytes", "flops", "roofline_us"):
+        for k in ("time_us", "bytes", "flops"):
             g[k] += p[k]
+        g["roofline_us"] += p["roofline_us"] or 0.0
     grouped = []
     for g in groups.values():
         g["achieved_gbs"] = g["bytes"] / (g["time_us"] * 1e-6) / 1e9
-        g["bandwidth_share"] = g["achieved_gbs"] / spec.memory_bandwidth_gbs
+        g["bandwidth_share"] = g["achieved_gbs"] / spec.memory_bandwidth_gbs if spec.memory_bandwidth_gbs else None
         g["intensity"] = g["flops"] / g["bytes"]
-        g["bound"] = "memory" if g["intensity"] < spec.ridge_flops_per_byte else "compute"
-        g["left_on_table_us"] = max(0.0, g["time_us"] - g["roofline_us"])
+        g["bound"] = _bound(g["intensity"], spec)
+        g["left_on_table_us"] = max(0.0, g["time_us"] - g["roofline_us"]) if spec.memory_bandwidth_gbs else 0.0
         grouped.append(g)
+    floor_us = _op_floor_us(judged)
+    for g in grouped:
+        g["overhead_bound"] = g["roofline_us"] / g["calls"] < floor_us
     grouped.sort(key=lambda g: -g["time_us"])
-    total = sum(p["time_us"] for p in points)
-    memory_time = sum(p["time_us"] for p in points if p["bound"] == "memory")
-    summary = {
+    total = sum(p["time_us"] for p in judged)
+    memory_time = sum(p["time_us"] for p in judged if p["bound"] == "memory")
+    summary: dict[str, Any] = {
         "device": spec.to_dict(), "scope": scope, "ops_modelled": len(points),
         "op_time_ms": round(total / 1000, 3),
         "memory_bound_share": round(memory_time / total, 4) if total else None,
-        "achieved_gbs": round(sum(p["bytes"] for p in points) / (total * 1e-6) / 1e9, 3) if total else None,
+        "achieved_gbs": round(sum(p["bytes"] for p in judged) / (total * 1e-6) / 1e9, 3) if total else None,
+        "op_floor_us": round(floor_us, 3),
     }
+    if warnings:
+        summary["warnings"] = warnings
+    above = _above_peak_summary(points, spec)
+    if above:
+        summary["above_peak"] = above
+    # Said out loud where someone can act on it: a peak the trace contradicts, a model error on a
+    # GPU. An assumed peak is already said (summary["missing"]); a CPU's caches are no one's error.
+    if above and spec.basis != BASIS_ASSUMED and spec.kind != "cpu":
+        summary.setdefault("warnings", []).append(
+            f"{above['ops']} op call(s) measured faster than {spec.name}'s {spec.memory_bandwidth_gbs:g} GB/s peak "
+            f"were left out of the findings: a {above['error']} error ({above['why']})")
+    if not spec.memory_bandwidth_gbs:
+        summary["note"] = f"peak bandwidth unknown, so no op is judged: {spec.source}"
     replay = _graph_replay_kernels(trace)
     if replay["kernels"]:
         summary["graph_replay"] = {**replay, "note": (
             "kernels replayed from a CUDA/HIP graph carry no shapes (one launch, many kernels), so their "
             "bytes and FLOPs cannot be modelled from this trace; their time is listed instead")}
-    elif not points and trace.has_device_events():
-        summary["note"] = "no decode op carries record_shapes, so bytes and FLOPs cannot be modelled"
+    elif not points and "note" not in summary:
+        summary["note"] = ("no op in scope carries record_shapes args servprof can model, so bytes and FLOPs "
+                           "cannot be computed (profile with record_shapes=True, SERVPROF_RECORD_SHAPES=1)")
+    summary["missing"] = _missing(points, spec, bool(replay["kernels"]))
     return summary, grouped
+
+
+def _missing(points: list[dict[str, Any]], spec: DeviceSpec, replayed: bool) -> list[dict[str, str]]:
+    """What this trace could not show about bandwidth, and how to get it (summary["missing"])."""
+    if not points and not replayed:
+        return [{"what": "op shapes", "message": (
+            "No op in scope carries record_shapes args, so the bytes each op moves and its bandwidth cannot be "
+            "computed: profile with record_shapes=True (servprof sessions: SERVPROF_RECORD_SHAPES=1).")}]
+    if not spec.memory_bandwidth_gbs:
+        return [{"what": "device peak", "message": f"No op was judged against a peak: {spec.source}."}]
+    if spec.basis == BASIS_ASSUMED and points:
+        return [{"what": "device peak", "message": (
+            f"Ops were judged against an assumed peak ({spec.name}, {spec.memory_bandwidth_gbs:g} GB/s), so "
+            "bandwidth findings are at most info: run `servprof calibrate` on the machine that ran the trace "
+            "(or pass --device) for a measured one.")}]
+    return []
+
+
+def _op_floor_us(points: list[dict[str, Any]]) -> float:
+    """What the shortest ops of this trace take at all (5th percentile of the modelled ops' times):
+    the device's fixed cost per op here (launch, dispatch, the profiler's own per-op cost). Too few
+    ops to tell (under MIN_OPS_FOR_FLOOR): 0, and no op counts as overhead-bound."""
+    times = [p["time_us"] for p in points]
+    return float(np.percentile(times, 5)) if len(times) >= MIN_OPS_FOR_FLOOR else 0.0
 
 
 def _graph_replay_kernels(trace: Trace) -> dict[str, Any]:
@@ -187,32 +302,72 @@ def _graph_replay_kernels(trace: Trace) -> dict[str, Any]:
             "top_kernels": [{"name": n[:160], "us": round(us, 1)} for n, us in top]}
 
 
+def _cap_reason(spec: DeviceSpec, working_set: float) -> str | None:
+    """Why this finding cannot be more than info, if it cannot."""
+    if not spec.identified:
+        return (f"the peak was not identified or measured ({spec.basis}: {spec.source}); run `servprof calibrate` "
+                "on this machine, or pass --device")
+    if spec.cache_bytes and 0 < working_set <= spec.cache_bytes:
+        return (f"all the bytes one step's ops move ({working_set / 1e6:.1f} MB, re-reads included) fit in this "
+                f"device's {spec.cache_bytes / 1e6:.0f} MB last-level cache, so memory bandwidth does not bound "
+                "this decode: its ops' time is per-op overhead and compute, not DRAM traffic")
+    return None
+
+
 def _findings(grouped: list[dict[str, Any]], spec: DeviceSpec, scope: str, steps: list[Step],
-              step_time_us: float) -> list[Finding]:
+              time_judged_us: float, working_set: float) -> list[Finding]:
     memory = [g for g in grouped if g["bound"] == "memory"]
-    # Memory-bound ops that are a sliver of the step are not where its time goes.
-    if not memory or sum(g["time_us"] for g in memory) < MIN_SHARE_OF_STEP * step_time_us:
+    if not spec.memory_bandwidth_gbs or not memory or time_judged_us <= 0:
         return []
-    slow = [g for g in memory if g["bandwidth_share"] < LOW_BANDWIDTH_SHARE]
     mem_time = sum(g["time_us"] for g in memory)
-    mem_bytes = sum(g["bytes"] for g in memory)
-    achieved = mem_bytes / (mem_time * 1e-6) / 1e9
+    if mem_time < MIN_SHARE_OF_STEP * time_judged_us:
+        return []
+    below = sorted((g for g in memory if g["bandwidth_share"] < LOW_BANDWIDTH_SHARE),
+                   key=lambda g: -g["left_on_table_us"])
+    # An op whose bytes take less time at peak than the shortest ops of this trace take at all is
+    # bounded by per-op overhead, not bandwidth: its time "left" is not a bandwidth finding's.
+    slow = [g for g in below if not g["overhead_bound"]]
+    overhead = [g for g in below if g["overhead_bound"]]
+    achieved = sum(g["bytes"] for g in memory) / (mem_time * 1e-6) / 1e9
     left = sum(g["left_on_table_us"] for g in slow)
+    overhead_left = sum(g["left_on_table_us"] for g in overhead)
     share = achieved / spec.memory_bandwidth_gbs
-    left_share = left / step_time_us if step_time_us else 0.0
-    severity = "critical" if left_share >= 0.2 else "warning" if left_share >= 0.05 else "info"
+    left_share = left / time_judged_us
+    severity = "critical" if left_share >= CRITICAL_SHARE else "warning" if left_share >= WARNING_SHARE else "info"
+    capped = _cap_reason(spec, working_set)
+    if not slow and overhead and not capped:
+        capped = ("the ops below peak move too little per call to be bandwidth-bound (their bytes take less time "
+                  "at peak than the shortest ops of this trace take at all): per-op overhead, not memory, bounds them")
+    if capped:
+        severity = "info"
     what = "decode op" if steps else "op"
-    title = (f"{len(memory)} memory-bound {what} shape(s) in {scope} reach {achieved:.1f} GB/s, "
-             f"{100 * share:.1f}% of {spec.name}'s {spec.memory_bandwidth_gbs:.0f} GB/s")
+    where = scope if steps else "the whole trace (no decode steps found)"
+    peak = f"{spec.name}'s {spec.memory_bandwidth_gbs:g} GB/s"
+    if spec.basis == BASIS_ASSUMED:
+        peak += " (assumed)"
+    title = (f"{len(memory)} memory-bound {what} shape(s) in {where} reach {achieved:.1f} GB/s, "
+             f"{100 * share:.1f}% of {peak}")
+    judged = "step time" if steps else "the trace span"
     if slow:
-        title += f"; {len(slow)} leave {left / 1000:.2f} ms on the table"
+        title += (f"; {len(slow)} leave {left / 1000:.2f} ms on the table ({100 * left_share:.1f}% of "
+                  f"{judged})")
+    elif overhead:
+        title += (f"; {len(overhead)} move too little per call to be bandwidth-bound: per-op overhead holds "
+                  f"{overhead_left / 1000:.2f} ms ({100 * overhead_left / time_judged_us:.1f}% of {judged})")
     start = min((s.start_us for s in steps), default=0.0)
     end = max((s.end_us for s in steps), default=0.0)
-    top = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in g.items()} for g in slow[:10] or memory[:10]]
+    shown = slow or overhead or memory
+    top = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in g.items()} for g in shown[:MAX_TOP_OPS]]
+    evidence = {"device": spec.to_dict(), "scope": scope, "left_on_table_share": round(left_share, 4),
+                "time_judged_ms": round(time_judged_us / 1000, 3), "memory_bound_time_ms": round(mem_time / 1000, 3),
+                "achieved_gbs": round(achieved, 3), "bandwidth_share": round(share, 4),
+                "ops_below_half_peak": len(slow), "overhead_bound_ops": len(overhead),
+                "overhead_bound_left_ms": round(overhead_left / 1000, 3), "top_ops": top}
+    if capped:
+        evidence["severity_capped"] = f"at most info: {capped}"
     return [Finding(
-        kind="bandwidth_bound_decode", severity=severity, cost_ms=left / 1000.0, start_us=start, end_us=end,
-        title=title, request_ids=sorted({r for s in steps for r in s.request_ids})[:100],
-        evidence={"device": spec.to_dict(), "scope": scope, "left_on_table_share_of_steps": round(left_share, 4), "memory_bound_time_ms": round(mem_time / 1000, 3),
-                  "achieved_gbs": round(achieved, 3), "bandwidth_share": round(share, 4),
-                  "ops_below_half_peak": len(slow), "top_ops": top},
+        kind="bandwidth_bound_decode", severity=severity, cost_ms=(left if slow else overhead_left) / 1000.0,
+        start_us=start, end_us=end, title=title, request_ids=sorted({r for s in steps for r in s.request_ids}),
+        evidence=evidence, fix=fix_text(shown, spec, share, capped),
     )]
+

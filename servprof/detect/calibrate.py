@@ -3,21 +3,24 @@
 Bandwidth: the best of several large tensor copies (bytes read + bytes written
 per copy). FLOP/s: the best of several square matmuls (2·n³ FLOPs each), in
 bfloat16 on CUDA and float32 on CPU. The result is saved as JSON under the cache
-directory (SERVPROF_CACHE_DIR, default ~/.cache/servprof) and used by later
-analyses with `--device calibrated`, and by default on CPU traces.
+directory (SERVPROF_CACHE_DIR, default ~/.cache/servprof), one entry per device name, and
+used by later analyses: by default on CPU traces and on traces of a GPU of the same name
+that servprof's device table does not know, and with `--device calibrated`.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import orjson
 
-from servprof.detect.devices import calibration_path
+from servprof.detect.devices import calibration_path, calibrations
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +50,44 @@ def _copy_bandwidth_gbs(torch: Any, device: Any, copy_mib: int, repeats: int, sy
     return 2 * source.numel() * 4 / seconds / 1e9  # each copy reads and writes every byte once
 
 
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux), else what platform says."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            for line in info:
+                if line.lower().startswith("model name") and ":" in line:
+                    return f"CPU {line.split(':', 1)[1].strip()}"
+    except OSError:
+        pass
+    return f"CPU {platform.processor() or platform.machine()}"
+
+
+def cpu_cache_bytes() -> int | None:
+    """The largest CPU cache (the last level) in bytes, from sysfs on Linux; None where unknown."""
+    sizes = []
+    for size_file in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = size_file.read_text().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 1024, "M": 1024**2, "G": 1024**3}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes) if sizes else None
+
+
+def save(result: dict[str, Any]) -> None:
+    """Add ``result`` to the saved calibrations (replacing an older one of the same device)."""
+    devices = {r["name"]: r for r in calibrations()}
+    devices[result["name"]] = result
+    path = calibration_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + f".{os.getpid()}.tmp")
+    temporary.write_bytes(orjson.dumps({"devices": devices}, option=orjson.OPT_INDENT_2))
+    os.replace(temporary, path)  # a reader never sees half a file
+
+
 def measure(device_name: str | None, copy_mib: int, matmul_n: int, repeats: int) -> dict[str, Any]:
     import torch
 
@@ -64,11 +105,12 @@ def measure(device_name: str | None, copy_mib: int, matmul_n: int, repeats: int)
     b = torch.randn(n, n, device=device, dtype=dtype)
     matmul_s = _timed_best(lambda: a @ b, repeats, sync)
     tflops = 2 * n**3 / matmul_s / 1e12
-    name = torch.cuda.get_device_name(device) if on_gpu else f"CPU {platform.processor() or platform.machine()}"
+    name = torch.cuda.get_device_name(device) if on_gpu else cpu_name()
     return {
         "name": name, "torch_device": str(device), "memory_bandwidth_gbs": round(bandwidth_gbs, 3),
         "peak_tflops": round(tflops, 4), "matmul_dtype": str(dtype).removeprefix("torch."), "matmul_n": n,
         "copy_mib": copy_mib, "repeats": repeats, "threads": torch.get_num_threads(), "measured_at": time.time(),
+        "cache_bytes": None if on_gpu else cpu_cache_bytes(),
     }
 
 
@@ -86,10 +128,10 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_save:
         path = calibration_path()
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+            save(result)
         except OSError as exc:
             print(f"servprof calibrate: cannot save to {path}: {exc.strerror}", file=sys.stderr)
             return 2
-        print(f"saved to {path}; later analyses use it with --device calibrated (and by default on CPU traces)")
+        print(f"saved to {path}; later analyses use it by default for traces of this device "
+              "(CPU traces, or a GPU servprof's table does not know), and with --device calibrated")
     return 0

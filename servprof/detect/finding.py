@@ -8,6 +8,9 @@ from typing import Any, Literal
 Severity = Literal["info", "warning", "critical"]
 KINDS = ("tokenization_stall", "decode_gap", "bandwidth_bound_decode")
 SEVERITY_ORDER = {"info": 0, "warning": 1, "critical": 2}
+# evidence["scope"] of a finding about the trace as a whole (no step, no request): it belongs to the
+# session (its analysis span), not to each sampled request.
+WHOLE_TRACE = "whole trace"
 
 
 @dataclass
@@ -24,6 +27,9 @@ class Finding:
     evidence: dict[str, Any] = field(default_factory=dict)
     # What to do about it: one or two concrete sentences. Every finding carries one.
     fix: str = ""
+    # Of request_ids, those the session sampled (the analysis fills it in; a batch's phase markers
+    # also name requests that were not sampled).
+    sampled_request_ids: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -33,6 +39,7 @@ class Finding:
             "start_us": float(self.start_us),
             "end_us": float(self.end_us),
             "request_ids": list(self.request_ids),
+            "sampled_request_ids": list(self.sampled_request_ids),
             "title": self.title,
             "evidence": self.evidence,
             "fix": self.fix,

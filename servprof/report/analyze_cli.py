@@ -1,8 +1,10 @@
 """`servprof analyze PATH [--json OUT] [--html OUT] [--device NAME]`.
 
 Loads a torch.profiler / Kineto trace (file or directory of per-rank files), runs
-every detector and prints the findings. Bad input ends with one line on stderr
-and exit status 2, never a traceback.
+every detector and prints the findings. servprof's own output folder works too: its
+session traces are analysed one by one (servprof's .session.json / .analysis.json files
+beside them are skipped). Bad input ends with one line on stderr and exit status 2,
+never a traceback.
 """
 
 from __future__ import annotations
@@ -10,23 +12,23 @@ from __future__ import annotations
 import argparse
 import sys
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import orjson
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from servprof.detect.analysis import Analysis, analyse
 from servprof.detect.devices import DEVICES, UnknownDevice
+from servprof.report.findings_table import print_findings
 from servprof.report.utilisation import print_utilisation
-from servprof.trace import TraceError, load_trace, phase_events, request_phases
-from servprof.trace.loader import trace_files
+from servprof.trace import Trace, TraceError, load_trace, phase_events, request_phases
+from servprof.trace.loader import SIDECAR_SUFFIXES, trace_files
 
 EXIT_BAD_INPUT = 2
 PROGRESS_MIN_BYTES = 20 * 1024**2  # show a progress display for inputs bigger than this
-SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,37 +43,83 @@ def build_report(analysis: Analysis, requests: dict[str, Any]) -> dict[str, Any]
     return {"summary": analysis.summary, "findings": [f.to_dict() for f in analysis.findings], "requests": requests}
 
 
+@dataclass
+class Run:
+    """One analysis: a trace file, or a directory of one run's per-rank files."""
+
+    label: str
+    path: Path
+    analysis: Analysis | None = None
+    trace: Trace | None = None
+    report: dict[str, Any] = field(default_factory=dict)
+
+
+def _session_stem(path: Path) -> str:
+    name = path.name
+    for suffix in (".pt.trace.json.gz", ".pt.trace.json", ".json.gz", ".json"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def servprof_sessions_dir(path: Path) -> Path:
+    """servprof's output folder (servprof-out/) keeps its session traces in traces/: read those."""
+    traces = path / "traces"
+    if path.is_dir() and traces.is_dir() and not any(f.name.endswith(".pt.trace.json.gz") for f in path.iterdir()):
+        return traces
+    return path
+
+
+def plan_runs(path: Path) -> list[Run]:
+    """What to analyse: a file, one run's per-rank files, or -- in a folder of servprof session traces
+    (each with its .session.json beside it) -- each session on its own: sessions are successive windows
+    of one server, not ranks of one run."""
+    files = trace_files(path)
+    if not path.is_dir() or len(files) < 2:
+        return [Run(files[0].name if path.is_dir() else str(path), path if not path.is_dir() else files[0])]
+    sessions = [f for f in files if any((f.parent / f"{_session_stem(f)}{sidecar}").exists()
+                                        for sidecar in SIDECAR_SUFFIXES)]
+    if not sessions:
+        return [Run(str(path), path)]
+    return [Run(_session_stem(f), f) for f in sorted(files, key=lambda f: (f.stat().st_mtime_ns, f.name))]
+
+
 def run(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     try:
-        files = trace_files(args.path)
+        source = servprof_sessions_dir(Path(args.path))
+        runs = plan_runs(source)
+        files = trace_files(source)
         show = sum(f.stat().st_size for f in files) >= PROGRESS_MIN_BYTES
         progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                             console=err, transient=True) if show else None
         with progress or nullcontext():
-            # Three stages per file (read, parse, columns), then the detectors.
-            task = progress.add_task("reading", total=3 * len(files) + 1) if progress else None
+            # Three stages per file (read, parse, columns), then the detectors once per run.
+            task = progress.add_task("reading", total=3 * len(files) + len(runs)) if progress else None
 
             def advance(stage: str) -> None:
                 if progress is not None and task is not None:
                     following = {"read": "parsing JSON", "parse": "building columns", "columns": "reading"}[stage]
                     progress.update(task, advance=1, description=following)
 
-            trace = load_trace(args.path, progress=advance)
-            if progress is not None and task is not None:
-                progress.update(task, description=f"analysing {len(trace)} events")
-            analysis = analyse(trace, device=args.device)
-            if progress is not None and task is not None:
-                progress.update(task, advance=1)
-            requests = {rid: {"phases": phases} for rid, phases in request_phases(trace).items()}
-        report = build_report(analysis, requests)
+            for item in runs:
+                item.trace = load_trace(item.path, progress=advance)
+                if progress is not None and task is not None:
+                    progress.update(task, description=f"analysing {len(item.trace)} events")
+                item.analysis = analyse(item.trace, device=args.device)
+                if progress is not None and task is not None:
+                    progress.update(task, advance=1)
+                requests = {rid: {"phases": phases} for rid, phases in request_phases(item.trace).items()}
+                item.report = build_report(item.analysis, requests)
+        report = runs[0].report if len(runs) == 1 else sessions_report(source, runs)
         if args.json_out:
             Path(args.json_out).write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
         if args.html_out:
-            from servprof.report.html import render
+            from servprof.report.html import render, render_sessions
 
-            spans = [(e.start_us, e.end_us, ",".join(e.request_ids)) for e in phase_events(trace) if e.phase == "tokenize"]
-            Path(args.html_out).write_text(render(analysis, spans), encoding="utf-8")
+            pages = [(item.label, item.analysis, _tokenize_spans(item.trace)) for item in runs]
+            html = render(pages[0][1], pages[0][2]) if len(runs) == 1 else render_sessions(str(source), pages)
+            Path(args.html_out).write_text(html, encoding="utf-8")
     except (TraceError, UnknownDevice) as exc:
         print(f"servprof analyze: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -82,26 +130,34 @@ def run(args: argparse.Namespace) -> int:
         print(f"servprof analyze: cannot write {exc.filename}: {exc.strerror}", file=sys.stderr)
         return EXIT_BAD_INPUT
     # Piped output gets a fixed, readable width instead of 80 columns.
-    print_findings(analysis, Console() if sys.stdout.isatty() else Console(width=160))
+    console = Console() if sys.stdout.isatty() else Console(width=160)
+    if len(runs) > 1:
+        console.print(f"[bold]{source}[/]: {len(runs)} servprof sessions, each analysed on its own (oldest first)")
+    for item in runs:
+        print_analysis(item.analysis, console, session=item.label if len(runs) > 1 else None)
     return 0
 
 
-def print_findings(analysis: Analysis, console: Console) -> None:
-    s = analysis.summary
-    console.print(f"[bold]{s['source']}[/]: {s['events']} events, {s['steps']['count']} model steps "
-                  f"{s['steps']['by_kind']}, device: {s['bandwidth']['device']['name']}")
-    print_utilisation(s, console)  # per-step busy / idle first, then overhead and what is missing
-    if not analysis.findings:
-        console.print("No findings: no tokenization stall, decode gap or bandwidth-bound decode op stood out"
-                      + (" in what this trace shows (see missing above)." if s.get("missing") else "."))
+def _tokenize_spans(trace: Trace | None) -> list[tuple[float, float, str]]:
+    if trace is None:
+        return []
+    return [(e.start_us, e.end_us, ",".join(e.request_ids)) for e in phase_events(trace) if e.phase == "tokenize"]
+
+
+def sessions_report(source: Path, runs: list[Run]) -> dict[str, Any]:
+    """Several sessions in one folder: each one's report, and every finding tagged with its session."""
+    findings = [{**f, "session": item.label} for item in runs for f in item.report["findings"]]
+    warnings = [f"{item.label}: {w}" for item in runs for w in item.report["summary"].get("warnings", [])]
+    return {"summary": {"source": str(source), "sessions": [item.label for item in runs], "warnings": warnings},
+            "findings": findings, "sessions": [{"session": item.label, **item.report} for item in runs]}
+
+
+def print_analysis(analysis: Analysis | None, console: Console, session: str | None = None) -> None:
+    if analysis is None:
         return
-    table = Table(show_lines=True)
-    table.add_column("severity", no_wrap=True)
-    table.add_column("kind", no_wrap=True)
-    table.add_column("cost ms", justify="right", no_wrap=True)
-    table.add_column("requests", max_width=18, overflow="ellipsis")
-    table.add_column("finding", ratio=1, min_width=30)
-    for f in analysis.findings:
-        ids = f"{len(f.request_ids)}: {f.request_ids[0]}" if f.request_ids else "-"
-        table.add_row(f"[{SEVERITY_STYLE[f.severity]}]{f.severity}[/]", f.kind, f"{f.cost_ms:.2f}", ids, f.title)
-    console.print(table)
+    s = analysis.summary
+    head = f"session {session}: " if session else ""
+    console.print(f"[bold]{head}{s['source']}[/]: {s['events']} events, {s['steps']['count']} model steps "
+                  f"{s['steps']['by_kind']}, device: {s['bandwidth']['device']['name']}", highlight=False)
+    print_utilisation(s, console)  # per-step busy / idle first, then servprof's own overhead
+    print_findings(console, s, [f.to_dict() for f in analysis.findings])  # warnings, missing, findings

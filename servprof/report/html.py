@@ -133,12 +133,15 @@ def roofline_svg(analysis: Analysis) -> str:
     points = [p for p in analysis.kernels if p["flops"] > 0 and p["time_us"] > 0][:MAX_ROOFLINE_POINTS]
     device = analysis.summary.get("bandwidth", {}).get("device", {})
     if not points or not device:
-        return "<p>No decode op with record_shapes: nothing to place on the roofline.</p>"
-    bw, peak = device["memory_bandwidth_gbs"] * 1e9, device["peak_tflops"] * 1e12
+        return "<p>No op with record_shapes that servprof can model: nothing to place on the roofline.</p>"
+    bw = (device.get("memory_bandwidth_gbs") or 0) * 1e9
+    peak = (device.get("peak_tflops") or 0) * 1e12
     xs = [p["intensity"] for p in points]
     ys = [p["achieved_tflops"] * 1e12 for p in points]
-    x_lo, x_hi = math.log10(min(xs) / 2), math.log10(max(max(xs), peak / bw) * 4)
-    y_lo, y_hi = math.log10(max(min(ys) / 2, 1.0)), math.log10(peak * 2)
+    ridge = peak / bw if bw and peak else None
+    x_lo, x_hi = math.log10(min(xs) / 2), math.log10(max(max(xs), ridge or 0) * 4)
+    y_lo = math.log10(max(min(ys) / 2, 1.0))
+    y_hi = math.log10(max(peak, bw * 10**x_hi if bw else 0, max(ys)) * 2)
     w, h = WIDTH - 100, 320
 
     def px(v: float) -> float:
@@ -147,11 +150,12 @@ def roofline_svg(analysis: Analysis) -> str:
     def py(v: float) -> float:
         return 10 + h - (math.log10(max(v, 1e-30)) - y_lo) / (y_hi - y_lo) * h
 
-    ridge = peak / bw
     left, right = 10**x_lo, 10**x_hi
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{h + 55}">',
-             f'<polyline fill="none" stroke="#333" stroke-width="2" points="{px(left):.1f},{py(bw * left):.1f} '
-             f'{px(ridge):.1f},{py(peak):.1f} {px(right):.1f},{py(peak):.1f}"/>']
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{h + 55}">']
+    if bw:  # the memory roof, then the compute roof when the FLOP/s peak is known
+        corner, top = (ridge, peak) if ridge else (right, bw * right)
+        parts.append(f'<polyline fill="none" stroke="#333" stroke-width="2" points="{px(left):.1f},{py(bw * left):.1f} '
+                     f'{px(corner):.1f},{py(top):.1f} {px(right):.1f},{py(peak or bw * right):.1f}"/>')
     # Decade ticks on both log axes.
     for decade in range(math.ceil(x_lo), math.floor(x_hi) + 1):
         parts.append(f'<line x1="{px(10.0**decade):.1f}" y1="{10 + h}" x2="{px(10.0**decade):.1f}" y2="{14 + h}" '
@@ -161,12 +165,17 @@ def roofline_svg(analysis: Analysis) -> str:
         parts.append(f'<line x1="66" y1="{py(10.0**decade):.1f}" x2="70" y2="{py(10.0**decade):.1f}" stroke="#333"/>'
                      f'<text x="62" y="{py(10.0**decade) + 3:.1f}" font-size="10" text-anchor="end">1e{decade}</text>')
     for p, xv, yv in zip(points, xs, ys, strict=True):
-        color = "#e45756" if p["bound"] == "memory" and p["bandwidth_share"] < 0.5 else "#4c78a8"
+        share = p.get("bandwidth_share")
+        color = "#999" if p.get("above_peak") else "#e45756" if p["bound"] == "memory" and share is not None \
+            and share < 0.5 else "#4c78a8"
         parts.append(f'<circle cx="{px(xv):.1f}" cy="{py(yv):.1f}" r="3" fill="{color}" fill-opacity="0.6">'
                      f'<title>{_esc(p["op"])} {_esc(p["shapes"])}: {p["achieved_gbs"]:.1f} GB/s, '
                      f'{xv:.2f} FLOP/B</title></circle>')
-    parts.append(f'<text x="70" y="{h + 42}" font-size="11">arithmetic intensity (FLOP/byte, log) - ridge at {ridge:.1f}; '
-                 f'roof: {_esc(device["name"])}; red: memory-bound under half of peak bandwidth</text>')
+    roof = (f"ridge at {ridge:.1f}; roof: {_esc(device['name'])}" if ridge else
+            f"roof: {_esc(device['name'])} memory only (FLOP/s unknown)" if bw else
+            f"no roof: {_esc(device['name'])}'s peak is unknown")
+    parts.append(f'<text x="70" y="{h + 42}" font-size="11">arithmetic intensity (FLOP/byte, log) - {roof}; '
+                 'red: memory-bound under half of peak bandwidth; grey: above the peak (not judged)</text>')
     parts.append('<text x="4" y="14" font-size="11">FLOP/s (log)</text></svg>')
     return "".join(parts)
 
@@ -177,26 +186,69 @@ def _legend() -> str:
                     f"{_esc(label)}" for label, color in items)
 
 
-def render(analysis: Analysis, tokenize_spans: list[tuple[float, float, str]]) -> str:
-    rows = "".join(
-        f"<tr><td>{_esc(f.severity)}</td><td>{_esc(f.kind)}</td><td>{f.cost_ms:.2f}</td>"
-        f"<td>{_esc(', '.join(f.request_ids[:5]))}</td><td>{_esc(f.title)}</td></tr>"
-        for f in analysis.findings
-    ) or '<tr><td colspan="5">No findings.</td></tr>'
+def findings_html(analysis: Analysis) -> str:
+    """The findings table: each finding's fix, and the sampled requests it touched, in full."""
+    sampled = analysis.summary.get("sampled_request_ids") or []
+    rows = []
+    for f in analysis.findings:
+        touched = f.sampled_request_ids
+        others = [r for r in f.request_ids if r not in set(touched)]
+        who = (f"{len(touched)} of {len(sampled)} sampled: {_esc(', '.join(touched)) or '-'}" if sampled
+               else _esc(", ".join(f.request_ids)) or "-")
+        if sampled and others:
+            who += f"<br><small>and {len(others)} not sampled: {_esc(', '.join(others))}</small>"
+        rows.append(f"<tr><td>{_esc(f.severity)}</td><td>{_esc(f.kind)}</td><td>{f.cost_ms:.2f}</td>"
+                    f"<td>{who}</td><td>{_esc(f.title)}<br><b>fix:</b> {_esc(f.fix) or '-'}</td></tr>")
+    notes = "".join(f'<p class="warning">warning: {_esc(w)}</p>' for w in analysis.summary.get("warnings") or [])
+    table = "".join(rows) or '<tr><td colspan="5">No findings.</td></tr>'
+    return (f"{notes}<table><tr><th>severity</th><th>kind</th><th>cost ms</th><th>requests</th>"
+            f"<th>what, and what to do</th></tr>{table}</table>")
+
+
+def body(analysis: Analysis, tokenize_spans: list[tuple[float, float, str]]) -> str:
     s = analysis.summary
-    return f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>servprof report: {_esc(s.get("source"))}</title>
-<style>body{{font-family:sans-serif;margin:24px;max-width:1000px}}table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:4px 8px;font-size:13px;vertical-align:top}}h2{{margin-top:28px}}</style></head>
-<body><h1>servprof report</h1>
-<p>{_esc(s.get("source"))}: {s.get("events")} events, ranks {_esc(s.get("ranks"))},
+    return f"""<p>{_esc(s.get("source"))}: {s.get("events")} events, ranks {_esc(s.get("ranks"))},
 {s["steps"]["count"]} model steps ({_esc(s["steps"]["by_kind"])}, from {_esc(", ".join(s["steps"]["source"]))}).</p>
 <h2>Utilisation per step</h2>{utilisation_html(s)}
 <h2>Findings</h2>
-<table><tr><th>severity</th><th>kind</th><th>cost ms</th><th>requests</th><th>what</th></tr>{rows}</table>
+{findings_html(analysis)}
 <h2>Timeline: steps, gaps, tokenization</h2>
 <p>{_legend()} Hover a bar for its name, length and, for gaps, the cause.</p>{timeline_svg(analysis, tokenize_spans)}
 <h2>Gap lengths (inside and between steps)</h2>{histogram_svg(analysis)}
-<h2>Roofline of decode ops</h2>{roofline_svg(analysis)}
-</body></html>
+<h2>Roofline of decode ops</h2>{roofline_svg(analysis)}{_bandwidth_notes(analysis)}
 """
+
+
+def _bandwidth_notes(analysis: Analysis) -> str:
+    bandwidth = analysis.summary.get("bandwidth") or {}
+    device = bandwidth.get("device") or {}
+    notes = [f"Judged against {_esc(device.get('name'))} ({_esc(device.get('basis'))}: {_esc(device.get('source'))})."]
+    above = bandwidth.get("above_peak")
+    if isinstance(above, dict):
+        notes.append(f"{above.get('ops')} op call(s) above the peak, left out of the findings: "
+                     f"{_esc(above.get('error'))} error: {_esc(above.get('why'))}.")
+    return "".join(f"<p>{n}</p>" for n in notes) if device else ""
+
+
+def _page(title: str, content: str) -> str:
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>servprof report: {_esc(title)}</title>
+<style>body{{font-family:sans-serif;margin:24px;max-width:1000px}}table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:4px 8px;font-size:13px;vertical-align:top}}h2{{margin-top:28px}}
+.warning{{color:#a15c00}}</style></head>
+<body><h1>servprof report</h1>
+{content}</body></html>
+"""
+
+
+def render(analysis: Analysis, tokenize_spans: list[tuple[float, float, str]]) -> str:
+    return _page(str(analysis.summary.get("source")), body(analysis, tokenize_spans))
+
+
+def render_sessions(source: str, sessions: list[tuple[str, Analysis | None, list[tuple[float, float, str]]]]) -> str:
+    """Several servprof sessions from one folder: one section each, oldest first."""
+    parts = [f"<p>{_esc(source)}: {len(sessions)} servprof sessions, each analysed on its own.</p>"]
+    for label, analysis, spans in sessions:
+        if analysis is not None:
+            parts.append(f'<h1 id="{_esc(label)}">session {_esc(label)}</h1>{body(analysis, spans)}')
+    return _page(source, "".join(parts))

@@ -38,7 +38,8 @@ def utilisation_caption(summary: dict[str, Any]) -> str:
 
 
 def print_utilisation(summary: dict[str, Any], console: Console) -> None:
-    """The table an operator needs first, then the idle split, servprof's overhead and what is missing."""
+    """The table an operator needs first, then the idle split and servprof's overhead (what is missing
+    is printed with the findings)."""
     rows = utilisation_rows(summary)
     if rows:
         table = Table(title="GPU utilisation per step" if (summary.get("utilisation") or {}).get("mode") == "device"
@@ -56,13 +57,6 @@ def print_utilisation(summary: dict[str, Any], console: Console) -> None:
     overhead = summary.get("servprof_overhead")
     if isinstance(overhead, dict) and overhead.get("message"):
         console.print(f"[dim]servprof overhead:[/] {overhead['message']}")
-    print_missing(summary, console)
-
-
-def print_missing(summary: dict[str, Any], console: Console) -> None:
-    for entry in summary.get("missing") or []:
-        if isinstance(entry, dict) and entry.get("message"):
-            console.print(f"[yellow]missing {entry.get('what', '')}:[/] {entry['message']}")
 
 
 def idle_split_rows(summary: dict[str, Any]) -> list[list[str]]:

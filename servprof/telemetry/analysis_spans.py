@@ -8,7 +8,10 @@ under its kept SpanContext with explicit timestamps taken from the trace:
     decode                                      first step start .. last step end
       decode_step x N                           when N <= MAX_STEP_SPANS, else step events
     servprof.analysis                           trace file, session, per-phase totals,
-                                                finding events
+                                                events of the findings that name this request
+  servprof.session_analysis                     (its own trace, linked to every sampled request
+                                                span) events of the findings about the session as
+                                                a whole: those that name no request
 """
 
 from __future__ import annotations
@@ -20,15 +23,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import orjson
 from opentelemetry import trace
-from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode
+from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode
+
+from servprof.telemetry.finding_event import (
+    FINDING_EVENT,
+    MAX_EVIDENCE_CHARS,
+    evidence_limit,
+    finding_event_attributes,
+)
 
 MAX_STEP_SPANS = 32  # more decode steps than this become events on the decode span
 MAX_STEP_EVENTS = 100  # below the SDK's default limit of 128 events per span
 MAX_SPANS_PER_PHASE = 16  # e.g. detokenize once per token: the rest are only counted
-MAX_EVIDENCE_CHARS = 1024
-FINDING_EVENT = "servprof.finding"
+MAX_SESSION_FINDINGS = 100  # below the SDK's default limit of 128 events per span
+__all__ = ["AnalysisSpanEmitter", "FINDING_EVENT", "MAX_EVIDENCE_CHARS", "SampledParent", "SampledParents"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +85,7 @@ class AnalysisCounts:
     requests: int = 0
     orphaned_requests: int = 0  # analysed, but the request span's context was not kept
     errors: int = 0
+    session_spans: int = 0  # servprof.session_analysis spans (sessions with whole-session findings)
 
 
 class _Clock:
@@ -90,28 +100,18 @@ class _Clock:
         return int(ts_us * 1000) + self.offset
 
 
-def _findings_for(result: dict[str, Any], request_id: str) -> list[dict[str, Any]]:
+def _findings(result: dict[str, Any]) -> list[dict[str, Any]]:
     findings = result.get("findings")
-    # A finding with no request ids concerns the whole session, so every request in it.
-    return [
-        f
-        for f in (findings if isinstance(findings, list) else [])
-        if isinstance(f, dict) and (not f.get("request_ids") or request_id in f["request_ids"])
-    ]
+    return [f for f in (findings if isinstance(findings, list) else []) if isinstance(f, dict)]
 
 
-def _finding_event_attributes(finding: dict[str, Any]) -> dict[str, Any]:
-    attributes: dict[str, Any] = {
-        "servprof.finding.kind": str(finding.get("kind", "unknown")),
-        "servprof.finding.severity": str(finding.get("severity", "info")),
-        "servprof.finding.cost_ms": float(finding.get("cost_ms") or 0.0),
-    }
-    if finding.get("title"):
-        attributes["servprof.finding.title"] = str(finding["title"])
-    if finding.get("evidence"):
-        evidence = orjson.dumps(finding["evidence"], default=str).decode()
-        attributes["servprof.finding.evidence"] = evidence[:MAX_EVIDENCE_CHARS]
-    return attributes
+def _findings_for(result: dict[str, Any], request_id: str) -> list[dict[str, Any]]:
+    """The findings that name this request (those naming none are the session's, not every request's)."""
+    return [f for f in _findings(result) if isinstance(f.get("request_ids"), list) and request_id in f["request_ids"]]
+
+
+def _session_findings(result: dict[str, Any]) -> list[dict[str, Any]]:
+    return [f for f in _findings(result) if not f.get("request_ids")]
 
 
 class AnalysisSpanEmitter:
@@ -119,6 +119,7 @@ class AnalysisSpanEmitter:
         self._tracer = tracer
         self._parents = parents
         self.counts = AnalysisCounts()
+        self._evidence_limit = evidence_limit()
 
     def emit(self, result: dict[str, Any], record_ids: list[str]) -> None:
         """Spans for every analysed request whose parent context was kept."""
@@ -127,16 +128,44 @@ class AnalysisSpanEmitter:
         requests = result.get("requests")
         requests = requests if isinstance(requests, dict) else {}
         request_ids = list(dict.fromkeys([*requests, *record_ids]))
+        linked: list[SampledParent] = []
         for request_id in request_ids:
             parent = self._parents.pop(request_id)
             if parent is None:
                 self.counts.orphaned_requests += 1
                 continue
+            linked.append(parent)
             try:
                 self._emit_request(result, clock, request_id, requests.get(request_id) or {}, parent)
                 self.counts.requests += 1
             except (TypeError, ValueError, KeyError, AttributeError):  # a malformed result: skip that request
                 self.counts.errors += 1
+        try:
+            self._emit_session(result, clock, linked)
+        except (TypeError, ValueError, KeyError, AttributeError):
+            self.counts.errors += 1
+
+    def _emit_session(self, result: dict[str, Any], clock: _Clock, linked: list[SampledParent]) -> None:
+        """One span for the findings about the whole session, linked to the sampled requests' spans
+        (it is not any one request's child: the finding is not any one request's)."""
+        findings = _session_findings(result)[:MAX_SESSION_FINDINGS]
+        if not findings:
+            return
+        now = time.time_ns()
+        start = min((p.start_ns for p in linked), default=now)
+        attributes: dict[str, Any] = {"servprof.findings": len(findings), "servprof.sampled_requests": len(linked)}
+        for key, attribute in (("session_id", "servprof.session_id"), ("trace_file", "servprof.trace_file")):
+            if result.get(key):
+                attributes[attribute] = str(result[key])
+        self.counts.spans += 1
+        self.counts.session_spans += 1
+        span = self._tracer.start_span(
+            "servprof.session_analysis", context=trace.set_span_in_context(trace.INVALID_SPAN), kind=SpanKind.INTERNAL,
+            start_time=start, attributes=attributes, links=[Link(p.span_context) for p in linked])
+        for finding in findings:
+            timestamp = clock.unix_ns(finding.get("start_us")) or start
+            span.add_event(FINDING_EVENT, finding_event_attributes(finding, self._evidence_limit), timestamp=timestamp)
+        span.end(end_time=max(now, start))
 
     def _start(self, name: str, context: Any, start_ns: int, attributes: dict[str, Any]) -> trace.Span:
         self.counts.spans += 1
@@ -246,7 +275,7 @@ class AnalysisSpanEmitter:
         span = self._start("servprof.analysis", context, parent.start_ns, attributes)
         for finding in findings:
             timestamp = clock.unix_ns(finding.get("start_us")) or parent.start_ns
-            span.add_event(FINDING_EVENT, _finding_event_attributes(finding), timestamp=timestamp)
+            span.add_event(FINDING_EVENT, finding_event_attributes(finding, self._evidence_limit), timestamp=timestamp)
         if result.get("error"):
             span.set_status(Status(StatusCode.ERROR, str(result["error"])[:MAX_EVIDENCE_CHARS]))
         # A request still streaming when its analysis arrives: the analysis span ends now.

@@ -233,6 +233,7 @@ class TelemetryObserver:
             "analyses": counts.analyses,
             "analysed_requests": counts.requests,
             "analysis_spans": counts.spans,
+            "analysis_session_spans": counts.session_spans,
             "analysis_orphaned_requests": counts.orphaned_requests,
             "analysis_errors": counts.errors,
         }

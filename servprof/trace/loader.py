@@ -21,12 +21,17 @@ from typing import Any
 import numpy as np
 import orjson
 
+from servprof.trace.meta import MAX_RANK, claimed_rank
 from servprof.trace.model import Trace
 
 # Uncompressed bytes accepted per file; a bigger trace is refused rather than
 # exhausting memory. Override with SERVPROF_MAX_TRACE_BYTES.
 DEFAULT_MAX_TRACE_BYTES = 2 * 1024**3
 TRACE_SUFFIXES = (".json", ".json.gz")
+# servprof's own files beside its session traces (capture.py): never traces themselves.
+SIDECAR_SUFFIXES = (".session.json", ".analysis.json")
+# Added to each file's metadata: the file's name, for messages about it (e.g. two files claiming a rank).
+SOURCE_FILE_KEY = "servprof_source_file"
 
 ProgressCallback = Callable[[str], None]  # called with the stage just finished: "read", "parse", "columns"
 
@@ -47,7 +52,8 @@ def trace_files(path: str | os.PathLike[str]) -> list[Path]:
     """The trace files a path names: itself, or the .json/.json.gz files in a directory."""
     p = Path(path)
     if p.is_dir():
-        files = sorted(f for f in p.iterdir() if f.is_file() and f.name.endswith(TRACE_SUFFIXES))
+        files = sorted(f for f in p.iterdir() if f.is_file() and f.name.endswith(TRACE_SUFFIXES)
+                       and not f.name.endswith(SIDECAR_SUFFIXES))
         if not files:
             raise TraceError(f"{p}: directory holds no .json or .json.gz trace files")
         return files
@@ -326,10 +332,11 @@ def _load(path: str | os.PathLike[str], files: list[Path], limit: int, progress:
         del data
         if progress:
             progress("parse")
-        info = document.get("distributedInfo")
-        rank = _int_or(info.get("rank"), index) if isinstance(info, dict) else index
-        if rank in metadata:  # two files claim one rank: keep them apart
-            rank = max(metadata) + 1
+        claimed = claimed_rank(document)  # type-checked and in int32 range, else the file's index
+        rank = index if claimed is None else claimed
+        if rank in metadata:  # two files claim one rank: keep them apart (the analysis warns)
+            rank = max(metadata) + 1 if max(metadata) < MAX_RANK else min(set(range(len(files))) - set(metadata))
+        document[SOURCE_FILE_KEY] = file.name
         metadata[rank] = document
         columns = _columns(events, rank, interner, file)
         thread_names.update(_thread_names(columns.pop("metadata_events"), rank))

@@ -109,11 +109,14 @@ class Trace:
         return np.where(found, launches[order[pos_clipped]], -1)
 
     def servprof_metadata(self) -> dict[str, Any]:
-        """servprof's session metadata (top-level key ``servprof``), {} when absent."""
+        """servprof's session metadata (top-level key ``servprof``), {} when absent; its known
+        fields are type-checked (servprof.trace.meta), so a reader never meets a wrong type."""
+        from servprof.trace.meta import servprof_fields
+
         for meta in self.metadata.values():
-            value = meta.get("servprof")
+            value = meta.get("servprof") if isinstance(meta, dict) else None
             if isinstance(value, dict):
-                return value
+                return servprof_fields(value)
         return {}
 
     def has_device_events(self) -> bool:

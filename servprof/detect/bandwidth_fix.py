@@ -1,0 +1,63 @@
+"""The remedy a bandwidth finding suggests, written from what was measured: which kind of op
+leaves the bandwidth on the table, how many bytes it moves per call, at what share of peak."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from servprof.detect.devices import DeviceSpec
+
+_REMEDIES = {
+    "gemm": ("batch more requests into each decode step (every weight read then serves more tokens), or "
+             "quantise the weights (8-bit halves the bytes each step reads, 4-bit quarters them)"),
+    "attention": ("use a fused decode-attention kernel (FlashAttention / FlashInfer, or the server's paged "
+                  "attention) and consider an fp8 KV cache, which halves the bytes read per token"),
+    "copy": ("keep tensors in one dtype and layout across the step (cast weights once at load time, not per "
+             "step; avoid .contiguous() / .to() inside the loop): every copy reads and writes the whole tensor"),
+    "reduction": ("fuse the norm / softmax / reduction with its neighbours (torch.compile, or the fused RMSNorm "
+                  "kernels of your server): each one re-reads its input from memory"),
+    "elementwise": ("fuse the chain of element-wise ops (torch.compile, or fused add+norm and SiLU-and-mul "
+                    "kernels): each one reads and writes its whole tensor"),
+    "gather": ("look up embeddings once per step and keep the indices on the device; each lookup re-reads "
+               "its rows"),
+}
+_FAMILY_WORDS = {"gemm": "GEMMs", "attention": "attention ops", "copy": "copies", "reduction": "norms and "
+                 "reductions", "elementwise": "element-wise ops", "gather": "gathers"}
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def fix_text(groups: list[dict[str, Any]], spec: DeviceSpec, share: float, capped: str | None = None) -> str:
+    """One or two sentences: the op kind that leaves the most time on the table, its figures, what to do."""
+    if not groups:
+        return ""
+    weight: dict[str, float] = {}
+    for g in groups:
+        family = g.get("family") or "elementwise"
+        weight[family] = weight.get(family, 0.0) + (g.get("left_on_table_us") or g["time_us"])
+    family = max(weight, key=lambda f: weight[f])
+    top = max((g for g in groups if (g.get("family") or "elementwise") == family),
+              key=lambda g: g.get("left_on_table_us") or g["time_us"])
+    per_call_bytes = top["bytes"] / max(top["calls"], 1)
+    per_call_us = top["time_us"] / max(top["calls"], 1)
+    roof_us = (top.get("roofline_us") or 0.0) / max(top["calls"], 1)
+    text = (f"The {_FAMILY_WORDS[family]} run at {100 * share:.0f}% of {spec.name}'s peak bandwidth; the worst, "
+            f"{top['op']} {top['shapes']}, moves {_size(per_call_bytes)} per call in {per_call_us:.1f} us")
+    if roof_us > 0:
+        text += f" (the roofline allows {roof_us:.2f} us)"
+    if top.get("overhead_bound") or (capped and spec.identified):
+        # Not a bandwidth problem: quantising or faster memory would not help these ops.
+        text += (". They move too little for memory bandwidth to be their limit: per-op overhead dominates, so "
+                 "fewer, larger ops help (fuse them with torch.compile, batch more requests per step, capture "
+                 "the decode step in a CUDA graph on GPU).")
+    else:
+        text += f": {_REMEDIES[family]}."
+    if not spec.identified:
+        text += (f" The peak is {spec.basis}, not measured here: run `servprof calibrate` on this machine "
+                 "(or pass --device) before acting on the percentage.")
+    return text

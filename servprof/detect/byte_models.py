@@ -1,0 +1,336 @@
+"""FLOPs and the minimum bytes an op must move, from its record_shapes args.
+
+Each tensor counts at its own element size (a bf16 -> fp32 copy reads 2 bytes and writes 4
+per element); an input broadcast by expand (stride 0, from `Input Strides`) is read once;
+a reduction writes the reduced shape, not the input's; an in-place op writes its first
+argument and nothing else; `Concrete Inputs` give the reduced dims and target dtypes.
+The bytes are a lower bound on the traffic (caches aside), so bytes / time is a lower
+bound on the bandwidth the op reached: a figure above the device's peak means the model
+or the device is wrong, never the op.
+
+Ops that wrap others (aten::linear -> addmm, aten::to -> _to_copy -> copy_, mean -> sum)
+are modelled at the outermost level that can be; the detector skips what they contain.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+ELEMENT_BYTES = {
+    "double": 8, "float": 4, "c10::Half": 2, "c10::BFloat16": 2,
+    "long int": 8, "long": 8, "long long": 8, "int64_t": 8, "__int64": 8,
+    "int": 4, "short int": 2, "short": 2, "bool": 1, "signed char": 1, "unsigned char": 1,
+    "short unsigned int": 2, "unsigned short": 2, "unsigned int": 4, "long unsigned int": 8, "unsigned long": 8,
+    "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1, "c10::Float8_e4m3fnuz": 1, "c10::Float8_e5m2fnuz": 1,
+    "c10::Float8_e8m0fnu": 1, "c10::qint8": 1, "c10::quint8": 1, "c10::qint32": 4,
+    "c10::complex<c10::Half>": 4, "c10::complex<float>": 8, "c10::complex<double>": 16,
+}
+# c10::ScalarType codes, as `Concrete Inputs` write a dtype argument (checked against torch 2.13).
+SCALAR_TYPE_BYTES = {0: 1, 1: 1, 2: 2, 3: 4, 4: 8, 5: 2, 6: 4, 7: 8, 8: 4, 9: 8, 10: 16, 11: 1, 12: 1, 13: 1,
+                     14: 4, 15: 2, 23: 1, 24: 1, 25: 1, 26: 1, 27: 2, 28: 4, 29: 8, 44: 1}
+
+GEMMS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
+                   "aten::mv", "aten::addmv", "aten::_scaled_mm"})
+ATTENTION = frozenset({"aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention",
+                       "aten::_scaled_dot_product_efficient_attention",
+                       "aten::_scaled_dot_product_cudnn_attention",
+                       "aten::_scaled_dot_product_flash_attention_for_cpu"})
+# Reductions: op -> index of the `dim` argument.
+REDUCTIONS = {"aten::sum": 1, "aten::mean": 1, "aten::amax": 1, "aten::amin": 1, "aten::prod": 1,
+              "aten::logsumexp": 1, "aten::var": 1, "aten::std": 1, "aten::argmax": 1, "aten::argmin": 1,
+              "aten::max": 1, "aten::min": 1, "aten::all": 1, "aten::any": 1, "aten::linalg_vector_norm": 2,
+              "aten::norm": 2}
+_INT_DIM_REDUCTIONS = frozenset({"aten::argmax", "aten::argmin", "aten::max", "aten::min", "aten::prod",
+                                 "aten::all", "aten::any"})  # `dim` is one int, not a list
+_INDEX_OUTPUT = frozenset({"aten::argmax", "aten::argmin"})
+_VALUES_AND_INDICES = frozenset({"aten::max", "aten::min"})
+_BOOL_OUTPUT = frozenset({"aten::all", "aten::any", "aten::eq", "aten::ne", "aten::lt", "aten::le", "aten::gt",
+                          "aten::ge", "aten::isnan", "aten::isinf", "aten::logical_not", "aten::logical_and",
+                          "aten::logical_or"})
+SAME_SHAPE = frozenset({"aten::softmax", "aten::_softmax", "aten::log_softmax", "aten::_log_softmax",
+                        "aten::cumsum"})
+NORMS = frozenset({"aten::layer_norm", "aten::native_layer_norm", "aten::rms_norm", "aten::_fused_rms_norm"})
+COPIES = frozenset({"aten::copy_", "aten::to", "aten::_to_copy"})
+FILLS = frozenset({"aten::fill_", "aten::zero_"})
+GATHERS = frozenset({"aten::embedding", "aten::index_select"})
+ELEMENTWISE = frozenset({
+    "aten::add", "aten::sub", "aten::mul", "aten::div", "aten::pow", "aten::maximum", "aten::minimum",
+    "aten::where", "aten::masked_fill", "aten::addcmul", "aten::addcdiv", "aten::lerp", "aten::clamp",
+    "aten::clamp_min", "aten::clamp_max", "aten::neg", "aten::abs", "aten::exp", "aten::log", "aten::sqrt",
+    "aten::rsqrt", "aten::reciprocal", "aten::sin", "aten::cos", "aten::tanh", "aten::sigmoid", "aten::erf",
+    "aten::silu", "aten::gelu", "aten::relu", "aten::square", *_BOOL_OUTPUT - {"aten::all", "aten::any"},
+    "aten::add_", "aten::sub_", "aten::mul_", "aten::div_", "aten::pow_", "aten::neg_", "aten::exp_",
+    "aten::sqrt_", "aten::rsqrt_", "aten::clamp_", "aten::clamp_min_", "aten::masked_fill_", "aten::silu_",
+    "aten::gelu_", "aten::relu_", "aten::sigmoid_", "aten::tanh_", "aten::addcmul_", "aten::lerp_",
+})
+MODELLED = GEMMS | ATTENTION | set(REDUCTIONS) | SAME_SHAPE | NORMS | COPIES | FILLS | GATHERS | ELEMENTWISE
+
+Cost = tuple[float, float]  # (FLOPs, bytes)
+
+
+def op_family(name: str) -> str:
+    """What kind of work an op is, for the remedy a finding suggests."""
+    if name in GEMMS:
+        return "gemm"
+    if name in ATTENTION:
+        return "attention"
+    if name in COPIES:
+        return "copy"
+    if name in GATHERS:
+        return "gather"
+    if name in REDUCTIONS or name in SAME_SHAPE or name in NORMS:
+        return "reduction"
+    return "elementwise"
+
+
+class _Tensor:
+    """One tensor argument: its dims, element size, and the elements it really holds."""
+
+    __slots__ = ("dims", "type_name", "elem", "numel", "stored")
+
+    def __init__(self, dims: list[int], type_name: str, strides: Any) -> None:
+        self.dims, self.type_name, self.elem = dims, type_name, ELEMENT_BYTES[type_name]
+        self.numel = math.prod(dims)
+        # An expanded (broadcast) view repeats elements along its stride-0 dims: read once.
+        if isinstance(strides, list) and len(strides) == len(dims) and all(type(s) is int for s in strides):
+            self.stored = math.prod(d for d, s in zip(dims, strides, strict=True) if s != 0)
+        else:
+            self.stored = self.numel
+
+    @property
+    def nbytes(self) -> int:
+        return self.stored * self.elem
+
+
+def _tensor(dims: Any, type_name: Any, strides: Any = None) -> _Tensor | None:
+    """A tensor argument, or None for scalars, lists, None and unknown element types."""
+    if not isinstance(dims, list) or not isinstance(type_name, str) or type_name not in ELEMENT_BYTES:
+        return None
+    if not all(type(d) is int and d >= 0 for d in dims):
+        return None
+    return _Tensor(dims, type_name, strides)
+
+
+def _arg(values: Any, index: int) -> Any:
+    return values[index] if isinstance(values, list) and 0 <= index < len(values) else None
+
+
+def _int(text: Any) -> int | None:
+    try:
+        return int(text) if isinstance(text, str) and text.strip() else None
+    except ValueError:
+        return None
+
+
+def _int_list(text: Any) -> list[int] | None:
+    """'[0, -1]' -> [0, -1]; '-1' -> [-1]; '' / None -> None."""
+    if not isinstance(text, str) or not text.strip():
+        return None
+    numbers = re.findall(r"-?\d+", text)
+    if text.strip().startswith("[") or len(numbers) == 1:
+        return [int(n) for n in numbers]
+    return None
+
+
+def _dtype_bytes(concrete: Any, index: int) -> int | None:
+    code = _int(_arg(concrete, index))
+    return SCALAR_TYPE_BYTES.get(code) if code is not None else None
+
+
+def _broadcast(shapes: list[list[int]]) -> list[int] | None:
+    rank = max((len(s) for s in shapes), default=0)
+    out = [1] * rank
+    for shape in shapes:
+        for i, d in enumerate(shape, start=rank - len(shape)):
+            if d != 1:
+                if out[i] not in (1, d):
+                    return None  # not broadcastable: the args are not what this model assumes
+                out[i] = d
+    return out
+
+
+def op_cost(name: str, dims: Any, types: Any, concrete: Any = None, strides: Any = None) -> Cost | None:
+    """(FLOPs, minimum bytes moved) of one op from its record_shapes args; None when it cannot
+    be modelled (unknown op, missing shapes, an element type or argument it does not know)."""
+    if not isinstance(dims, list) or not isinstance(types, list):
+        return None
+    tensors = [_tensor(d, t, _arg(strides, i)) for i, (d, t) in enumerate(zip(dims, types, strict=False))]
+    model = _MODELS.get(name) or (_elementwise if name in ELEMENTWISE else None)
+    if model is None or not tensors or tensors[0] is None:
+        return None
+    try:
+        cost = model(name, tensors, concrete, types)
+    except (ValueError, TypeError, IndexError, OverflowError):
+        return None
+    if cost is None or not all(math.isfinite(v) and v >= 0 for v in cost) or cost[1] <= 0:
+        return None
+    return float(cost[0]), float(cost[1])
+
+
+def _gemm(name: str, tensors: list[_Tensor | None], concrete: Any, types: list[Any]) -> Cost | None:
+    bias: _Tensor | None = None
+    if name == "aten::linear":  # linear(input [..., K], weight [N, K], bias [N]?)
+        a, weight, bias = tensors[0], _arg(tensors, 1), _arg(tensors, 2)
+        if a is None or weight is None or len(weight.dims) != 2 or not a.dims or a.dims[-1] != weight.dims[1]:
+            return None
+        m, k, n = math.prod(a.dims[:-1]), weight.dims[1], weight.dims[0]
+        flops = 2.0 * m * n * k + (m * n if bias is not None else 0)
+        return flops, a.nbytes + weight.nbytes + (bias.nbytes if bias else 0) + m * n * a.elem
+    if name in ("aten::addmm", "aten::baddbmm", "aten::addmv"):  # bias (broadcast), then the product
+        bias, a, b = tensors[0], _arg(tensors, 1), _arg(tensors, 2)
+    elif name == "aten::_scaled_mm":  # (a, b, scale_a, scale_b, bias?, scale_result?, out_dtype?, ...)
+        a, b, bias = tensors[0], _arg(tensors, 1), _arg(tensors, 4)
+    else:
+        a, b = tensors[0], _arg(tensors, 1)
+    if a is None or b is None or not a.dims or not b.dims:
+        return None
+    m = a.dims[-2] if len(a.dims) > 1 else 1
+    k = a.dims[-1]
+    n = b.dims[-1] if len(b.dims) > 1 else 1
+    if k != (b.dims[-2] if len(b.dims) > 1 else b.dims[0]):
+        return None
+    if len(b.dims) == 2:  # a's leading dims are more rows of the same product
+        batch, m = 1, math.prod(a.dims[:-1])
+    elif len(b.dims) == 1:  # matrix (or a batch of them) times a vector
+        batch = math.prod(a.dims[:-2])
+    else:
+        lead = _broadcast([a.dims[:-2], b.dims[:-2]])
+        if lead is None:
+            return None
+        batch = math.prod(lead)
+    out_elem = (_dtype_bytes(concrete, 6) or a.elem) if name == "aten::_scaled_mm" else a.elem
+    flops = 2.0 * batch * m * n * k + (batch * m * n if bias is not None else 0)
+    reads = a.nbytes + b.nbytes + (bias.nbytes if bias is not None else 0)
+    return flops, reads + batch * m * n * out_elem
+
+
+def _attention(name: str, tensors: list[_Tensor | None], concrete: Any, types: list[Any]) -> Cost | None:
+    q, k, v = tensors[0], _arg(tensors, 1), _arg(tensors, 2)
+    if q is None or k is None or v is None or len(q.dims) != 4 or len(k.dims) != 4 or len(v.dims) != 4:
+        return None
+    b, h, sq, dqk = q.dims
+    sk, dv = k.dims[-2], v.dims[-1]
+    flops = 2.0 * b * h * sq * sk * (dqk + dv)
+    mask = _arg(tensors, 3)  # SDPA's attn_mask, when given as a tensor
+    reads = q.nbytes + k.nbytes + v.nbytes + (mask.nbytes if mask is not None else 0)
+    return flops, reads + b * h * sq * dv * q.elem
+
+
+def _reduced_numel(name: str, x: _Tensor, concrete: Any, types: list[Any]) -> int:
+    position = REDUCTIONS[name]
+    if name in _INT_DIM_REDUCTIONS:
+        # dim is one int, and present only in the dim overloads (max(self) reduces everything).
+        dim = _int(_arg(concrete, position)) if len(types) > 2 else None
+        reduced = [dim] if dim is not None else None
+    else:  # a dim list; sum(self, dtype) has a dtype (a Scalar) where the list would be
+        reduced = _int_list(_arg(concrete, position)) if _arg(types, position) == "ScalarList" else None
+    if not reduced or not x.dims:  # no dims (or []) = reduce over all of them
+        return 1
+    rank = len(x.dims)
+    axes = {d % rank for d in reduced if -rank <= d < rank}
+    return math.prod(d for i, d in enumerate(x.dims) if i not in axes)
+
+
+def _reduction(name: str, tensors: list[_Tensor | None], concrete: Any, types: list[Any]) -> Cost | None:
+    x = tensors[0]
+    assert x is not None
+    if name in _VALUES_AND_INDICES and _arg(tensors, 1) is not None:  # max(a, b): element-wise
+        return _elementwise(name, tensors, concrete, types)
+    out = _reduced_numel(name, x, concrete, types)
+    if name in _INDEX_OUTPUT:
+        out_bytes = out * 8
+    elif name in _VALUES_AND_INDICES and len(tensors) > 2:
+        out_bytes = out * (x.elem + 8)
+    elif name in _BOOL_OUTPUT:
+        out_bytes = out
+    else:
+        dtype_at = {"aten::sum": 3, "aten::mean": 3, "aten::prod": 3, "aten::linalg_vector_norm": 4}.get(name, -1)
+        if len(types) == 2 and name in ("aten::sum", "aten::mean", "aten::prod"):
+            dtype_at = 1  # sum(self, dtype)
+        out_bytes = out * (_dtype_bytes(concrete, dtype_at) or x.elem)
+    return float(x.numel), x.nbytes + out_bytes
+
+
+def _same_shape(name: str, tensors: list[_Tensor | None], concrete: Any, types: list[Any]) -> Cost | None:
+    x = tensors[0]
+    assert x is not None
+    out_elem = x.elem
+    if name in ("aten::softmax", "aten::log_softmax"):
+        out_elem = _dtype_bytes(concrete, 2) or x.elem
+    elif name in ("aten::_softmax", "aten::_log_softmax") and _arg(concrete, 2) == "True":
+        out_elem = 4  # half_to_float
+    return 5.0 * x.numel, x.nbytes + x.numel * out_elem
+
+
+def _norm(name: str, tensors: list[_Tensor | None], concrete: Any, types: list[Any]) -> Cost | None:
+    x = tensors[0]
+    assert x is not None
+    params = sum(t.nbytes for t in tensors[1:] if t is not None)  # weight and bias, when given
+    return 5.0 * x.numel, x.nbytes + params + x.numel * x.elem
+
+
+def _copy(name: str, tensors: list[_Tensor | None], concrete: Any, types: list[Any]) -> Cost | None:
+    if name == "aten::copy_":
+        dst, src = tensors[0], _arg(tensors, 1)
+        if dst is None or src is None:
+            return None
+        return 0.0, dst.numel * dst.elem + src.nbytes
+    src = tensors[0]
+    assert src is not None
+    # to(self, dtype, ...), to(self, device, dtype, ...) (6 args), _to_copy(self, dtype, ...)
+    other = _arg(tensors, 1)
+    dst_elem = other.elem if other is not None else _dtype_bytes(concrete, 2 if len(tensors) == 6 else 1)
+    if dst_elem is None or dst_elem == src.elem:
+        return None  # same dtype: often no copy at all (to() returns self); the copy_ inside says
+    return 0.0, src.nbytes + src.numel * dst_elem
+
+
+def _fill(name: str, tensors: list[_Tensor | None], concrete: Any, types: list[Any]) -> Cost | None:
+    x = tensors[0]
+    assert x is not None
+    return float(x.numel), x.numel * x.elem
+
+
+def _gather(name: str, tensors: list[_Tensor | None], concrete: Any, types: list[Any]) -> Cost | None:
+    table = tensors[0]
+    assert table is not None
+    if name == "aten::embedding":
+        index = _arg(tensors, 1)
+        if index is None or len(table.dims) != 2:
+            return None
+        rows = index.numel * table.dims[1]
+    else:  # index_select(self, dim, index)
+        index, dim = _arg(tensors, 2), _int(_arg(concrete, 1))
+        if index is None or dim is None or not table.dims or not -len(table.dims) <= dim < len(table.dims):
+            return None
+        rows = table.numel // max(table.dims[dim], 1) * index.numel
+    return 0.0, 2 * rows * table.elem + index.nbytes  # rows read, the same rows written, the indices
+
+
+def _elementwise(name: str, tensors: list[_Tensor | None], concrete: Any, types: list[Any]) -> Cost | None:
+    inputs = [t for t in tensors if t is not None]
+    reads = sum(t.nbytes for t in inputs)
+    if name.endswith("_"):  # in place: the first argument is read and written back
+        self_ = inputs[0]
+        return float(self_.numel), reads + self_.numel * self_.elem
+    shape = _broadcast([t.dims for t in inputs])
+    if shape is None:
+        return None
+    out = math.prod(shape)
+    if name in _BOOL_OUTPUT:
+        out_elem = 1
+    else:  # type promotion, roughly: the widest floating input, else the widest input
+        floating = [t.elem for t in inputs if t.type_name in _FLOAT_TYPES]
+        out_elem = max(floating or [t.elem for t in inputs])
+    return float(out), reads + out * out_elem
+
+
+_FLOAT_TYPES = frozenset({"double", "float", "c10::Half", "c10::BFloat16"})
+
+_MODELS = {
+    **dict.fromkeys(GEMMS, _gemm), **dict.fromkeys(ATTENTION, _attention), **dict.fromkeys(REDUCTIONS, _reduction),
+    **dict.fromkeys(SAME_SHAPE, _same_shape), **dict.fromkeys(NORMS, _norm), **dict.fromkeys(COPIES, _copy),
+    **dict.fromkeys(FILLS, _fill), **dict.fromkeys(GATHERS, _gather),
+}

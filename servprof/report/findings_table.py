@@ -1,0 +1,64 @@
+"""The findings table, one for every place that prints findings (`servprof analyze`, `servprof demo`).
+
+Input is the report's JSON form (summary dict, Finding.to_dict() list), so a report read back
+from disk prints the same as one just computed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
+
+
+def requests_cell(finding: dict[str, Any], sampled: list[str]) -> str:
+    """How many of the session's sampled requests a finding touched (and how many others it names)."""
+    ids = [r for r in finding.get("request_ids") or [] if isinstance(r, str)]
+    if not sampled:
+        return str(len(ids)) if ids else "-"
+    touched = finding.get("sampled_request_ids")
+    touched = [r for r in touched if isinstance(r, str)] if isinstance(touched, list) else \
+        [r for r in ids if r in set(sampled)]
+    if not ids:
+        return "session"
+    cell = f"{len(touched)} of {len(sampled)}"
+    others = len(ids) - len(touched)
+    return cell + (f" (+{others} not sampled)" if others else "")
+
+
+def findings_table(findings: list[dict[str, Any]], sampled: list[str], title: str | None = None) -> Table:
+    table = Table(title=title, title_justify="left", show_lines=True)
+    table.add_column("severity", no_wrap=True)
+    table.add_column("kind", no_wrap=True)
+    table.add_column("cost ms", justify="right", no_wrap=True)
+    table.add_column("sampled requests" if sampled else "requests", max_width=16)
+    table.add_column("finding, and what to do", ratio=1, min_width=30)
+    for finding in findings:
+        severity = str(finding.get("severity", "info"))
+        cost = finding.get("cost_ms")
+        text = escape(str(finding.get("title", "")))
+        if finding.get("fix"):
+            text += f"\n[dim]fix:[/] {escape(str(finding['fix']))}"
+        table.add_row(f"[{SEVERITY_STYLE.get(severity, '')}]{escape(severity)}[/]", escape(str(finding.get("kind", "?"))),
+                      f"{cost:.2f}" if isinstance(cost, int | float) else "?", requests_cell(finding, sampled), text)
+    return table
+
+
+def print_findings(console: Console, summary: dict[str, Any], findings: list[dict[str, Any]],
+                   title: str | None = None) -> None:
+    """Warnings, what the trace could not show, and the findings table (or why there is none)."""
+    for warning in summary.get("warnings") or []:
+        console.print(f"[yellow]warning:[/] {escape(str(warning))}", highlight=False)
+    sampled = [r for r in summary.get("sampled_request_ids") or [] if isinstance(r, str)]
+    missing = [m for m in summary.get("missing") or [] if isinstance(m, dict) and m.get("message")]
+    if not findings:
+        console.print("No findings: no tokenization stall, decode gap or bandwidth-bound decode op stood out"
+                      + (" in what this trace could show:" if missing else "."))
+    for item in missing:
+        console.print(f"  [dim]{escape(str(item.get('what', '')))}:[/] {escape(str(item['message']))}", highlight=False)
+    if findings:
+        console.print(findings_table(findings, sampled, title))

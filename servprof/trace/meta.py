@@ -1,0 +1,70 @@
+"""Typed reads of a trace's top-level metadata: `baseTimeNanoseconds`, `distributedInfo`, and
+servprof's own `servprof` session block. Traces come from anywhere (and fuzzers): a field of the
+wrong type reads as absent, never as an exception further down."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+# servprof's session metadata (capture.py writes it): key -> the type it must have.
+SERVPROF_FIELDS: dict[str, type] = {
+    "session_id": str, "request_ids": list, "wall_start_ns": int, "perf_start_ns": int, "stop_reason": str,
+    "reason": str, "event_loop_tid": int, "stop_wall_ns": int,
+}
+
+
+def whole_int(value: Any) -> int | None:
+    """An int (or a float holding a whole number), never a bool, NaN or infinity."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    return None
+
+
+def base_time_ns(metadata: dict[int, dict[str, Any]]) -> int | None:
+    """The first rank's baseTimeNanoseconds (trace µs = (unix ns - base) / 1000), when it is a number."""
+    for document in metadata.values():
+        value = whole_int(document.get("baseTimeNanoseconds")) if isinstance(document, dict) else None
+        if value is not None and value >= 0:
+            return value
+    return None
+
+
+MAX_RANK = 2**31 - 1  # ranks are stored as int32
+
+
+def claimed_rank(document: Any) -> int | None:
+    """distributedInfo.rank of one file, when it names one: a whole number (or its digits as text)
+    from 0 to 2**31 - 1. Anything else names no rank."""
+    info = document.get("distributedInfo") if isinstance(document, dict) else None
+    value = info.get("rank") if isinstance(info, dict) else None
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    rank = whole_int(value)
+    return rank if rank is not None and 0 <= rank <= MAX_RANK else None
+
+
+def servprof_fields(raw: Any) -> dict[str, Any]:
+    """servprof's session block with every known field of the right type (others dropped); keys
+    servprof does not know are passed on as they are."""
+    if not isinstance(raw, dict):
+        return {}
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        wanted = SERVPROF_FIELDS.get(key)
+        if wanted is None:
+            out[key] = value
+        elif wanted is int:
+            number = whole_int(value)
+            if number is not None:
+                out[key] = number
+        elif wanted is list:
+            if isinstance(value, list):
+                out[key] = [v for v in value if isinstance(v, str)]
+        elif isinstance(value, wanted):
+            out[key] = value
+    return out

@@ -1,0 +1,218 @@
+"""What the bandwidth detector claims, on synthetic traces with hand-computed figures and on a
+public H100 trace: never a GB/s above the device's peak in a finding (the summary says whether the
+device or the model is wrong), unknown GPUs stay GPUs, --device against the trace is a warning,
+severity is the share of step (or trace) time, and an assumed peak never makes more than info."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+from _analyze_helpers import public_trace
+from _bandwidth_helpers import H100, SynthTrace
+
+from servprof.cli import main
+from servprof.detect import calibrate
+from servprof.detect.analysis import analyse
+from servprof.detect.devices import DEVICES
+from servprof.trace import load_trace
+
+N = 1_000_000  # elements of the add below: 3 x 4 MB = 12 MB moved, 3.58 us at an H100's 3350 GB/s
+ADD = ("aten::add", [[N], [N], []], ["float", "float", "Scalar"], ["", "", "1"])
+ADD_BYTES = 3 * N * 4
+
+
+@pytest.fixture(autouse=True)
+def no_saved_calibration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("SERVPROF_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _gpu_trace(tmp_path: Path, kernel_us: float, span_us: float, props: list | None = None) -> Path:
+    """One 12 MB add whose kernel takes kernel_us (from 5 us), and a 1-element add whose 30 us kernel
+    ends the device timeline at span_us + 5: a device span of span_us."""
+    synth = SynthTrace([H100] if props is None else props)
+    synth.op(*ADD[:1], 0.0, kernel_us + 20, *ADD[1:], kernel_us=kernel_us)
+    synth.op("aten::add", span_us - 30, 20, [[1], [1], []], ["float", "float", "Scalar"], kernel_us=30.0)
+    return synth.write(tmp_path / "t.json.gz")
+
+
+def test_public_h100_trace_has_no_op_above_peak_and_models_the_issue_ops():
+    analysis = analyse(load_trace(public_trace("hf_qwen1.5_0.5b_prefill_h100.json.gz")))
+    bandwidth = analysis.summary["bandwidth"]
+    assert bandwidth["device"]["name"] == DEVICES["h100-sxm"].name and bandwidth["device"]["identified"]
+    assert all(not p["above_peak"] for p in analysis.kernels)  # was 154% (mean) and 122% (copy_)
+    n = 16 * 559 * 1024
+    means = [p for p in analysis.kernels if p["op"] == "aten::mean" and p["shapes"][0] == [16, 559, 1024]]
+    assert means and all(p["bytes"] == n * 4 + 16 * 559 * 4 for p in means)
+    converts = [p for p in analysis.kernels if p["op"] == "aten::to" and p["shapes"][0] == [16, 559, 1024]]
+    assert converts and all(p["bytes"] == n * 2 + n * 4 for p in converts)  # bf16 -> fp32 and back
+    for finding in analysis.findings:
+        assert finding.fix
+        if finding.kind == "bandwidth_bound_decode":
+            assert finding.evidence["bandwidth_share"] <= 1.0
+            assert all(op["bandwidth_share"] <= 1.0 for op in finding.evidence["top_ops"])
+
+
+def test_an_op_faster_than_the_peak_is_a_model_error_never_a_finding(tmp_path: Path):
+    # 12 MB in 2 us = 6000 GB/s on a 3350 GB/s H100: impossible; the trace names the device.
+    analysis = analyse(load_trace(_gpu_trace(tmp_path, kernel_us=2.0, span_us=100.0)))
+    above = analysis.summary["bandwidth"]["above_peak"]
+    assert above["ops"] == 1 and above["error"] == "model"
+    assert above["examples"][0]["achieved_gbs"] == pytest.approx(ADD_BYTES / 2e-6 / 1e9, rel=1e-3)
+    assert any("faster than" in w for w in analysis.summary["warnings"])
+    for finding in analysis.findings:
+        assert all(op["shapes"] != ADD[1] for op in finding.evidence.get("top_ops", []))
+
+
+def test_a_peak_the_trace_contradicts_is_a_device_error_and_a_warning(tmp_path: Path, capsys):
+    path = _gpu_trace(tmp_path, kernel_us=2.0, span_us=100.0)
+    # Judged against an L4 (300 GB/s) although the trace ran on an H100.
+    analysis = analyse(load_trace(path), device="l4")
+    assert analysis.summary["bandwidth"]["above_peak"]["error"] == "device"
+    assert any("disagrees with the trace's deviceProperties" in w for w in analysis.summary["warnings"])
+    assert main(["analyze", str(path), "--device", "l4"]) == 0
+    assert "warning:" in capsys.readouterr().out
+
+
+def test_device_named_against_a_cpu_trace_is_a_warning(tmp_path: Path):
+    synth = SynthTrace([])
+    synth.op(*ADD[:1], 0.0, 5000.0, *ADD[1:])
+    analysis = analyse(load_trace(synth.write(tmp_path / "cpu.json.gz")), device="h100-sxm")
+    assert any("no device kernels" in w for w in analysis.summary["warnings"])
+    assert all(f.severity == "info" for f in analysis.findings)
+
+
+@pytest.mark.parametrize(("span_us", "severity"), [(300.0, "critical"), (1000.0, "warning"), (100_000.0, None)])
+def test_severity_is_the_share_of_the_trace_span_without_steps(tmp_path: Path, span_us: float, severity):
+    # The add: 100 us for 12 MB = 120 GB/s, 3.6% of the H100's peak; its roofline is 3.58 us, so it
+    # leaves 96.4 us, and the 12-byte add 30 us. Span 300 us: 42% -> critical; 1 ms: 12.6% -> warning;
+    # 100 ms: the ops are 0.13% of the trace -> no finding (before, severity followed the ops' own
+    # time: "critical" at any span).
+    analysis = analyse(load_trace(_gpu_trace(tmp_path, kernel_us=100.0, span_us=span_us)))
+    found = [f for f in analysis.findings if f.kind == "bandwidth_bound_decode"]
+    if severity is None:
+        assert found == []
+        return
+    (finding,) = found
+    assert finding.severity == severity
+    left = 100.0 - ADD_BYTES / (3350e9) * 1e6
+    assert finding.evidence["time_judged_ms"] == pytest.approx(span_us / 1000, rel=1e-6)
+    assert finding.evidence["left_on_table_share"] == pytest.approx((left + 30 - 12 / 3350e3) / span_us, abs=1e-3)
+    assert finding.evidence["scope"] == "whole trace" and finding.request_ids == []
+    assert "3%" in finding.fix or "4%" in finding.fix  # the measured share of peak, in the remedy
+    assert "element-wise" in finding.fix
+
+
+def test_unknown_gpu_is_a_gpu_with_an_unknown_peak_and_says_how_to_calibrate(tmp_path: Path):
+    props = [{"id": 0, "name": "NVIDIA RTX PRO 6000 Blackwell Server Edition", "totalGlobalMem": 102e9,
+              "computeMajor": 12, "computeMinor": 0, "numSms": 188}]
+    analysis = analyse(load_trace(_gpu_trace(tmp_path, kernel_us=100.0, span_us=300.0, props=props)))
+    device = analysis.summary["bandwidth"]["device"]
+    assert device["kind"] == "gpu" and device["basis"] == "unknown" and device["memory_bandwidth_gbs"] is None
+    assert "RTX PRO 6000" in device["name"] and "CPU" not in device["name"]
+    assert [f for f in analysis.findings if f.kind == "bandwidth_bound_decode"] == []
+    (missing,) = [m for m in analysis.summary["missing"] if m["what"] == "device peak"]
+    assert "servprof calibrate" in missing["message"]
+    assert analysis.kernels and analysis.kernels[0]["achieved_gbs"] == pytest.approx(ADD_BYTES / 100e-6 / 1e9)
+
+
+def test_unknown_gpu_peak_from_memory_clock_and_bus_width(tmp_path: Path):
+    # 2 x 2619 MHz x 5120 bits / 8 = 3352.3 GB/s (an H100 SXM's HBM3, as CUDA reports it).
+    props = [{"name": "NVIDIA Future GPU", "memoryClockRate": 2_619_000, "memoryBusWidth": 5120}]
+    analysis = analyse(load_trace(_gpu_trace(tmp_path, kernel_us=100.0, span_us=300.0, props=props)))
+    device = analysis.summary["bandwidth"]["device"]
+    assert device["basis"] == "derived" and device["memory_bandwidth_gbs"] == pytest.approx(3352.3, abs=0.1)
+    (finding,) = [f for f in analysis.findings if f.kind == "bandwidth_bound_decode"]
+    assert finding.severity == "critical"  # identified from the trace's own properties: not capped
+
+
+def test_unknown_gpu_uses_a_calibration_of_the_same_name(tmp_path: Path, no_saved_calibration: Path):
+    calibrate.save({"name": "NVIDIA Future GPU", "torch_device": "cuda:0", "memory_bandwidth_gbs": 5000.0,
+                    "peak_tflops": 1500.0, "measured_at": 1.0})
+    props = [{"name": "NVIDIA Future GPU"}]
+    analysis = analyse(load_trace(_gpu_trace(tmp_path, kernel_us=100.0, span_us=300.0, props=props)))
+    device = analysis.summary["bandwidth"]["device"]
+    assert device["basis"] == "calibrated" and device["memory_bandwidth_gbs"] == 5000.0
+    # A calibration of another device is never used for it.
+    other = [{"name": "NVIDIA Other GPU"}]
+    analysis = analyse(load_trace(_gpu_trace(tmp_path, kernel_us=100.0, span_us=300.0, props=other)))
+    assert analysis.summary["bandwidth"]["device"]["basis"] == "unknown"
+
+
+def test_assumed_cpu_peak_gives_at_most_info_and_says_which_peak(tmp_path: Path):
+    synth = SynthTrace([])
+    for step in range(4):  # decode steps, each mostly one slow 12 MB add: 12 MB in 3 ms = 4 GB/s
+        synth.span("servprof:decode_step|r1", step * 4000.0, 3500.0)
+        synth.op(*ADD[:1], step * 4000.0 + 100, 3000.0, *ADD[1:])
+    analysis = analyse(load_trace(synth.write(tmp_path / "cpu.json.gz")))
+    (finding,) = [f for f in analysis.findings if f.kind == "bandwidth_bound_decode"]
+    assert finding.severity == "info"  # 10% of a 40 GB/s assumed peak, 70% of step time left
+    assert "assumed" in finding.title and "servprof calibrate" in finding.evidence["severity_capped"]
+    assert "servprof calibrate" in finding.fix
+
+
+def test_measured_cpu_peak_judges_for_real_unless_the_step_fits_in_cache(tmp_path: Path, no_saved_calibration):
+    synth = SynthTrace([])
+    for step in range(4):
+        synth.span("servprof:decode_step|r1", step * 4000.0, 3500.0)
+        synth.op(*ADD[:1], step * 4000.0 + 100, 3000.0, *ADD[1:])
+    path = synth.write(tmp_path / "cpu.json.gz")
+    result = {"name": "CPU Test", "torch_device": "cpu", "memory_bandwidth_gbs": 40.0, "peak_tflops": 1.0,
+              "measured_at": 1.0, "cache_bytes": 8 * 1024**2}
+    calibrate.save(result)
+    (finding,) = [f for f in analyse(load_trace(path)).findings if f.kind == "bandwidth_bound_decode"]
+    assert finding.severity == "critical" and "severity_capped" not in finding.evidence  # 12 MB > 8 MB cache
+    calibrate.save({**result, "cache_bytes": 64 * 1024**2, "measured_at": 2.0})
+    (finding,) = [f for f in analyse(load_trace(path)).findings if f.kind == "bandwidth_bound_decode"]
+    assert finding.severity == "info" and "last-level cache" in finding.evidence["severity_capped"]
+    assert "per-op overhead" in finding.fix
+
+
+def test_report_json_keeps_the_device_basis_and_the_fix(tmp_path: Path):
+    out = tmp_path / "r.json"
+    assert main(["analyze", str(_gpu_trace(tmp_path, kernel_us=100.0, span_us=300.0)), "--json", str(out)]) == 0
+    report = orjson.loads(out.read_bytes())
+    assert report["summary"]["bandwidth"]["device"]["basis"] == "datasheet"
+    assert all(f["fix"] for f in report["findings"])
+
+
+@pytest.mark.parametrize("with_big_op", [False, True])
+def test_ops_too_small_to_be_bandwidth_bound_are_per_op_overhead(tmp_path: Path, with_big_op: bool):
+    # 30 one-element adds whose kernels take 2 us: this trace's shortest ops, so its per-op floor.
+    # 10 adds of 4 KB x 3 taking 40 us each: at 3350 GB/s their bytes need 3.7 ns, far under the
+    # 2 us floor: no memory system would make them faster, so they are overhead, not bandwidth.
+    synth = SynthTrace([H100])
+    t = 0.0
+    for _ in range(30):
+        synth.op("aten::add", t, 10, [[1], [1], []], ["float", "float", "Scalar"], kernel_us=2.0)
+        t += 12
+    for _ in range(10):
+        synth.op("aten::add", t, 50, [[1024], [1024], []], ["float", "float", "Scalar"], kernel_us=40.0)
+        t += 52
+    if with_big_op:  # plus the 12 MB add at 3.6% of peak: bandwidth-limited, 96 us left
+        synth.op(*ADD[:1], t, 120, *ADD[1:], kernel_us=100.0)
+        t += 122
+    analysis = analyse(load_trace(synth.write(tmp_path / "t.json.gz")))
+    assert analysis.summary["bandwidth"]["op_floor_us"] == pytest.approx(2.0)
+    (finding,) = [f for f in analysis.findings if f.kind == "bandwidth_bound_decode"]
+    assert finding.evidence["overhead_bound_ops"] == 2  # the 1-element and the 4 KB shapes
+    if with_big_op:
+        left = 100.0 - ADD_BYTES / 3350e9 * 1e6
+        # Only the big add's 96.4 us count, against the device span: kernels from 5 us to 885 + 100 us.
+        assert finding.evidence["ops_below_half_peak"] == 1 and finding.cost_ms == pytest.approx(left / 1000, rel=1e-3)
+        assert finding.evidence["left_on_table_share"] == pytest.approx(left / 980.0, abs=1e-4)
+        assert finding.severity == "warning"  # 9.8%; counting the overhead-bound ops too would make it 57%
+    else:
+        assert finding.severity == "info" and "per-op overhead" in finding.title
+        assert "per-op overhead" in finding.evidence["severity_capped"] and "fewer, larger ops" in finding.fix
+
+
+def test_a_named_stand_in_for_an_unknown_gpu_is_judged_with_a_warning(tmp_path: Path):
+    props = [{"name": "NVIDIA RTX PRO 6000 Blackwell Server Edition"}]
+    analysis = analyse(load_trace(_gpu_trace(tmp_path, kernel_us=100.0, span_us=300.0, props=props)),
+                       device="h100-sxm")
+    assert any("does not know" in w for w in analysis.summary["warnings"])
+    (finding,) = [f for f in analysis.findings if f.kind == "bandwidth_bound_decode"]
+    assert finding.severity == "critical"  # the user's stand-in is not contradicted by the trace
