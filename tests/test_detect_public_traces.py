@@ -198,5 +198,6 @@ def test_training_steps_are_not_called_decode():
     analysis = analyse(load_trace(public_trace("resnet_ddp_training_v100.json.gz")))
     assert {s.kind for s in analysis.steps} == {"train"}
     assert all("decode" not in f.title for f in analysis.findings if f.kind == "decode_gap")
-    # No tokenization is expected of a training run: nothing "missing" about it.
-    assert analysis.summary["missing"] == []
+    # No tokenization is expected of a training run: nothing "missing" about it (the trace has no
+    # record_shapes, and saying the bandwidth cannot be judged without them is true).
+    assert [m["what"] for m in analysis.summary["missing"]] == ["op shapes"]

@@ -49,6 +49,6 @@ def test_no_tokenization_in_the_trace_says_how_to_get_it(tmp_path: Path):
     for k in range(4):
         trace.host("servprof:decode_step|r1", k * 2100.0, 2000)
     analysis = analyse(load_trace(trace.write(tmp_path / "t.json")))
-    (entry,) = analysis.summary["missing"]
-    assert entry["what"] == "tokenization"
+    # (The bandwidth detector also says it has no op shapes here; only one entry is about tokenization.)
+    (entry,) = [m for m in analysis.summary["missing"] if m["what"] == "tokenization"]
     assert "servprof.phase(\"tokenize\")" in entry["message"] and "tiktoken" in entry["message"]

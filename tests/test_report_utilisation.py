@@ -25,7 +25,7 @@ def test_utilisation_comes_first_in_the_terminal_and_matches_the_json(tmp_path: 
     assert f"{agg['median_busy_ms']:.2f} ms ({agg['busy_pct']:.0f}%)" in row
     assert f"{agg['median_idle_inside_ms']:.2f} ms ({agg['idle_inside_pct']:.0f}%)" in row
     assert "Idle split per stream" in printed and "host_wait" in printed
-    assert "missing tokenization" in printed and "vLLM execute" not in printed  # steps from the annotation
+    assert "  tokenization: " in printed and "vLLM execute" not in printed  # steps from the annotation
 
 
 def test_html_shows_the_table_and_each_gap_once_on_labelled_axes(tmp_path: Path):
