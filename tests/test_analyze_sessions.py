@@ -42,10 +42,11 @@ def test_servprof_output_folder_is_analysed_session_by_session(tmp_path: Path, c
     report = orjson.loads(out_json.read_bytes())
     assert report["summary"]["sessions"] == ["s-old", "s-new"]  # oldest first
     assert [s["session"] for s in report["sessions"]] == ["s-old", "s-new"]
-    # Each session analysed on its own: the clean one has no decode gap, the delayed one has its gap.
-    kinds = {s["session"]: {f["kind"] for f in s["findings"]} for s in report["sessions"]}
+    # Each session analysed on its own: the clean one has no decode gap worth a warning (its loop's
+    # per-step host read is named at info on a CPU trace), the delayed one has its gap.
+    kinds = {s["session"]: {f["kind"] for f in s["findings"] if f["severity"] != "info"} for s in report["sessions"]}
     assert "decode_gap" not in kinds["s-old"] and "decode_gap" in kinds["s-new"]
-    assert {f["session"] for f in report["findings"] if f["kind"] == "decode_gap"} == {"s-new"}
+    assert {f["session"] for f in report["findings"] if f["kind"] == "decode_gap" and f["severity"] != "info"} == {"s-new"}
     for session in report["sessions"]:
         assert session["summary"]["ranks"] == [0]  # sessions are not ranks of one run
         assert not any("claim rank" in w for w in session["summary"]["warnings"])
