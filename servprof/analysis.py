@@ -151,7 +151,7 @@ def analyse(trace_path: Path, session: dict[str, Any]) -> dict[str, Any]:
     from servprof.trace import load_trace, request_phases
 
     trace = load_trace(trace_path)
-    base_ns = next((m.get("baseTimeNanoseconds") for m in trace.metadata.values()), None)
+    base_ns = trace.base_time_ns()  # None when absent or not a number (never a traceback)
     requests = {rid: {"phases": phases} for rid, phases in request_phases(trace).items()}
     findings: list[Any] = []
     summary: dict[str, Any] = {"event_count": len(trace)}

@@ -7,6 +7,8 @@ vector operations over ids rather than string compares per event.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +38,8 @@ class Trace:
     external_id: np.ndarray  # int64, -1 where absent
     flow_id: np.ndarray  # int64, id of ph "s"/"f" flow events, -1 otherwise
     rank: np.ndarray  # int32, distributedInfo.rank of the file the event came from
-    raw_args: list[Any]  # args dict per row (read through args()), used only where a detector needs it
+    # args per row, read through args(): the loader keeps them as JSON text, decoded on first read.
+    raw_args: Sequence[Any]
     metadata: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> top-level keys
     thread_names: dict[tuple[int, int, int], str] = field(default_factory=dict)  # (rank, pid, tid)
     _name_lookup: dict[str, int] = field(default_factory=dict, repr=False)
@@ -115,6 +118,19 @@ class Trace:
             if isinstance(value, dict):
                 return value
         return {}
+
+    def base_time_ns(self) -> int | None:
+        """``baseTimeNanoseconds`` (unix ns of trace time 0, as Kineto writes it) of the first rank
+        that has a usable one: an integer, or a whole finite float; anything else is absent."""
+        for meta in self.metadata.values():
+            value = meta.get("baseTimeNanoseconds")
+            if isinstance(value, bool):
+                continue
+            if isinstance(value, float) and math.isfinite(value):
+                value = int(value)
+            if isinstance(value, int) and -(2**63) <= value < 2**63:
+                return value
+        return None
 
     def has_device_events(self) -> bool:
         return bool(self.device_mask().any())
