@@ -10,8 +10,8 @@ past the previous copy's end and its correlation, External id and flow ids moved
 previous copy's, so that every copy is a further stretch of the same run. Written as .json.gz
 (and, with --plain, as plain .json: read whole by the loader servprof had), then analysed by
 `servprof analyze TRACE --json OUT` in a fresh process, whose own peak RSS (VmHWM) is read at
-its exit. Prints wall seconds, seconds per million events, the peak and its ratio to the
-inflated size (goal: under 2 GB for 1 GB, and at most 1.5x). With --reference-mb, the same
+its exit. Prints wall seconds (process start to exit) and seconds per million events, the same
+for load_trace alone, the peak and its ratio to the inflated size (goal: under 2 GB for 1 GB, and at most 1.5x). With --reference-mb, the same
 for the orjson loader servprof had, on a trace of that size.
 """
 
@@ -32,18 +32,25 @@ import orjson
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SOURCE = ROOT / "tests" / "fixtures" / "public" / "vllm_prefill_decode_piecewise_mi300x.json.gz"
 
-# Runs `servprof analyze` and, at exit, writes its own VmHWM (KiB) to argv[1] (wait4's ru_maxrss
-# would start from the parent's high-water mark). argv[2] == "reference": the orjson loader.
+# Runs `servprof analyze` and, at exit, writes its own VmHWM (KiB; wait4's ru_maxrss would start
+# from the parent's high-water mark) and the seconds load_trace took to argv[1].
+# argv[2] == "reference": the orjson loader servprof had.
 ANALYZE_WITH_PEAK = """
-import atexit, sys
+import atexit, sys, time
+from servprof.report import analyze_cli
+from servprof.trace.reference import load_trace_orjson
+loading = [0.0]
 def _peak(path=sys.argv[1]):
     hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0].split()[1]
-    open(path, 'w').write(hwm)
+    open(path, 'w').write(f"{hwm} {loading[0]}")
 atexit.register(_peak)
-if sys.argv[2] == 'reference':
-    from servprof.report import analyze_cli
-    from servprof.trace.reference import load_trace_orjson
-    analyze_cli.load_trace = lambda path, progress=None: load_trace_orjson(path)
+load = load_trace_orjson if sys.argv[2] == 'reference' else analyze_cli.load_trace
+def timed_load(path, progress=None):
+    start = time.perf_counter()
+    trace = load(path) if load is load_trace_orjson else load(path, progress=progress)
+    loading[0] = time.perf_counter() - start
+    return trace
+analyze_cli.load_trace = timed_load
 from servprof.cli import main
 sys.exit(main(['analyze', *sys.argv[3:]]))
 """
@@ -97,8 +104,9 @@ def build(source: Path, target: Path, inflated_bytes: int) -> int:
     return count
 
 
-def analyze(path: Path, loader: str, out_dir: Path) -> tuple[float, float, str]:
-    """(wall seconds, peak RSS MiB, error) of `servprof analyze PATH --json OUT` in a fresh process."""
+def analyze(path: Path, loader: str, out_dir: Path) -> tuple[float, float, float, str]:
+    """(wall seconds, load_trace seconds, peak RSS MiB, error) of `servprof analyze PATH --json OUT`
+    in a fresh process."""
     peak_file = out_dir / "peak"
     peak_file.unlink(missing_ok=True)
     command = [sys.executable, "-c", ANALYZE_WITH_PEAK, str(peak_file), loader, str(path),
@@ -106,9 +114,9 @@ def analyze(path: Path, loader: str, out_dir: Path) -> tuple[float, float, str]:
     start = time.perf_counter()
     done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     seconds = time.perf_counter() - start
-    peak = int(peak_file.read_text()) / 1024 if peak_file.exists() else float("nan")
+    peak_kib, loading = peak_file.read_text().split() if peak_file.exists() else ("nan", "nan")
     error = "" if done.returncode == 0 else done.stderr.decode(errors="replace").strip().splitlines()[-1][:120]
-    return seconds, peak, error
+    return seconds, float(loading), float(peak_kib) / 1024, error
 
 
 def main() -> int:
@@ -129,7 +137,7 @@ def main() -> int:
         runs.append((args.reference_mb, ".json.gz", "reference"))
     print(f"source {args.source.name}; traces in {work}")
     print(f"{'trace':22} {'loader':10} {'MiB':>6} {'events':>10} {'seconds':>8} {'s/M events':>10} "
-          f"{'peak MiB':>9} {'peak/size':>9}")
+          f"{'load s':>7} {'load s/M':>8} {'peak MiB':>9} {'peak/size':>9}")
     try:
         for mb, suffix, loader in runs:
             path = work / f"big-{mb}mb{suffix}"
@@ -137,9 +145,9 @@ def main() -> int:
                 count = build(args.source, path, mb * 1024**2)
                 (work / f"{path.name}.events").write_text(str(count))
             count = int((work / f"{path.name}.events").read_text())
-            seconds, peak, error = analyze(path, loader, work)
+            seconds, loading, peak, error = analyze(path, loader, work)
             print(f"{path.name:22} {loader:10} {mb:6d} {count:10d} {seconds:8.1f} {seconds / count * 1e6:10.2f} "
-                  f"{peak:9.0f} {peak / mb:8.2f}x {error}", flush=True)
+                  f"{loading:7.1f} {loading / count * 1e6:8.2f} {peak:9.0f} {peak / mb:8.2f}x {error}", flush=True)
     finally:
         if args.keep is None:
             for file in work.iterdir():

@@ -130,7 +130,8 @@ def best_cold(repeats: int, commands: dict[str, list[str]]) -> dict[str, float]:
     best = {name: math.inf for name in commands}
     for _ in range(repeats):
         for name, command in commands.items():
-            best[name] = min(best[name], cold_seconds(command))
+            seconds = cold_seconds(command)
+            best[name] = seconds if seconds != seconds else min(best[name], seconds)  # a failure: nan
     return best
 
 
@@ -175,13 +176,13 @@ def main() -> int:
           f"{'orjson':>6} {'cold HTA':>8} {'cold sp':>7} {'ratio':>6} {'cold an':>7} {'ratio':>6}  split agrees")
     ratios: dict[str, list[float]] = {"in process": [], "analyze": [], "orjson loader": [], "cold": [], "cold analyze": []}
     for path in traces:
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as out:
             # HTA reads a directory of rank files; give it one holding only this trace.
             shutil.copy(path, Path(tmp) / path.name)
             best = best_in_turn(args.repeats, {
                 "hta": hta_run(tmp),
                 "servprof": servprof_run(path, load_trace),
-                "analyze": analyze_run(path, Path(tmp) / "report.json"),
+                "analyze": analyze_run(path, Path(out) / "report.json"),
                 "orjson": servprof_run(path, load_trace_orjson),
             })
             cold = {"hta": math.nan, "servprof": math.nan, "analyze": math.nan}
@@ -190,7 +191,7 @@ def main() -> int:
                     "hta": [sys.executable, "-c", COLD_HTA, tmp],
                     "servprof": [sys.executable, "-c", COLD_SERVPROF, str(path)],
                     "analyze": [sys.executable, "-m", "servprof.cli", "analyze", str(path), "--json",
-                                str(Path(tmp) / "cold.json")],
+                                str(Path(out) / "cold.json")],
                 })
         hta_s = best["hta"][0]
         row = {

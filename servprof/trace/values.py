@@ -33,11 +33,10 @@ def int_or(value: Any, default: int) -> int:
 
 def as_array(values: Sequence[Any], dtype: Any) -> np.ndarray | None:
     """``values`` as a 1-D array of ``dtype`` when numpy takes them as they are, else None."""
-    try:
-        column = np.array(values, dtype=dtype)
+    try:  # (np.fromiter converts as np.array does, a little faster, and never makes a 2-D array)
+        return np.fromiter(values, dtype=dtype, count=len(values))
     except (TypeError, ValueError, OverflowError):
         return None
-    return column if column.shape == (len(values),) else None  # lists as values make a 2-D array
 
 
 def int_column(values: Sequence[Any]) -> np.ndarray:
