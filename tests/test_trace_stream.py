@@ -14,7 +14,8 @@ import numpy as np
 import orjson
 import pytest
 from _analyze_helpers import fixture, public_trace
-from _fuzz_helpers import run_analyze
+from _fuzz_helpers import run_analyze, trace_inputs
+from hypothesis import HealthCheck, given, settings
 
 import servprof.trace.loader as loader
 import servprof.trace.split as split
@@ -220,3 +221,33 @@ def test_memory_stays_near_the_columns_size(tmp_path: Path) -> None:
     run = run_analyze(path, timeout_s=600, extra=["--json", os.devnull])
     assert run.returncode == 0, run.stderr
     assert run.peak_rss_mb < 1.5 * size_mb, (run.peak_rss_mb, size_mb)
+
+
+@settings(max_examples=500, deadline=None, database=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])
+@given(case=trace_inputs())
+def test_mutated_traces_load_as_the_orjson_loader_does(tmp_path_factory: pytest.TempPathFactory,
+                                                       monkeypatch: pytest.MonkeyPatch, case: tuple[str, bytes]) -> None:
+    """The fuzzer's inputs (real traces broken at the structure and byte level), cut every KB:
+    the same trace as the orjson loader, or a one-line TraceError where it refused the file."""
+    monkeypatch.setattr(loader, "BATCH_BYTES", 1024)
+    monkeypatch.setattr("servprof.trace.source.CHUNK_BYTES", 300)
+    suffix, data = case
+    path = tmp_path_factory.mktemp("fuzz") / f"input{suffix}"
+    path.write_bytes(data)
+    try:
+        reference = load_trace_orjson(path)
+    except TraceError as refused:
+        try:
+            load_trace(path)
+        except TraceError as error:
+            assert "\n" not in str(error)
+        else:  # the one input the streaming loader takes and orjson did not
+            assert "UTF-8" in str(refused) or "surrogate" in str(refused), refused
+        return
+    ours = load_trace(path)
+    for column in COLUMNS:
+        assert np.array_equal(getattr(ours, column), getattr(reference, column), equal_nan=True), column
+    assert ours.names == reference.names
+    assert ours.thread_names == reference.thread_names
+    assert ours.metadata == reference.metadata
