@@ -27,7 +27,8 @@ class RawArgs(Sequence[Any]):
 
     def add_text(self, text: bytes, starts: np.ndarray, ends: np.ndarray) -> None:
         """Rows whose args are ``text[starts[i]:ends[i]]``."""
-        self._add((text, starts.astype(np.int64), ends.astype(np.int64)), len(starts))
+        offsets = np.uint32 if len(text) < 2**32 else np.int64  # (8 bytes a row instead of 16)
+        self._add((text, starts.astype(offsets), ends.astype(offsets)), len(starts))
 
     def add_values(self, values: list[Any]) -> None:
         self._add(values, len(values))
@@ -62,7 +63,7 @@ class RawArgs(Sequence[Any]):
             return segment[offset]
         text, starts, ends = segment
         try:
-            value = orjson.loads(memoryview(text)[starts[offset]:ends[offset]])
+            value = orjson.loads(memoryview(text)[int(starts[offset]):int(ends[offset])])
         except orjson.JSONDecodeError:  # text the event decoder let through unchecked (not UTF-8)
             value = None
         self._decoded[row] = value

@@ -28,8 +28,12 @@ BATCH_BYTES = 2 * 1024**2
 HEADER_SCAN_BYTES = 64 * 1024**2  # traceEvents further in than this: parse the file whole
 MAX_FALSE_CUTS = 16  # per file; past that the text is not worth cutting (parsed whole)
 _EVENTS_KEY = re.compile(rb'"traceEvents"\s*:\s*\[')
-_BOUNDARY = re.compile(rb"\}\s*,\s*(?=\{)")
+# Whitespace between events is bounded so that a search never rescans a long run of it (a file
+# padded with megabytes of blanks): events further apart than this are simply not cut there.
+_BOUNDARY = re.compile(rb"\}\s{0,256},\s{0,256}(?=\{)")
+_BOUNDARY_SPAN = 600
 _MSGSPEC_BYTE = re.compile(r"\(byte (\d+)\)")
+_POSITION = re.compile(r": line \d+ column \d+ \(char \d+\)| \(byte \d+\)")
 _LITERAL_SLACK = 8  # a decoder may place an error at the start of a literal cut short (``tr``)
 _NOT_SPACE = re.compile(rb"\S")
 _TAIL_KEYS = msgspec.json.Decoder(dict[str, msgspec.Raw])
@@ -63,6 +67,7 @@ class EventBatches:
         self._offset = 0  # file offset of _buf[0], for error messages
         self._eof = False
         self._false_cuts = 0
+        self._searched = 0  # the buffer up to here holds no cut (until the buffer is dropped)
 
     # -- the buffer ------------------------------------------------------------------------
 
@@ -78,6 +83,7 @@ class EventBatches:
     def _drop(self, upto: int) -> None:
         del self._buf[:upto]
         self._offset += upto
+        self._searched = 0
 
     # -- the document ----------------------------------------------------------------------
 
@@ -154,13 +160,17 @@ class EventBatches:
 
     def _cuts(self, floor: int) -> list[re.Match[bytes]]:
         """Candidate cuts after ``floor``, the last few of the buffer (searched from its end)."""
+        lowest = max(floor + 1, self._searched - _BOUNDARY_SPAN)
         window = 64 * 1024
         while True:
-            start = max(floor + 1, len(self._buf) - window)
+            start = max(lowest, len(self._buf) - window)
             cuts = list(_BOUNDARY.finditer(self._buf, start))
-            if len(cuts) >= 2 or start == floor + 1:
-                return cuts
+            if len(cuts) >= 2 or start == lowest:
+                break
             window *= 8
+        if not cuts:
+            self._searched = len(self._buf)
+        return cuts
 
     def _tail(self) -> Iterator[tuple[list[Any], bool]]:
         """The last events and the keys after the array (the text has ended)."""
@@ -228,9 +238,12 @@ class EventBatches:
         except msgspec.DecodeError as exc:
             position = _MSGSPEC_BYTE.search(str(exc))
             if position is not None and int(position.group(1)) < len(text) - _LITERAL_SLACK:
-                raise self._invalid(str(exc).replace("JSON is malformed: ", "")) from None
+                raise self._invalid(str(exc)) from None
         except RecursionError:
             pass
 
     def _invalid(self, message: str) -> TraceError:
-        return TraceError(f"{self.path}: not valid JSON ({message}; in the {self._offset}-byte onward text)")
+        """The file's own JSON error (positions in a batch's text mean nothing to the user)."""
+        reason = _POSITION.sub("", message).replace("JSON is malformed: ", "")
+        where = f", in the text past byte {self._offset}" if self._offset else ""
+        return TraceError(f"{self.path}: not valid JSON ({reason}{where})")
