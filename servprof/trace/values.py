@@ -124,13 +124,22 @@ def process_column(values: Sequence[Any], names: Interner) -> tuple[np.ndarray, 
     column = as_array(values, np.int64)
     if column is not None:
         return column, _NO_ROWS, _NO_ROWS
-    # Usually a handful of named processes among thousands of integer ones: intern only those.
-    named = [i for i, v in enumerate(values) if type(v) is not int or not INT64_MIN <= v <= INT64_MAX]
-    ids = names.ids([str(values[i]) for i in named])
+    # Usually a handful of named processes among thousands of integer ones: find them by type in
+    # one C-level pass (bools and floats count as names, as any value that is not an int does),
+    # then intern only those.
+    types = np.fromiter(map(type, values), dtype=object, count=len(values))
+    named = np.flatnonzero(np.not_equal(types, int))
     patched = list(values)
-    for i in named:
+    for i in named.tolist():
         patched[i] = 0
-    return np.array(patched, dtype=np.int64), np.array(named, dtype=np.int64), ids
+    column = as_array(patched, np.int64)
+    if column is None:  # an int past int64 among them: a name too
+        named = np.array([i for i, v in enumerate(values)
+                          if type(v) is not int or not INT64_MIN <= v <= INT64_MAX], dtype=np.int64)
+        for i in named.tolist():
+            patched[i] = 0
+        column = np.array(patched, dtype=np.int64)
+    return column, named.astype(np.int64), names.ids([str(values[i]) for i in named.tolist()])
 
 
 NO_ARGS: dict[str, Any] = {}
