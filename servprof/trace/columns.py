@@ -63,7 +63,8 @@ class FileColumns:
 
     def __init__(self, path: Any) -> None:
         self.path = path
-        self.names, self.cats, self.pid_names, self.tid_names = Interner(), Interner(), Interner(), Interner()
+        # Strings in order of first appearance in this file (mapped to the trace's ids by finish()).
+        self.names, self.cats, self.pid_names, self.tid_names = (Interner(texts=False) for _ in range(4))
         self.parts: dict[str, list[np.ndarray]] = {}  # column -> its pieces, one per batch
         self.rows = 0
         # Rows whose pid/tid is a name, with that name's id in pid_names/tid_names.

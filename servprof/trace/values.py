@@ -84,11 +84,13 @@ class _Ids(dict):  # type: ignore[type-arg]
 
 
 class Interner:
-    """Strings to ids in order of first appearance."""
+    """Strings to ids in order of first appearance; ``strings`` holds each id's text (kept only
+    with ``texts``: a file's own tables need the order alone)."""
 
-    def __init__(self) -> None:
+    def __init__(self, texts: bool = True) -> None:
         self.lookup: dict[Any, int] = _Ids()
         self.strings: list[str] = []
+        self._texts = texts
 
     def ids(self, values: Sequence[Any]) -> np.ndarray:
         lookup = self.lookup
@@ -99,7 +101,7 @@ class Interner:
             ids = np.fromiter(map(lookup.__getitem__, (v if isinstance(v, str) else str(v) for v in values)),
                               dtype=np.int32, count=len(values))
         known = len(self.strings)
-        if known < len(lookup):
+        if self._texts and known < len(lookup):
             # Only the names this call added (dicts keep insertion order): the work stays
             # proportional to what is new, however many calls come.
             added = list(islice(lookup, known, None))
