@@ -3,8 +3,8 @@
     .venv/bin/python bench/bench_vs_hta.py [TRACE ...] [--repeats 3] [--no-cold]
 
 For each trace (default: every public trace vendored in tests/fixtures/public and the project's
-fixtures), in this one process, each the best of --repeats runs taken in turn, imports excluded
-(reported apart):
+fixtures), in this one process, each the best of --repeats runs taken in turn (more, up to 30,
+while a trace's rounds take under 3 s), imports excluded (reported apart):
 
 - HTA: `TraceAnalysis(trace_dir=...)` (parse) plus `get_idle_time_breakdown()`;
 - servprof: `load_trace` plus `idle_split` (the same work), and the ratio HTA / servprof
@@ -51,11 +51,15 @@ def ensure_hta() -> None:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "holistictraceanalysis", "pandas<3"], check=True)
 
 
-def best_in_turn(repeats: int, runs: dict[str, Callable[[], Any]]) -> dict[str, tuple[float, Any]]:
-    """Best time of each run over ``repeats`` rounds, the runs taken in turn in every round, so
-    that a busy moment on a shared machine falls on all of them rather than on one."""
+def best_in_turn(repeats: int, runs: dict[str, Callable[[], Any]], min_seconds: float = 3.0,
+                 max_rounds: int = 30) -> dict[str, tuple[float, Any]]:
+    """Best time of each run over ``repeats`` rounds (more, up to ``max_rounds``, while the rounds
+    have taken less than ``min_seconds``: small traces get more tries), the runs taken in turn in
+    every round, so that a busy moment on a shared machine falls on all of them, not on one."""
     best: dict[str, tuple[float, Any]] = {name: (math.inf, None) for name in runs}
-    for _ in range(repeats):
+    started, rounds = time.perf_counter(), 0
+    while rounds < repeats or (rounds < max_rounds and time.perf_counter() - started < min_seconds):
+        rounds += 1
         for name, fn in runs.items():
             start = time.perf_counter()
             try:
