@@ -251,3 +251,13 @@ def test_mutated_traces_load_as_the_orjson_loader_does(tmp_path_factory: pytest.
     assert ours.names == reference.names
     assert ours.thread_names == reference.thread_names
     assert ours.metadata == reference.metadata
+
+
+def test_id_masks_match_isin() -> None:
+    """Trace.has_id (a lookup table) selects exactly the rows np.isin does."""
+    trace = load_trace(public_trace("sglang_qwen3_8b_decode_bs32_mi300x.json.gz"))
+    for ids in ([], [-1], [trace.string_id("kernel"), -1], list(range(0, len(trace.names), 3))):
+        assert np.array_equal(trace.has_id(trace.name_id, ids), np.isin(trace.name_id, [i for i in ids if i >= 0]))
+    kernels = trace.ids_matching(lambda s: s.startswith("void"))
+    assert kernels.size and all(trace.names[i].startswith("void") for i in kernels)
+    assert np.array_equal(trace.mask_name(lambda s: s.startswith("void")), np.isin(trace.name_id, kernels))

@@ -73,14 +73,21 @@ class Trace:
     def ids_matching(self, predicate: Any) -> np.ndarray:
         """Ids of interned strings for which predicate(str) is true (one pass over the
         distinct strings, not over the events)."""
-        return np.fromiter((i for i, s in enumerate(self.names) if predicate(s)), dtype=np.int64)
+        return np.flatnonzero(np.fromiter(map(predicate, self.names), dtype=bool, count=len(self.names)))
 
     def mask_category(self, *categories: str) -> np.ndarray:
-        ids = [self.string_id(c) for c in categories]
-        return np.isin(self.cat_id, [i for i in ids if i >= 0])
+        return self.has_id(self.cat_id, [self.string_id(c) for c in categories])
 
     def mask_name(self, predicate: Any) -> np.ndarray:
-        return np.isin(self.name_id, self.ids_matching(predicate))
+        return self.has_id(self.name_id, self.ids_matching(predicate))
+
+    def has_id(self, column: np.ndarray, ids: Any) -> np.ndarray:
+        """``np.isin(column, ids)`` for a column of string ids (-1s in ``ids`` ignored), as one
+        lookup per row in a table over the distinct strings rather than a sort of the rows."""
+        table = np.zeros(len(self.names) + 1, dtype=bool)  # (+1: the slot -1 indexes stays False)
+        table[np.asarray(ids, dtype=np.int64)] = True
+        table[-1] = False
+        return table[column]
 
     def complete(self) -> np.ndarray:
         """Rows of duration events (ph "X")."""
