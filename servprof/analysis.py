@@ -149,10 +149,9 @@ def analyse(trace_path: Path, session: dict[str, Any]) -> dict[str, Any]:
     (one line, TraceError); a detector that fails still leaves the phase timings."""
     from servprof.detect.analysis import analyse as run_all_detectors
     from servprof.trace import load_trace, request_phases
-    from servprof.trace.meta import base_time_ns
 
     trace = load_trace(trace_path)
-    base_ns = base_time_ns(trace.metadata)
+    base_ns = trace.base_time_ns()  # None when absent or not a number (never a traceback)
     requests = {rid: {"phases": phases} for rid, phases in request_phases(trace).items()}
     findings: list[Any] = []
     summary: dict[str, Any] = {"event_count": len(trace)}

@@ -7,6 +7,7 @@ vector operations over ids rather than string compares per event.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +37,8 @@ class Trace:
     external_id: np.ndarray  # int64, -1 where absent
     flow_id: np.ndarray  # int64, id of ph "s"/"f" flow events, -1 otherwise
     rank: np.ndarray  # int32, distributedInfo.rank of the file the event came from
-    raw_args: list[Any]  # args dict per row (read through args()), used only where a detector needs it
+    # args per row, read through args(): the loader keeps them as JSON text, decoded on first read.
+    raw_args: Sequence[Any]
     metadata: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> top-level keys
     thread_names: dict[tuple[int, int, int], str] = field(default_factory=dict)  # (rank, pid, tid)
     _name_lookup: dict[str, int] = field(default_factory=dict, repr=False)
@@ -70,14 +72,21 @@ class Trace:
     def ids_matching(self, predicate: Any) -> np.ndarray:
         """Ids of interned strings for which predicate(str) is true (one pass over the
         distinct strings, not over the events)."""
-        return np.fromiter((i for i, s in enumerate(self.names) if predicate(s)), dtype=np.int64)
+        return np.flatnonzero(np.fromiter(map(predicate, self.names), dtype=bool, count=len(self.names)))
 
     def mask_category(self, *categories: str) -> np.ndarray:
-        ids = [self.string_id(c) for c in categories]
-        return np.isin(self.cat_id, [i for i in ids if i >= 0])
+        return self.has_id(self.cat_id, [self.string_id(c) for c in categories])
 
     def mask_name(self, predicate: Any) -> np.ndarray:
-        return np.isin(self.name_id, self.ids_matching(predicate))
+        return self.has_id(self.name_id, self.ids_matching(predicate))
+
+    def has_id(self, column: np.ndarray, ids: Any) -> np.ndarray:
+        """``np.isin(column, ids)`` for a column of string ids (-1s in ``ids`` ignored), as one
+        lookup per row in a table over the distinct strings rather than a sort of the rows."""
+        table = np.zeros(len(self.names) + 1, dtype=bool)  # (+1: the slot -1 indexes stays False)
+        table[np.asarray(ids, dtype=np.int64)] = True
+        table[-1] = False
+        return table[column]
 
     def complete(self) -> np.ndarray:
         """Rows of duration events (ph "X")."""
@@ -118,6 +127,13 @@ class Trace:
             if isinstance(value, dict):
                 return servprof_fields(value)
         return {}
+
+    def base_time_ns(self) -> int | None:
+        """``baseTimeNanoseconds`` (unix ns of trace time 0, as Kineto writes it) of the first rank
+        that has a usable one (servprof.trace.meta.base_time_ns); anything else is absent."""
+        from servprof.trace.meta import base_time_ns
+
+        return base_time_ns(self.metadata)
 
     def has_device_events(self) -> bool:
         return bool(self.device_mask().any())

@@ -50,7 +50,7 @@ def phase_events(trace: Trace) -> list[PhaseEvent]:
     if ids.size == 0:
         return []
     parsed: dict[int, tuple[str, list[str]] | None] = {int(i): parse_phase_event_name(trace.names[int(i)]) for i in ids}
-    rows = np.flatnonzero(np.isin(trace.name_id, ids) & trace.complete())
+    rows = np.flatnonzero(trace.has_id(trace.name_id, ids) & trace.complete())
     rows = rows[np.argsort(trace.ts[rows], kind="stable")]
     out = []
     for row in rows:

@@ -1,0 +1,217 @@
+"""Batches of decoded events -> one file's numpy columns.
+
+Events arrive as msgspec Structs holding only the fields servprof reads (``args`` as raw JSON
+text), or, for a batch the typed decoder refused, as the dicts orjson makes; both end in the
+same columns. Strings are interned per file in order of first appearance and mapped to the
+trace's ids when the file ends, so ids do not depend on where batches were cut.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+import orjson
+
+from servprof.trace.args import RawArgs
+from servprof.trace.errors import TraceError
+from servprof.trace.values import (
+    NO_ARGS,
+    Interner,
+    arg_columns,
+    float_column,
+    int_column,
+    phase_codes,
+    process_column,
+    thread_names,
+)
+
+NAN = float("nan")
+_FLOW_PHASES = (ord("s"), ord("f"), ord("t"))
+
+
+class Event(msgspec.Struct, gc=False):
+    """What servprof reads of a chrome-trace event. Any JSON value is accepted in each field
+    (the columns convert them, as they did orjson's values); ``args`` stays JSON text."""
+
+    ph: Any = ""
+    name: Any = ""
+    cat: Any = ""
+    pid: Any = -1
+    tid: Any = -1
+    ts: Any = NAN
+    dur: Any = 0.0
+    id: Any = -1
+    args: msgspec.Raw = msgspec.Raw(b"{}")
+
+
+class _ArgFields(msgspec.Struct, gc=False):
+    """The args every event's row needs; all other args stay text until read."""
+
+    stream: int = -1
+    correlation: int = -1
+    external_id: int = msgspec.field(default=-1, name="External id")
+
+
+EVENTS = msgspec.json.Decoder(list[Event])
+_ARG_FIELDS = msgspec.json.Decoder(list[_ArgFields])
+
+
+class FileColumns:
+    """One trace file's events, added a batch at a time."""
+
+    def __init__(self, path: Any) -> None:
+        self.path = path
+        # Strings in order of first appearance in this file (mapped to the trace's ids by finish()).
+        self.names, self.cats, self.pid_names, self.tid_names = (Interner(texts=False) for _ in range(4))
+        self.parts: dict[str, list[np.ndarray]] = {}  # column -> its pieces, one per batch
+        self.rows = 0
+        # Rows whose pid/tid is a name, with that name's id in pid_names/tid_names.
+        self.named: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {"pid": [], "tid": []}
+        self.args = RawArgs()
+        self.metadata_events: list[dict[str, Any]] = []
+
+    def add(self, events: list[Any], typed: bool) -> None:
+        if not isinstance(events, list):
+            raise TraceError(f"{self.path}: 'traceEvents' is not a list")
+        if events:
+            (self._add_structs if typed else self._add_dicts)(events)
+
+    def _add_structs(self, events: list[Event]) -> None:
+        raws = [e.args for e in events]
+        text = b",".join(raws)
+        lengths = np.fromiter(map(len, raws), dtype=np.int64, count=len(raws))
+        del raws
+        ends = np.cumsum(lengths + 1) - 1
+        starts = ends - lengths
+        phases = [e.ph for e in events]
+        keep, metadata_rows = self._add_fields(
+            phases, [e.name for e in events], [e.cat for e in events], [e.pid for e in events],
+            [e.tid for e in events], [e.ts for e in events], [e.dur for e in events],
+            lambda rows: [events[i].id for i in rows], lambda: _arg_columns_of_text(text, starts, ends))
+        self.args.add_text(text, starts[keep], ends[keep])
+        for i in metadata_rows:  # thread names: a few metadata events
+            event = events[i]
+            if event.name == "thread_name":
+                self.metadata_events.append({"ph": "M", "name": "thread_name", "pid": event.pid, "tid": event.tid,
+                                             "args": _decoded(event.args)})
+
+    def _add_dicts(self, events: list[Any]) -> None:
+        try:
+            ts = [e.get("ts", NAN) for e in events]
+        except AttributeError:
+            raise TraceError(f"{self.path}: an entry of 'traceEvents' is not an object") from None
+        phases = [e.get("ph", "") for e in events]
+        raw_args = [e.get("args") or NO_ARGS for e in events]
+        keep, metadata_rows = self._add_fields(
+            phases, [e.get("name", "") for e in events], [e.get("cat", "") for e in events],
+            [e.get("pid", -1) for e in events], [e.get("tid", -1) for e in events], ts,
+            [e.get("dur", 0.0) for e in events], lambda rows: [events[i].get("id", -1) for i in rows],
+            lambda: arg_columns(raw_args))  # (replaces args that are not objects by NO_ARGS)
+        self.args.add_values([a for a, kept in zip(raw_args, keep.tolist(), strict=True) if kept])
+        self.metadata_events.extend(events[i] for i in metadata_rows)
+
+    def _add_fields(self, phases: list[Any], names: list[Any], cats: list[Any], pids: list[Any],
+                    tids: list[Any], ts: list[Any], dur: list[Any], flow_ids: Any,
+                    args: Any) -> tuple[np.ndarray, list[int]]:
+        """Append one batch's columns. Returns the rows kept (timed events: a finite ts, phase
+        not "M") and the metadata ("M") rows. ``flow_ids(rows)`` and ``args()`` give the
+        flow ids of some rows and the stream, correlation and External id columns."""
+        n = len(phases)
+        ts_column = float_column(ts, NAN)
+        ph = phase_codes(phases)
+        metadata_rows = [i for i in np.flatnonzero(ph == ord("M")).tolist() if phases[i] == "M"]
+        keep = np.isfinite(ts_column)
+        keep[metadata_rows] = False
+        kept = int(np.count_nonzero(keep))
+        dur_column = float_column(dur, 0.0)
+        # µs rounding of ns clocks (and some exporters) can give a tiny negative duration.
+        np.nan_to_num(dur_column, copy=False, nan=0.0)
+        np.maximum(dur_column, 0.0, out=dur_column)
+        flow = np.isin(ph, _FLOW_PHASES)
+        flow_id = np.full(n, -1, dtype=np.int64)
+        if flow.any():
+            flow_id[flow] = int_column(flow_ids(np.flatnonzero(flow).tolist()))
+        row_after_keep = None if kept == n else np.cumsum(keep) - 1
+        for key, values, names_table in (("pid", pids, self.pid_names), ("tid", tids, self.tid_names)):
+            column, rows, ids = process_column(values, names_table)
+            if rows.size:
+                if row_after_keep is not None:
+                    rows, ids = row_after_keep[rows[keep[rows]]], ids[keep[rows]]
+                self.named[key].append((rows + self.rows, ids))
+            self._append(key, column, keep, kept)
+        for key, column in (("name_id", self.names.ids(names)), ("cat_id", self.cats.ids(cats)), ("ph", ph),
+                            ("ts", ts_column), ("dur", dur_column), *args().items(), ("flow_id", flow_id)):
+            self._append(key, column, keep, kept)
+        self.rows += kept
+        return keep, metadata_rows
+
+    def _append(self, key: str, column: np.ndarray, keep: np.ndarray, kept: int) -> None:
+        self.parts.setdefault(key, []).append(column if kept == len(column) else column[keep])
+
+    def finish(self, rank: int, interner: Interner) -> tuple[dict[str, np.ndarray], dict[tuple[int, int, int], str]]:
+        """The file's columns with the trace's string ids (interned here in the order the orjson
+        loader used: names, categories, named pids, named tids), and its thread names."""
+        if not self.parts:  # no events at all: empty columns
+            self._add_fields([], [], [], [], [], [], [], list, lambda: arg_columns([]))
+        maps = {key: interner.absorb(table) for key, table in
+                (("name_id", self.names), ("cat_id", self.cats), ("pid", self.pid_names), ("tid", self.tid_names))}
+        columns = {}
+        for key in COLUMN_ORDER:  # one column at a time: its pieces and the whole, never all twice
+            parts = self.parts.pop(key)
+            columns[key] = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            del parts
+            if self.rows >= TRIM_ROWS:
+                give_back_freed_memory()
+        for key in ("name_id", "cat_id"):
+            columns[key] = maps[key][columns[key]]
+        for key in ("pid", "tid"):
+            for rows, ids in self.named[key]:
+                columns[key][rows] = -(maps[key][ids].astype(np.int64) + 2)
+        columns["rank"] = np.full(self.rows, rank, dtype=np.int32)
+        return columns, thread_names(self.metadata_events, rank)
+
+
+COLUMN_ORDER = ("name_id", "cat_id", "ph", "pid", "tid", "ts", "dur", "stream", "correlation", "external_id",
+                "flow_id")
+
+
+TRIM_ROWS = 1_000_000  # a file this big gives freed memory back after each column
+
+
+def give_back_freed_memory() -> None:
+    """Return freed heap memory to the OS. glibc keeps the pages of freed blocks inside its heap,
+    and the RSS counts them: without this, a file's batch pieces would still count after being
+    joined into whole columns, and the peak would be the columns twice. (No-op elsewhere.)"""
+    global _malloc_trim
+    if _malloc_trim is None:
+        import ctypes
+
+        _malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", False)
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim: Any = None
+
+
+def _arg_columns_of_text(text: bytes, starts: np.ndarray, ends: np.ndarray) -> dict[str, np.ndarray]:
+    """stream, correlation and External id of each event, from its args' JSON text."""
+    try:
+        fields = _ARG_FIELDS.decode(b"".join((b"[", text, b"]")))
+        n = len(fields)
+        return {"stream": np.fromiter([a.stream for a in fields], dtype=np.int64, count=n),
+                "correlation": np.fromiter([a.correlation for a in fields], dtype=np.int64, count=n),
+                "external_id": np.fromiter([a.external_id for a in fields], dtype=np.int64, count=n)}
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError, OverflowError):
+        # Not all integers (or args that are not objects): converted as from orjson's values.
+        return arg_columns([_decoded(text[s:e]) or NO_ARGS for s, e in zip(starts.tolist(), ends.tolist(),
+                                                                          strict=True)])
+
+
+def _decoded(text: Any) -> Any:
+    try:
+        return orjson.loads(memoryview(text))
+    except orjson.JSONDecodeError:
+        return None

@@ -1,0 +1,118 @@
+"""The orjson loader servprof used before the streaming one: the whole file parsed into Python
+objects, then one list comprehension per column.
+
+Kept for two jobs: the files the streaming reader cannot cut (``parse_document``), and as the
+reference the streaming loader must match, finding for finding (tests/test_loader_equivalence.py;
+bench/bench_loader.py times both).
+"""
+
+from __future__ import annotations
+
+import os
+from itertools import compress
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from servprof.trace.errors import TraceError
+from servprof.trace.model import Trace
+from servprof.trace.source import SOURCE_FILE_KEY, max_trace_bytes, read_whole, trace_files
+from servprof.trace.values import (
+    NO_ARGS,
+    Interner,
+    arg_columns,
+    file_rank,
+    float_column,
+    int_column,
+    normalise_metadata,
+    phase_codes,
+    thread_names,
+)
+
+
+def parse_document(path: Path, data: bytes | bytearray) -> tuple[dict[str, Any], list[Any]]:
+    """Top-level keys (without the events) and the event list."""
+    try:
+        document = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise TraceError(f"{path}: not valid JSON ({str(exc).splitlines()[0]})") from None
+    if isinstance(document, list):  # the chrome-trace "JSON Array Format"
+        return {}, document
+    if not isinstance(document, dict) or "traceEvents" not in document:
+        raise TraceError(f"{path}: no 'traceEvents' key; not a chrome trace")
+    events = document.pop("traceEvents")
+    if not isinstance(events, list):
+        raise TraceError(f"{path}: 'traceEvents' is not a list")
+    return normalise_metadata(document), events
+
+
+def load_trace_orjson(path: str | os.PathLike[str], max_bytes: int | None = None) -> Trace:
+    """``servprof.trace.load_trace`` as it was: every event an orjson dict (memory ~5x the text)."""
+    from servprof.trace.loader import paused_gc
+
+    files = trace_files(path)
+    limit = max_trace_bytes() if max_bytes is None else max_bytes
+    with paused_gc():
+        interner = Interner()
+        parts: list[dict[str, Any]] = []
+        metadata: dict[int, dict[str, Any]] = {}
+        names: dict[tuple[int, int, int], str] = {}
+        for index, file in enumerate(files):
+            document, events = parse_document(file, read_whole(file, limit))
+            rank = file_rank(document, index, list(metadata))
+            document[SOURCE_FILE_KEY] = file.name
+            metadata[rank] = document
+            columns = _columns(events, rank, interner, file)
+            names.update(thread_names(columns.pop("metadata_events"), rank))
+            parts.append(columns)
+        if not any(len(p["ts"]) for p in parts):
+            raise TraceError(f"{path}: the trace holds no timed events")
+        merged = {key: [a for p in parts for a in p[key]] if key == "raw_args" else np.concatenate([p[key] for p in parts])
+                  for key in parts[0]}
+        return Trace(source=str(path), names=interner.strings, metadata=metadata, thread_names=names,
+                     _name_lookup=interner.lookup, **merged)
+
+
+def _columns(events: list[Any], rank: int, interner: Interner, file: Path) -> dict[str, Any]:
+    nan = float("nan")
+    try:
+        ts = float_column([e.get("ts", nan) for e in events], nan)
+    except AttributeError:
+        raise TraceError(f"{file}: an entry of 'traceEvents' is not an object") from None
+    phases = [e.get("ph", "") for e in events]
+    # Timed events only: metadata ("M") events and events without a usable ts are dropped,
+    # from the finished columns (masking arrays is cheaper than rebuilding the event list).
+    is_metadata = np.array([p == "M" for p in phases], dtype=bool)
+    metadata_events = list(compress(events, is_metadata.tolist()))
+    keep = np.isfinite(ts) & ~is_metadata
+    dur = float_column([e.get("dur", 0.0) for e in events], 0.0)
+    np.nan_to_num(dur, copy=False, nan=0.0)
+    np.maximum(dur, 0.0, out=dur)
+    args = [e.get("args") or NO_ARGS for e in events]
+    ph = phase_codes(phases)
+    flow = (ph == ord("s")) | (ph == ord("f")) | (ph == ord("t"))
+    flow_ids = np.full(len(events), -1, dtype=np.int64)
+    if flow.any():
+        flow_rows = np.flatnonzero(flow).tolist()
+        flow_ids[flow] = int_column([events[i].get("id", -1) for i in flow_rows])
+    columns = {
+        "name_id": interner.ids([e.get("name", "") for e in events]),
+        "cat_id": interner.ids([e.get("cat", "") for e in events]),
+        "ph": ph,
+        "pid": interner.process_ids([e.get("pid", -1) for e in events]),
+        "tid": interner.process_ids([e.get("tid", -1) for e in events]),
+        "ts": ts,
+        "dur": dur,
+        **arg_columns(args),
+        "flow_id": flow_ids,
+    }
+    everything = keep.all()
+    n = len(events) if everything else int(keep.sum())
+    return {
+        **(columns if everything else {key: column[keep] for key, column in columns.items()}),
+        "rank": np.full(n, rank, dtype=np.int32),
+        "raw_args": args if everything else list(compress(args, keep.tolist())),
+        "metadata_events": metadata_events,
+    }

@@ -1,0 +1,111 @@
+"""Where trace bytes come from: the files a path names, read (and inflated when gzipped) in
+chunks, under a size limit and a gzip-bomb guard; every failure is a one-line TraceError.
+
+Gzip is inflated by python-isal's igzip when it is installed (about 2.5x stdlib zlib on
+Kineto traces, see bench/bench_loader.py), else by the standard library.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from servprof.trace.errors import TraceError
+
+try:
+    from isal import igzip as _igzip
+    from isal.isal_zlib import error as _isal_error
+except ImportError:  # pragma: no cover - isal is a dependency; the stdlib still reads every trace
+    _igzip, _isal_error = None, zlib.error
+
+# Uncompressed bytes accepted per file; a bigger trace is refused rather than
+# exhausting memory. Override with SERVPROF_MAX_TRACE_BYTES.
+DEFAULT_MAX_TRACE_BYTES = 2 * 1024**3
+TRACE_SUFFIXES = (".json", ".json.gz")
+# servprof's own files beside its session traces (capture.py): never traces themselves.
+SIDECAR_SUFFIXES = (".session.json", ".analysis.json")
+# Added to each file's metadata: the file's name, for messages about it (e.g. two files claiming a rank).
+SOURCE_FILE_KEY = "servprof_source_file"
+# Kineto traces inflate 12-16:1; far past that, a gzip stream is a run of repeated bytes (a
+# "gzip bomb"), refused once this much is inflated instead of inflating up to the size limit.
+MAX_GZIP_RATIO = 200
+GZIP_RATIO_CHECK_BYTES = 16 * 1024**2
+CHUNK_BYTES = 1024**2
+# The class that reads gzip files (a GzipFile over a file object). bench/bench_loader.py swaps
+# in the standard library's to measure what the faster inflater buys.
+GzipReader: Any = _igzip.GzipFile if _igzip is not None else gzip.GzipFile
+_GZIP_ERRORS = (EOFError, zlib.error, gzip.BadGzipFile, _isal_error)
+
+
+def max_trace_bytes() -> int:
+    raw = os.environ.get("SERVPROF_MAX_TRACE_BYTES", "")
+    try:
+        return int(raw) if raw else DEFAULT_MAX_TRACE_BYTES
+    except ValueError:
+        raise TraceError(f"SERVPROF_MAX_TRACE_BYTES must be an integer, got {raw!r}") from None
+
+
+def trace_files(path: str | os.PathLike[str]) -> list[Path]:
+    """The trace files a path names: itself, or the .json/.json.gz files in a directory."""
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(f for f in p.iterdir() if f.is_file() and f.name.endswith(TRACE_SUFFIXES)
+                       and not f.name.endswith(SIDECAR_SUFFIXES))
+        if not files:
+            raise TraceError(f"{p}: directory holds no .json or .json.gz trace files")
+        return files
+    if not p.exists():
+        raise TraceError(f"{p}: no such file or directory")
+    return [p]
+
+
+def read_chunks(path: Path, limit: int, chunk_bytes: int | None = None) -> Iterator[bytes]:
+    """The file's JSON text, inflated when gzipped, in chunks of up to ``chunk_bytes``; refuses
+    a file that holds more than ``limit`` bytes (a plain file before reading any of it)."""
+    chunk_bytes = chunk_bytes or CHUNK_BYTES
+    try:
+        size = path.stat().st_size
+        if size == 0:
+            raise TraceError(f"{path}: empty file")
+        with open(path, "rb") as raw:
+            if raw.read(2) == b"\x1f\x8b":
+                raw.seek(0)
+                yield from _inflated(path, raw, limit, chunk_bytes)
+                return
+            if size > limit:
+                raise TraceError(f"{path}: {size} bytes is larger than the {limit}-byte limit (SERVPROF_MAX_TRACE_BYTES)")
+            raw.seek(0)
+            while chunk := raw.read(chunk_bytes):
+                yield chunk
+    except _GZIP_ERRORS as exc:
+        raise TraceError(f"{path}: truncated or corrupt gzip ({exc})") from None
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot read ({exc.strerror or exc})") from None
+
+
+def _inflated(path: Path, raw: Any, limit: int, chunk_bytes: int) -> Iterator[bytes]:
+    """Inflate in chunks, so that neither a bomb nor a file over ``limit`` is ever inflated whole."""
+    total = 0
+    with GzipReader(fileobj=raw, mode="rb") as gz:
+        while chunk := gz.read(min(chunk_bytes, limit + 1 - total)):
+            total += len(chunk)
+            if total > limit:
+                raise TraceError(f"{path}: more than {limit} bytes uncompressed (limit SERVPROF_MAX_TRACE_BYTES)")
+            if total >= GZIP_RATIO_CHECK_BYTES and total > MAX_GZIP_RATIO * max(1, raw.tell()):
+                raise TraceError(f"{path}: inflates more than {MAX_GZIP_RATIO}:1 (traces inflate ~15:1); "
+                                 "refused as a gzip bomb")
+            yield chunk
+
+
+def read_whole(path: Path, limit: int) -> bytearray:
+    """The file's whole JSON text (inflated), refusing more than ``limit`` bytes or blank text."""
+    data = bytearray()
+    for chunk in read_chunks(path, limit):
+        data += chunk
+    if not data or data.isspace():  # (not strip(): that copies a whole trace that ends in a newline)
+        raise TraceError(f"{path}: empty trace")
+    return data
