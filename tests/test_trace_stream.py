@@ -79,7 +79,7 @@ def test_keys_after_the_events_and_the_array_format(tmp_path: Path, small_batche
     assert trace.ranks == [3] and trace.base_time_ns() == 1700000000000000000
     assert trace.servprof_metadata() == {"session_id": "s"}
     assert list(trace.metadata[3]) == ["schemaVersion", "distributedInfo", "baseTimeNanoseconds", "servprof",
-                                       "deviceProperties"]
+                                       "deviceProperties", "servprof_source_file"]
     assert_same(after)
     array = tmp_path / "array.json"
     array.write_bytes(b"  \n" + orjson.dumps(events) + b"\n")

@@ -29,7 +29,7 @@ def base_time_ns(metadata: dict[int, dict[str, Any]]) -> int | None:
     """The first rank's baseTimeNanoseconds (trace µs = (unix ns - base) / 1000), when it is a number."""
     for document in metadata.values():
         value = whole_int(document.get("baseTimeNanoseconds")) if isinstance(document, dict) else None
-        if value is not None and value >= 0:
+        if value is not None and 0 <= value < 2**63:  # ns since the epoch, in int64
             return value
     return None
 
