@@ -161,6 +161,8 @@ class _RequestResponder:
         finally:
             record.end_ns = _perf_ns()
             controller.in_flight -= 1
+            if method == "POST":  # a model call, in OpenAI-style APIs: memory growth per request
+                controller.model_requests_done += 1
             route = scope.get("route")
             if route is not None:
                 record.route = getattr(route, "path", None)

@@ -7,7 +7,9 @@ from typing import Any
 
 from servprof.detect.bandwidth_bound_decode import detect_bandwidth_bound
 from servprof.detect.decode_gap import detect_decode_gaps, find_gaps
-from servprof.detect.finding import Finding
+from servprof.detect.finding import KINDS, Finding
+from servprof.detect.memory import detect_memory
+from servprof.detect.recompilation import detect_recompilation
 from servprof.detect.steps import Step, find_steps
 from servprof.detect.tokenization_stall import detect_tokenization_stalls
 from servprof.trace.loader import paused_gc
@@ -34,7 +36,10 @@ def _analyse(trace: Trace, requests: list[dict[str, Any]] | None, device: str | 
     gap_findings, gap_summary = detect_decode_gaps(trace, steps, (gaps, gap_stats))
     token_findings, token_summary = detect_tokenization_stalls(trace, steps, gaps)
     bw_findings, bw_summary, kernels = detect_bandwidth_bound(trace, steps, device)
-    findings = sorted([*gap_findings, *token_findings, *bw_findings], key=lambda f: f.cost_ms, reverse=True)
+    memory_findings, memory_summary = detect_memory(trace, steps)
+    compile_findings, compile_summary = detect_recompilation(trace, steps)
+    findings = sorted([*gap_findings, *token_findings, *bw_findings, *memory_findings, *compile_findings],
+                      key=lambda f: f.cost_ms, reverse=True)
     _attribute_to_session(findings, requests)
     summary = {
         "source": trace.source,
@@ -46,11 +51,13 @@ def _analyse(trace: Trace, requests: list[dict[str, Any]] | None, device: str | 
             "by_kind": {k: sum(1 for s in steps if s.kind == k) for k in sorted({s.kind for s in steps})},
             "source": sorted({s.source for s in steps}),
         },
-        "findings": {k: sum(1 for f in findings if f.kind == k) for k in
-                     ("tokenization_stall", "decode_gap", "bandwidth_bound_decode")},
+        "findings": {k: sum(1 for f in findings if f.kind == k) for k in KINDS},
         "decode_gap": gap_summary,
         "tokenization": token_summary,
         "bandwidth": bw_summary,
+        "memory": memory_summary,
+        "compile": compile_summary,
+        "missing": [*memory_summary.pop("missing"), *compile_summary.pop("missing")],
         "requests_given": len(requests or []),
     }
     return Analysis(findings, summary, steps, gaps, kernels)
@@ -63,6 +70,7 @@ def _attribute_to_session(findings: list[Finding], requests: list[dict[str, Any]
     if not sampled:
         return
     for finding in findings:
-        if not finding.request_ids and finding.kind != "tokenization_stall":
+        # Memory findings are about the process or the device, not about the requests sampled.
+        if not finding.request_ids and finding.kind != "tokenization_stall" and not finding.kind.startswith("memory_"):
             finding.request_ids = sampled[:100]
             finding.evidence["request_ids_from"] = "session records (the trace carries no phase markers)"
