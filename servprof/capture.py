@@ -125,6 +125,7 @@ class CaptureController:
         self.sessions_started = 0  # profiler starts by servprof in this process (warm-up excluded)
         self.in_flight = 0  # HTTP requests being served by any ServprofMiddleware in this process
         self.model_requests_done = 0  # POST requests served (model calls in OpenAI-style APIs), for memory history
+        self.first_model_request_ns: int | None = None  # wall clock: compiles before it were start-up warm-up
         self.memory_history = False  # keep memory levels between sessions (a runtime with memory_samples on)
         self.events_per_second: float | None = None  # learned from the last finished session
         self.events_per_step: float | None = None
@@ -294,7 +295,7 @@ class CaptureController:
                     # after this instant is servprof's overhead, never the app's.
                     "stop_wall_ns": time.time_ns()}
         if session.probes is not None:
-            metadata.update(session.probes.finish(session.wall_start_ns))
+            metadata.update(session.probes.finish(session.wall_start_ns, self.first_model_request_ns))
         prof.add_metadata_json("servprof", orjson.dumps(metadata).decode())
         session.capture_end_ns = time.perf_counter_ns()
         session.steps_captured = session.steps()

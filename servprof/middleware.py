@@ -149,6 +149,8 @@ class _RequestResponder:
 
         controller = runtime.controller
         controller.in_flight += 1
+        if controller.first_model_request_ns is None and method == "POST":
+            controller.first_model_request_ns = record.arrival_ns
         id_token = request_id_var.set(request_id)
         record_token = request_record_var.set(record)
         try:

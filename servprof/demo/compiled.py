@@ -13,6 +13,7 @@ dimension 0 fails), which is what servprof's recompilation detector names.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -33,11 +34,18 @@ class CompiledDecode:
 
         self.model, self.pad = model, pad
         self.buckets = bucket_sizes(model.slots)
-        # One compiled graph per batch size the server may run: without padding that is every
-        # size up to the slots, more than Dynamo's default limit of 8 per function.
-        config = torch._dynamo.config
-        config.recompile_limit = max(config.recompile_limit, model.slots + 1)
+        self._configured = threading.local()
         self._step = torch.compile(self._forward, dynamic=False, backend=backend)
+
+    def _configure_thread(self) -> None:
+        # One compiled graph per batch size the server may run: without padding that is every
+        # size up to the slots, more than Dynamo's default limit of 8 per function. (torch 2.13's
+        # dynamo config is per thread: set on the thread that calls the compiled function.)
+        import torch._dynamo
+
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, self.model.slots + 1)
+        self._configured.done = True
 
     def _forward(self, tokens: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
                  attn_mask: torch.Tensor) -> torch.Tensor:
@@ -46,6 +54,8 @@ class CompiledDecode:
 
     def __call__(self, tokens: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, max_length: int,
                  rows: slice | None = None) -> torch.Tensor:
+        if not getattr(self._configured, "done", False):
+            self._configure_thread()
         batch = tokens.shape[0]
         size = next((b for b in self.buckets if b >= batch), batch) if self.pad else batch
         if size > batch:

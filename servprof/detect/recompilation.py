@@ -175,6 +175,10 @@ def detect_recompilation(trace: Trace, steps: list[Step]) -> tuple[list[Finding]
     base = next((m.get("baseTimeNanoseconds") for m in trace.metadata.values()
                  if isinstance(m.get("baseTimeNanoseconds"), (int, float))), None)
     stalls = compile_stalls(trace)
+    stop_ns = trace.servprof_metadata().get("stop_wall_ns")
+    stop_us = (stop_ns - base) / 1e3 if isinstance(stop_ns, int) and base is not None else None
+    for stall in stalls:  # a compile still running when the capture stopped lasted at least this long
+        stall["cut_at_stop"] = stop_us is not None and stall["end_us"] >= stop_us - 1e3
     index = step_index(steps, np.array([s["rank"] for s in stalls]), np.array([s["start_us"] for s in stalls])) \
         if stalls and steps else np.full(len(stalls), -1)
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
@@ -191,6 +195,8 @@ def detect_recompilation(trace: Trace, steps: list[Step]) -> tuple[list[Finding]
         function = stall["function"] or (f"frame {stall['compile_id'].split('/')[0]}" if stall["compile_id"] else "?")
         groups.setdefault((function, stall["detail"]["cause"]), []).append(stall)
     findings = [_recompile_finding(function, group) for (function, _), group in groups.items()]
+    before = _before_session(meta, float(trace.ts.min()) if len(trace) else 0.0)
+    findings.extend(_recompile_finding(function, group, before_session=True) for (function, _), group in before.items())
     regions = _regions_per_step(trace, steps, frames)
     graph_breaks = regions.pop("graph_break_finding", None)
     if graph_breaks is not None:
@@ -199,14 +205,35 @@ def detect_recompilation(trace: Trace, steps: list[Step]) -> tuple[list[Finding]
         "compiles": len(stalls), "in_steps": sum(1 for s in stalls if s["in_step"]),
         "stall_ms": sum(s["ms"] for s in stalls), "stall_ms_in_steps": sum(s["ms"] for s in stalls if s["in_step"]),
         "torch_reported_ms": sum(r["duration_us"] for r in records) / 1e3 if records else None,
-        "compile_records": len(records), "counters_start": meta.get("counters_start"),
+        "compile_records": len(records),
+        "before_session": {"compiles": sum(len(g) for g in before.values()),
+                           "ms": sum(s["ms"] for g in before.values() for s in g)},
+        "counters_start": meta.get("counters_start"),
         "counters_end": meta.get("counters_end"), "graph_break_reasons": meta.get("graph_break_reasons"),
         **regions, "missing": _missing(stalls, regions, bool(meta)),
     }
     return findings, summary
 
 
-def _recompile_finding(function: str, stalls: list[dict[str, Any]]) -> Finding:
+def _before_session(meta: dict[str, Any], at_us: float) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """Compiles torch recorded while serving before this session (not in the trace): shown at
+    the trace's start, with torch's own durations and reasons."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for record in meta.get("before_session") or []:
+        if not isinstance(record, dict) or not isinstance(record.get("duration_us"), int):
+            continue
+        compile_id = record.get("compile_id") if isinstance(record.get("compile_id"), str) else None
+        reason = record.get("recompile_reason") if isinstance(record.get("recompile_reason"), str) else None
+        function = record.get("co_name") if isinstance(record.get("co_name"), str) else "?"
+        stall = {"start_us": at_us, "end_us": at_us, "ms": record["duration_us"] / 1e3, "compile_id": compile_id,
+                 "in_step": False, "step_kind": None, "batch": None, "request_ids": [], "tid": None,
+                 "torch_ms": record["duration_us"] / 1e3, "reason": reason,
+                 "unix_start_us": record.get("start_time_us"), "detail": classify(reason, compile_id, None)}
+        groups.setdefault((function, stall["detail"]["cause"]), []).append(stall)
+    return groups
+
+
+def _recompile_finding(function: str, stalls: list[dict[str, Any]], before_session: bool = False) -> Finding:
     in_steps = [s for s in stalls if s["in_step"]]
     cost = sum(s["ms"] for s in stalls)
     detail = stalls[0]["detail"]
@@ -215,18 +242,24 @@ def _recompile_finding(function: str, stalls: list[dict[str, Any]]) -> Finding:
     what = _describe_cause(detail)
     if sizes and detail["cause"] in ("batch_size", "dimension"):
         what += f"; sizes seen: {', '.join(map(str, sizes))}"
-    where = f"{len(in_steps)} inside model steps" if in_steps else "outside any model step found"
-    title = (f"torch.compile compiled `{function}` {len(stalls)} time(s) while serving ({where}), "
-             f"{cost:,.0f} ms stalled: {what}")
+    if before_session:
+        title = (f"torch.compile compiled `{function}` {len(stalls)} time(s) while serving before this session "
+                 f"({cost:,.0f} ms stalled, torch's own records): {what}")
+    else:
+        where = f"{len(in_steps)} inside model steps" if in_steps else "outside any model step found"
+        cut = " (at least: still compiling when the capture stopped)" if any(s.get("cut_at_stop") for s in stalls) else ""
+        title = (f"torch.compile compiled `{function}` {len(stalls)} time(s) while serving ({where}), "
+                 f"{cost:,.0f} ms stalled{cut}: {what}")
     torch_ms = [s["torch_ms"] for s in stalls if s["torch_ms"] is not None]
     evidence = {
-        "function": function, "cause": detail["cause"], "detail": detail, "compiles": len(stalls),
+        "function": function, "where": "before_session" if before_session else "in_trace",
+        "cause": detail["cause"], "detail": detail, "compiles": len(stalls),
         "in_steps": len(in_steps), "stall_ms": cost, "torch_reported_ms": sum(torch_ms) if torch_ms else None,
         "reasons": list(dict.fromkeys(s["reason"] for s in stalls if s["reason"]))[:5],
-        "stalls": [{k: s[k] for k in ("start_us", "ms", "compile_id", "step_kind", "batch", "request_ids", "tid")}
-                   for s in stalls[:MAX_STALLS_LISTED]],
+        "stalls": [{k: s[k] for k in ("start_us", "ms", "compile_id", "step_kind", "batch", "request_ids", "tid",
+                                      "unix_start_us", "cut_at_stop") if k in s} for s in stalls[:MAX_STALLS_LISTED]],
     }
-    severity = severity_for(cost, WARNING_MS, CRITICAL_MS) if in_steps else "info"
+    severity = severity_for(cost, WARNING_MS, CRITICAL_MS) if in_steps or before_session else "info"
     return Finding("recompilation", severity, cost, min(s["start_us"] for s in stalls),
                    max(s["end_us"] for s in stalls), title, request_ids=requests[:100], evidence=evidence,
                    fix=_fix(detail))

@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import orjson
+
 from servprof.probes.compile import compile_state, compile_summary
 from servprof.probes.memory import HISTORY_INTERVAL_S, MemorySampler, memory_history
 
@@ -51,8 +53,9 @@ class SessionProbes:
             self.errors.append(f"memory sample: {type(exc).__name__}: {exc}")
             self.memory = None
 
-    def finish(self, session_wall_start_ns: int | None) -> dict[str, Any]:
-        """Keys for the session's ``servprof`` metadata."""
+    def finish(self, session_wall_start_ns: int | None, serving_since_ns: int | None = None) -> dict[str, Any]:
+        """Keys for the session's ``servprof`` metadata (``serving_since_ns``: when the first model
+        request arrived, so that start-up compiles are not taken for serving ones)."""
         out: dict[str, Any] = {}
         if self.memory is not None:
             memory = _safe(self.memory.finish, self.errors)
@@ -60,10 +63,16 @@ class SessionProbes:
                 out["memory"] = memory
         compile_end = _safe(compile_state, self.errors)
         if self.compile_start is not None or compile_end is not None:
-            summary = _safe(lambda: compile_summary(self.compile_start, compile_end, session_wall_start_ns),
-                            self.errors)
+            summary = _safe(lambda: compile_summary(self.compile_start, compile_end, session_wall_start_ns,
+                                                    serving_since_ns), self.errors)
             if summary:
                 out["compile"] = summary
+        for key in list(out):  # the session's metadata must stay JSON whatever a probe returned
+            try:
+                orjson.dumps(out[key])
+            except TypeError as exc:
+                self.errors.append(f"{key}: not JSON: {exc}")
+                del out[key]
         if self.errors:
             out["probe_errors"] = self.errors[:5]
         return out

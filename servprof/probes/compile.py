@@ -87,21 +87,28 @@ def frame_table(metrics: list[Any]) -> dict[str, dict[str, Any]]:
 
 
 def compile_summary(start: dict[str, Any] | None, end: dict[str, Any] | None,
-                    session_wall_start_ns: int | None) -> dict[str, Any] | None:
-    """The ``compile`` key of the session metadata."""
+                    session_wall_start_ns: int | None, serving_since_ns: int | None = None) -> dict[str, Any] | None:
+    """The ``compile`` key of the session metadata: the compiles that ended during the session,
+    and those that ran while serving before it (after the first model request arrived; the
+    compiles of a start-up warm-up are neither)."""
     if end is None:
         return None
     since_us = (session_wall_start_ns or 0) // 1000
-    compiles = [r for r in (_metric_record(m) for m in end["metrics"])
-                if r is not None and r["start_time_us"] + r["duration_us"] >= since_us][-MAX_COMPILES:]
-    before = start or {}
+    records = [r for r in (_metric_record(m) for m in end["metrics"]) if r is not None]
+    compiles = [r for r in records if r["start_time_us"] + r["duration_us"] >= since_us][-MAX_COMPILES:]
+    serving_us = serving_since_ns // 1000 if serving_since_ns else None
+    before_session = [r for r in records if serving_us is not None and r["start_time_us"] >= serving_us
+              and r["start_time_us"] + r["duration_us"] < since_us][-MAX_COMPILES:]
+    counted = start or {}
     reasons = sorted(end["graph_break_reasons"].items(), key=lambda kv: -kv[1])[:MAX_GRAPH_BREAK_REASONS]
     counters = ("unique_graphs", "calls_captured", "frames_total", "frames_ok", "graph_breaks")
     return {
-        "counters_start": {k: before.get(k) for k in counters} if start else None,
+        "counters_start": {k: counted.get(k) for k in counters} if start else None,
         "counters_end": {k: end[k] for k in counters},
         "graph_break_reasons": [{"reason": str(text).strip().splitlines()[0][:MAX_TEXT] if str(text).strip() else "",
                                  "count": int(count)} for text, count in reasons],
         "compiles": compiles,
+        "before_session": before_session,
+        "serving_since_ns": serving_since_ns,
         "frames": frame_table(end["metrics"]),
     }

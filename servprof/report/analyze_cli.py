@@ -20,6 +20,7 @@ from rich.table import Table
 
 from servprof.detect.analysis import Analysis, analyse
 from servprof.detect.devices import DEVICES, UnknownDevice
+from servprof.report.memory_compile import print_section as print_memory_compile
 from servprof.trace import TraceError, load_trace, phase_events, request_phases
 from servprof.trace.loader import trace_files
 
@@ -81,7 +82,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"servprof analyze: cannot write {exc.filename}: {exc.strerror}", file=sys.stderr)
         return EXIT_BAD_INPUT
     # Piped output gets a fixed, readable width instead of 80 columns.
-    print_findings(analysis, Console() if sys.stdout.isatty() else Console(width=160))
+    console = Console() if sys.stdout.isatty() else Console(width=160)
+    print_findings(analysis, console)
+    print_memory_compile(analysis.summary, console)
     return 0
 
 

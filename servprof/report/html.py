@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from servprof.detect.analysis import Analysis
+from servprof.report.memory_compile import html_section as memory_compile_section
 
 WIDTH, LANE = 960, 18
 MAX_TIMELINE_STEPS = 3000
@@ -148,5 +149,6 @@ td,th{{border:1px solid #ccc;padding:4px 8px;font-size:13px;vertical-align:top}}
 <p>{_legend()} Hover a bar for its name, length and, for gaps, the cause.</p>{timeline_svg(analysis, tokenize_spans)}
 <h2>Gaps between consecutive steps</h2>{histogram_svg(analysis)}
 <h2>Roofline of decode ops</h2>{roofline_svg(analysis)}
+{memory_compile_section(s)}
 </body></html>
 """
