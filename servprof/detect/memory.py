@@ -272,10 +272,16 @@ def _growth_in_trace(series: MemorySeries, steps: list[Step], info: dict[str, An
     if len(mine) >= 4:
         start, end = mine[0].start_us, mine[-1].end_us
         levels = np.concatenate([series.level_at(np.array([start])), series.level_at(np.array([s.end_us for s in mine]))])
+        shape = trend(levels)
+        # Requests admitted so far, after each step: a leak per request grows with admissions,
+        # however early in the window they came.
+        admissions = np.cumsum([0] + [1 if s.kind in ("prefill", "mixed") else 0 for s in mine], dtype=np.float64)
+        if admissions[-1] >= GROWTH_MIN_RISES:
+            shape["late_growth_bytes"] = max(shape["late_growth_bytes"], trend(levels, admissions)["late_growth_bytes"])
     else:
         start, end = float(series.t_us[0]), float(series.t_us[-1])
         levels = series.allocated
-    shape = trend(levels)
+        shape = trend(levels)
     if not _is_growth(shape, max(GROWTH_MIN_BYTES, GROWTH_MIN_SHARE * info["baseline_bytes"])):
         return []
     growth = shape["growth_bytes"]
