@@ -76,4 +76,10 @@ class CompiledDecode:
         return self.buckets
 
     def info(self) -> dict[str, Any]:
-        return {"buckets": self.buckets, "padded": self.pad}
+        """For /demo/stats: the buckets, and torch's own record of every compile in this process."""
+        from torch._dynamo.utils import get_compilation_metrics
+
+        compiles = [{"compile_id": m.compile_id, "function": m.co_name,
+                     "duration_ms": (m.duration_us or 0) / 1e3, "reason": m.recompile_reason}
+                    for m in get_compilation_metrics()]
+        return {"buckets": self.buckets, "padded": self.pad, "torch_compiles": compiles}

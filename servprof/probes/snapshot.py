@@ -150,7 +150,10 @@ class MemorySnapshots:
             started = time.perf_counter()
             snapshot = self._take_snapshot()
             taken_s = time.perf_counter() - started
-            name = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}{SNAPSHOT_SUFFIX}"
+            # Named by the clock, so that names sort in the order the snapshots were taken.
+            now = time.time_ns()
+            stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now // 10**9))
+            name = f"{stamp}.{now % 10**9:09d}Z-{uuid.uuid4().hex[:6]}{SNAPSHOT_SUFFIX}"
             path = self.traces_dir / name
             try:
                 self.traces_dir.mkdir(parents=True, exist_ok=True)
@@ -171,16 +174,12 @@ class MemorySnapshots:
                 "removed": [str(p) for p in removed], "open_with": open_with(path)}
 
     def snapshots(self) -> list[Path]:
-        """Stored snapshots, oldest first."""
+        """Stored snapshots, oldest first (their names start with the UTC time they were taken)."""
         try:
-            paths = [p for p in self.traces_dir.iterdir() if p.name.endswith(SNAPSHOT_SUFFIX)]
+            return sorted((p for p in self.traces_dir.iterdir() if p.name.endswith(SNAPSHOT_SUFFIX)),
+                          key=lambda p: p.name)
         except OSError:
             return []
-        stamped = []
-        for path in paths:
-            with contextlib.suppress(OSError):
-                stamped.append((path.stat().st_mtime_ns, path.name, path))
-        return [path for _, _, path in sorted(stamped)]
 
     def enforce_retention(self) -> list[Path]:
         """Keep the newest memory_snapshot_max_files, each counted in the trace store's byte budget:
