@@ -1,4 +1,4 @@
-"""Record tests/fixtures/compile_inductor_recompile.json.gz: a real Inductor recompile on CPU.
+"""Record tests/fixtures/torch_compile_recompile.json.gz: a real Inductor recompile on CPU.
 
     PYTHONPATH=. .venv/bin/python bench/record_compile_fixture.py [--out tests/fixtures]
 
@@ -45,7 +45,7 @@ def record(out_dir: Path) -> Path:
         prof.add_metadata_json("servprof", orjson.dumps(metadata).decode())
         prof.stop()
     out_dir.mkdir(parents=True, exist_ok=True)
-    target = out_dir / "compile_inductor_recompile.json.gz"
+    target = out_dir / "torch_compile_recompile.json.gz"
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(raw))

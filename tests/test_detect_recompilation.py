@@ -106,9 +106,9 @@ def test_reasons_are_classified(reason, batch, cause):
 
 
 def test_an_inductor_recompile_recorded_by_the_project_is_found():
-    """tests/fixtures/compile_inductor_recompile.json.gz (bench/record_compile_fixture.py): Inductor
+    """tests/fixtures/torch_compile_recompile.json.gz (bench/record_compile_fixture.py): Inductor
     on CPU, warmed at batch 2, then batch 3 recompiles inside its decode step."""
-    trace = load_trace(Path(__file__).parent / "fixtures" / "compile_inductor_recompile.json.gz")
+    trace = load_trace(Path(__file__).parent / "fixtures" / "torch_compile_recompile.json.gz")
     analysis = analyse(trace)
     (finding,) = _kind(analysis, "recompilation")
     assert finding.evidence["cause"] == "batch_size" and finding.evidence["in_steps"] == 1
