@@ -24,6 +24,7 @@ import numpy as np
 from servprof.detect.finding import Finding, severity_for
 from servprof.detect.steps import Step, step_index
 from servprof.trace.model import Trace
+from servprof.trace.phases import request_phases
 
 STRONG_COMPILE_NAMES = frozenset({
     "entire_frame_compile", "_compile.compile_inner", "backend_compile", "inductor_compile", "compile_fx_inner",
@@ -182,11 +183,17 @@ def detect_recompilation(trace: Trace, steps: list[Step]) -> tuple[list[Finding]
     index = step_index(steps, np.array([s["rank"] for s in stalls]), np.array([s["start_us"] for s in stalls])) \
         if stalls and steps else np.full(len(stalls), -1)
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    windows = _request_windows(trace) if stalls else {}
     for stall, where in zip(stalls, index.tolist(), strict=True):
         step = steps[where] if where >= 0 else None
         record = _match_record(stall, records, base)
+        in_step = list(step.request_ids) if step else []
+        # Requests in flight across the stall (queued, or between their steps) waited for it too.
+        waiting = [rid for rid, (lo, hi) in windows.items()
+                   if lo < stall["start_us"] and hi > stall["end_us"] and rid not in in_step]
         stall.update({"in_step": step is not None, "step_kind": step.kind if step else None,
-                      "batch": step.batch if step else None, "request_ids": list(step.request_ids) if step else [],
+                      "batch": step.batch if step else None, "request_ids": in_step + waiting,
+                      "waiting_request_ids": waiting,
                       "function": (record or {}).get("co_name"),
                       "torch_ms": record["duration_us"] / 1e3 if record else None,
                       "reason": (record or {}).get("recompile_reason")})
@@ -213,6 +220,12 @@ def detect_recompilation(trace: Trace, steps: list[Step]) -> tuple[list[Finding]
         **regions, "missing": _missing(stalls, regions, bool(meta)),
     }
     return findings, summary
+
+
+def _request_windows(trace: Trace) -> dict[str, tuple[float, float]]:
+    """Each marked request's first phase start and last phase end."""
+    return {rid: (min(float(p["start_us"]) for p in phases), max(float(p["end_us"]) for p in phases))
+            for rid, phases in request_phases(trace).items() if phases}
 
 
 def _before_session(meta: dict[str, Any], at_us: float) -> dict[tuple[str, str], list[dict[str, Any]]]:
@@ -256,8 +269,9 @@ def _recompile_finding(function: str, stalls: list[dict[str, Any]], before_sessi
         "cause": detail["cause"], "detail": detail, "compiles": len(stalls),
         "in_steps": len(in_steps), "stall_ms": cost, "torch_reported_ms": sum(torch_ms) if torch_ms else None,
         "reasons": list(dict.fromkeys(s["reason"] for s in stalls if s["reason"]))[:5],
-        "stalls": [{k: s[k] for k in ("start_us", "ms", "compile_id", "step_kind", "batch", "request_ids", "tid",
-                                      "unix_start_us", "cut_at_stop") if k in s} for s in stalls[:MAX_STALLS_LISTED]],
+        "stalls": [{k: s[k] for k in ("start_us", "ms", "compile_id", "step_kind", "batch", "request_ids",
+                                      "waiting_request_ids", "tid", "unix_start_us", "cut_at_stop") if k in s}
+                   for s in stalls[:MAX_STALLS_LISTED]],
     }
     severity = severity_for(cost, WARNING_MS, CRITICAL_MS) if in_steps or before_session else "info"
     return Finding("recompilation", severity, cost, min(s["start_us"] for s in stalls),
