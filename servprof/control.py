@@ -19,7 +19,7 @@ import anyio.to_thread
 import orjson
 from starlette.types import Receive, Scope, Send
 
-from servprof.probes.snapshot import SnapshotUnavailable
+from servprof.probes.snapshot import SnapshotTooSoon, SnapshotUnavailable
 from servprof.runtime import ServprofRuntime
 from servprof.sampling import Sampler, bearer_token
 
@@ -119,14 +119,14 @@ async def memory_snapshot(runtime: ServprofRuntime, scope: Scope, send: Send) ->
     if problem:
         await respond(send, 409, {"error": problem, "memory_snapshots": keeper.status()})
         return
-    wait = keeper.wait_s()
-    if wait > 0:
-        await respond(send, 429, {"error": f"one memory snapshot per {keeper.settings.memory_snapshot_interval_s:g} s; "
-                                           f"retry in {wait:.1f} s"},
-                      [(b"retry-after", str(max(1, round(wait))).encode())])
-        return
     try:
+        if keeper.wait_s() > 0:
+            raise SnapshotTooSoon(keeper.wait_s())
         result = await anyio.to_thread.run_sync(keeper.take, "on demand (POST /servprof/memory-snapshot)")
+    except SnapshotTooSoon as exc:
+        await respond(send, 429, {"error": f"one memory snapshot per {keeper.settings.memory_snapshot_interval_s:g} s; "
+                                           f"{exc}"}, [(b"retry-after", str(max(1, round(exc.wait_s))).encode())])
+        return
     except SnapshotUnavailable as exc:
         await respond(send, 409, {"error": str(exc)})
         return

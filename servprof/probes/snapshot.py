@@ -44,6 +44,14 @@ class SnapshotUnavailable(RuntimeError):
     """No snapshot can be taken here; the message says why (for a 409)."""
 
 
+class SnapshotTooSoon(RuntimeError):
+    """Another snapshot was taken less than memory_snapshot_interval_s ago (for a 429)."""
+
+    def __init__(self, wait_s: float) -> None:
+        super().__init__(f"retry in {wait_s:.1f} s")
+        self.wait_s = wait_s
+
+
 def cuda_state() -> tuple[bool, bool]:
     """(CUDA available, initialised by this process), without initialising it."""
     torch = sys.modules.get("torch")
@@ -141,11 +149,14 @@ class MemorySnapshots:
 
     def take(self, reason: str) -> dict[str, Any]:
         """Write a snapshot now; returns its file, size and how to open it. Raises
-        SnapshotUnavailable, or OSError when the trace directory cannot take it."""
+        SnapshotUnavailable, SnapshotTooSoon, or OSError when the trace directory cannot take it."""
         problem = self.unavailable()
         if problem:
             raise SnapshotUnavailable(problem)
         with self._lock:
+            wait = self.wait_s()  # checked again here: two callers may both have seen none taken
+            if wait > 0:
+                raise SnapshotTooSoon(wait)
             self.last_at = time.monotonic()
             started = time.perf_counter()
             snapshot = self._take_snapshot()
