@@ -16,7 +16,7 @@ Between sessions the capture thread also keeps a process-wide ``MemoryHistory``:
 levels once a second while no session runs, plus one reading just before each session
 starts and one just after it ends, each with the count of model requests (POSTs) served
 so far. A leak shows there: the profiler's own buffers grow with every captured event
-while a session runs (~0.1-1 KB per event in this process's RSS, measured), so growth
+while a session runs (0-900 bytes per event in the process RSS, measured; most in its first session), so growth
 *inside* a session's RSS is never blamed on the app; growth between sessions is.
 """
 
