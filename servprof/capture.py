@@ -32,6 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from servprof.analysis import empty_result, kill_running_analyses, run_analysis
 from servprof.observers import RequestRecord
+from servprof.probes import IDLE_TICK_S, SessionProbes, tick_memory_history
 from servprof.settings import Settings
 from servprof.store import StoreError, TraceStore
 
@@ -81,6 +82,7 @@ class Session:
         self.trace_raw_bytes = 0
         self.result: dict[str, Any] | None = None
         self.event_loop_tid: int | None = None  # the serving loop's thread, so analysis can tell loop work apart
+        self.probes: SessionProbes | None = None  # memory levels, torch.compile records (servprof.probes)
         self.started = threading.Event()  # set once capturing, or failed before capturing
         self.finished = threading.Event()
 
@@ -145,6 +147,9 @@ class CaptureController:
         self.warmup_error: str | None = None
         self.sessions_started = 0  # profiler starts by servprof in this process (warm-up excluded)
         self.in_flight = 0  # HTTP requests being served by any ServprofMiddleware in this process
+        self.model_requests_done = 0  # POST requests served (model calls in OpenAI-style APIs), for memory history
+        self.first_model_request_ns: int | None = None  # wall clock: compiles before it were start-up warm-up
+        self.memory_history = False  # keep memory levels between sessions (a runtime with memory_samples on)
         self.events_per_second: float | None = None  # learned from the last finished session
         self.events_per_step: float | None = None
         self._atexit_registered = False
@@ -264,18 +269,22 @@ class CaptureController:
     def _run(self) -> None:
         while True:
             session = self.session
-            self._wake.wait(POLL_S if session is not None and session.state == CAPTURING else None)
+            self._wake.wait(POLL_S if session is not None and session.state == CAPTURING else IDLE_TICK_S)
             self._wake.clear()
             self._write_final_files()
             if self.warmup_wanted and not self.warm:
                 self._warm_up()
             session = self.session
             if session is None:
+                if self.memory_history:
+                    tick_memory_history(self.model_requests_done, self.sessions_started)
                 continue
             try:
                 if session.state == STARTING:
                     self._start(session)
                 elif session.state == CAPTURING:
+                    if session.probes is not None:
+                        session.probes.sample()
                     why = self._stop_reason(session)
                     if why:
                         self._finish(session, why)
@@ -292,6 +301,7 @@ class CaptureController:
             activities.append(ProfilerActivity.CUDA)
         return profile(activities=activities,
                        record_shapes=bool(settings and settings.record_shapes),
+                       profile_memory=bool(settings and settings.profile_memory),
                        with_stack=bool(settings and settings.with_stack),
                        experimental_config=_ExperimentalConfig(profile_all_threads=True))
 
@@ -327,6 +337,7 @@ class CaptureController:
             self._fail(session, FOREIGN_PROFILER)
             return
         prof = self._new_profiler(session.settings)
+        session.probes = SessionProbes(session.settings.memory_samples, self.model_requests_done, self.sessions_started)
         session.wall_start_ns = time.time_ns()
         session.perf_start_ns = session.last_poll_ns = time.perf_counter_ns()
         prof.start()
@@ -385,6 +396,8 @@ class CaptureController:
                     # From here on the profiler's own stop() holds the GIL: whatever the trace shows
                     # after this instant is servprof's overhead, never the app's.
                     "stop_wall_ns": time.time_ns()}
+        if session.probes is not None:
+            metadata.update(session.probes.finish(session.wall_start_ns, self.first_model_request_ns))
         prof.add_metadata_json("servprof", orjson.dumps(metadata).decode())
         session.capture_end_ns = time.perf_counter_ns()
         session.steps_captured = session.steps()
@@ -469,6 +482,8 @@ class CaptureController:
             with self._lock:
                 if self.session is session:
                     self.session = None
+            if self.memory_history:  # the level right after a session: the next quiet stretch starts here
+                tick_memory_history(self.model_requests_done, self.sessions_started, force=True)
             session.finished.set()
 
     def _write_final_files(self) -> None:

@@ -2,6 +2,7 @@
 
     GET  /servprof/status        settings, counters, sessions, last findings, why paused
     POST /servprof/sample?n=N    sample the next N requests (one session)
+    POST /servprof/memory-snapshot   a CUDA memory snapshot into the trace dir (servprof.probes.snapshot)
 
 Off unless a control token is configured (SERVPROF_CONTROL_TOKEN): without one these
 paths go to the app like any other. Every call needs ``Authorization: Bearer <token>``
@@ -14,9 +15,11 @@ import time
 from typing import Any
 from urllib.parse import parse_qs
 
+import anyio.to_thread
 import orjson
 from starlette.types import Receive, Scope, Send
 
+from servprof.probes.snapshot import SnapshotTooSoon, SnapshotUnavailable
 from servprof.runtime import ServprofRuntime
 from servprof.sampling import Sampler, bearer_token
 
@@ -95,4 +98,42 @@ async def handle(runtime: ServprofRuntime, scope: Scope, receive: Receive, send:
         await respond(send, 202, {"ordered": n, "paused": runtime.why_paused(),
                                   "message": f"the next {n} request(s) will be sampled in one session"})
         return
+    if endpoint == "/memory-snapshot":
+        await memory_snapshot(runtime, scope, send)
+        return
     await respond(send, 404, {"error": f"no servprof endpoint {scope['path']}; try {settings.control_prefix}/status"})
+
+
+async def memory_snapshot(runtime: ServprofRuntime, scope: Scope, send: Send) -> None:
+    """POST /servprof/memory-snapshot: 201 with the file and how to open it; 409 when no snapshot
+    can be taken here (no CUDA, or SERVPROF_MEMORY_SNAPSHOT off); 429 within
+    SERVPROF_MEMORY_SNAPSHOT_INTERVAL_S of the last one. Taken on a worker thread."""
+    if scope["method"] != "POST":
+        await respond(send, 405, {"error": "use POST to take a memory snapshot"}, [(b"allow", b"POST")])
+        return
+    if scope.get("query_string"):
+        await respond(send, 400, {"error": "memory-snapshot takes no parameters"})
+        return
+    keeper = runtime.memory_snapshots
+    problem = keeper.unavailable()
+    if problem:
+        await respond(send, 409, {"error": problem, "memory_snapshots": keeper.status()})
+        return
+    try:
+        if keeper.wait_s() > 0:
+            raise SnapshotTooSoon(keeper.wait_s())
+        result = await anyio.to_thread.run_sync(keeper.take, "on demand (POST /servprof/memory-snapshot)")
+    except SnapshotTooSoon as exc:
+        await respond(send, 429, {"error": f"one memory snapshot per {keeper.settings.memory_snapshot_interval_s:g} s; "
+                                           f"{exc}"}, [(b"retry-after", str(max(1, round(exc.wait_s))).encode())])
+        return
+    except SnapshotUnavailable as exc:
+        await respond(send, 409, {"error": str(exc)})
+        return
+    except OSError as exc:
+        await respond(send, 507, {"error": f"the snapshot could not be stored: {exc.strerror or exc}"})
+        return
+    except Exception as exc:  # noqa: BLE001 - torch failing to snapshot is an answer, not a crash
+        await respond(send, 500, {"error": f"the snapshot failed: {type(exc).__name__}: {exc}"})
+        return
+    await respond(send, 201, result)

@@ -197,6 +197,8 @@ class _RequestResponder:
 
         controller = runtime.controller
         controller.in_flight += 1
+        if controller.first_model_request_ns is None and method == "POST":
+            controller.first_model_request_ns = record.arrival_ns
         id_token = request_id_var.set(request_id)
         record_token = request_record_var.set(record)
         try:
@@ -209,6 +211,8 @@ class _RequestResponder:
         finally:
             record.end_ns = _perf_ns()
             controller.in_flight -= 1
+            if method == "POST":  # a model call, in OpenAI-style APIs: memory growth per request
+                controller.model_requests_done += 1
             route = scope.get("route")
             if route is not None:
                 record.route = getattr(route, "path", None)

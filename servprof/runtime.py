@@ -18,6 +18,7 @@ import anyio.to_thread
 
 from servprof.capture import FAILED, STARTING, CaptureController, Session, get_controller
 from servprof.observers import RequestObserver, RequestRecord
+from servprof.probes.snapshot import memory_snapshots
 from servprof.sampling import REASON_ON_DEMAND, Sampler
 from servprof.settings import Settings
 from servprof.store import TraceStore
@@ -64,7 +65,9 @@ class ServprofRuntime:
         self.last_result: dict[str, Any] | None = None
         self.last_order_at = 0.0
         self.shutdown_report: dict[str, Any] | None = None  # what the last shutdown flush did
+        self.memory_snapshots = memory_snapshots(settings, self.store.traces_dir)  # CUDA only; off by default
         if settings.enabled:
+            self.controller.memory_history = self.controller.memory_history or settings.memory_samples
             self.controller.ensure_running(settings.warmup)
             self.controller.add_shutdown_hook(self.flush_observers)
 
@@ -215,6 +218,7 @@ class ServprofRuntime:
             "observers": {"count": len(self.observers), "errors": self.counters["observer_errors"],
                           "problem": self.observer_problem, "dropped_spans": self._dropped_spans()},
             "telemetry": self._telemetry_status(),
+            "memory_snapshots": self.memory_snapshots.status(),
         }
         extra = getattr(controller, "extra_status", None)  # what an integration's controller adds
         if extra is not None:

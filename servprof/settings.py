@@ -51,6 +51,19 @@ class Settings:
     record_shapes: bool = False
     with_stack: bool = False
     warmup: bool = True  # warm Kineto up in the background at start-up
+    # Memory (docs/memory-and-compile.md). profile_memory asks the profiler for allocator events:
+    # torch 2.13 records none under profile_all_threads, which servprof needs to see engine
+    # threads, so it is off by default; memory_samples are servprof's own allocator/RSS
+    # readings on the capture thread (a few us each, at most every 10 ms of a session).
+    profile_memory: bool = False
+    memory_samples: bool = True
+    # Near-OOM snapshots (CUDA only): bounded memory history, a snapshot pickle when reserved
+    # memory passes the threshold (a share of the device) or on POST /servprof/memory-snapshot.
+    memory_snapshot: bool = False
+    memory_snapshot_max_entries: int = 100_000
+    memory_snapshot_threshold: float = 0.9
+    memory_snapshot_interval_s: float = 60.0  # at most one snapshot per this many seconds
+    memory_snapshot_max_files: int = 4
 
     # Trace store retention (oldest files go first).
     trace_max_files: int = 20
@@ -94,6 +107,10 @@ class Settings:
             (self.trace_max_files >= 1, "trace_max_files must be >= 1"),
             (self.trace_max_mb > 0, "trace_max_mb must be > 0"),
             (self.analysis_timeout_s > 0, "analysis_timeout_s must be > 0"),
+            (1 <= self.memory_snapshot_max_entries <= 10_000_000, "memory_snapshot_max_entries must be 1..10000000"),
+            (0.0 < self.memory_snapshot_threshold <= 1.0, "memory_snapshot_threshold must be in (0, 1]"),
+            (self.memory_snapshot_interval_s >= 0, "memory_snapshot_interval_s must be >= 0"),
+            (self.memory_snapshot_max_files >= 1, "memory_snapshot_max_files must be >= 1"),
             (self.control_prefix.startswith("/") and not self.control_prefix.endswith("/"),
              "control_prefix must start with '/' and not end with '/'"),
         ]

@@ -90,12 +90,20 @@ class DemoServer:
                 dtype=dtype,
                 seed=config.seed,
             )
+        self.compiled = None
+        if config.compile:
+            from servprof.demo.compiled import CompiledDecode
+
+            self.compiled = CompiledDecode(self.model, config.compile_backend, pad=not config.unpadded_batches)
+            self.compiled.warm_up()  # every bucket compiled before the first request
         self.engine = Engine(
             self.model,
             self.tokenizer,
             step_delay_ms=config.step_delay_ms,
             sync_per_step=config.sync_per_step,
             timeline_size=config.step_timeline,
+            decode=self.compiled,
+            leak_bytes_per_request=int(config.leak_mb_per_request * 1024 * 1024),
         )
         self.loop_thread_id = 0
         self.loop_thread_native_id = 0
@@ -180,6 +188,8 @@ def create_app(config: DemoConfig | None = None) -> FastAPI:
     async def stats(steps: int | None = None) -> Response:
         body = server.engine.snapshot(steps)
         body["config"] = dict(vars(config))
+        if server.compiled is not None:
+            body["compile"] = server.compiled.info()
         body["model"] = config.served_model_name
         body["event_loop_thread_native_id"] = server.loop_thread_native_id
         return JSONResponse(body)

@@ -14,6 +14,7 @@ from servprof.demo.model import SIZES
 from servprof.settings import parse_env_value
 
 DTYPES = ("float32", "bfloat16", "float16")
+COMPILE_BACKENDS = ("inductor", "eager", "aot_eager")  # torch.compile backends the demo accepts
 
 
 @dataclass
@@ -34,6 +35,10 @@ class DemoConfig:
     step_delay_ms: float = 0.0  # (b) synchronous host delay before every decode step
     sync_per_step: bool = False  # (c) read sampled tokens to the host every step
     slow_tokenizer_us_per_token: float = 0.0  # (d) extra Python CPU work per token
+    compile: bool = False  # torch.compile the decode step (batches padded to warmed-up bucket sizes)
+    compile_backend: str = "inductor"
+    unpadded_batches: bool = False  # (e) with compile: each new batch size compiles again while serving
+    leak_mb_per_request: float = 0.0  # (f) every admitted request keeps this many MiB that are never freed
 
     def __post_init__(self) -> None:
         self.validate()
@@ -86,6 +91,12 @@ class DemoConfig:
             )
         if self.step_delay_ms < 0 or self.slow_tokenizer_us_per_token < 0:
             problems.append("step_delay_ms and slow_tokenizer_us_per_token must be >= 0")
+        if self.compile_backend not in COMPILE_BACKENDS:
+            problems.append(f"compile_backend must be one of {', '.join(COMPILE_BACKENDS)} (got {self.compile_backend!r})")
+        if self.unpadded_batches and not self.compile:
+            problems.append("unpadded_batches needs compile (the knob changes how compiled decode batches are run)")
+        if not 0 <= self.leak_mb_per_request <= 1024:
+            problems.append(f"leak_mb_per_request must be from 0 to 1024 (got {self.leak_mb_per_request})")
         if problems:
             raise ValueError("invalid demo server configuration: " + "; ".join(problems))
 

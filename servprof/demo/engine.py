@@ -87,8 +87,14 @@ class Engine:
         step_delay_ms: float = 0.0,
         sync_per_step: bool = False,
         timeline_size: int = 4096,
+        decode: Callable[..., torch.Tensor] | None = None,
+        leak_bytes_per_request: int = 0,
     ):
         self.model, self.tokenizer = model, tokenizer
+        self.decode = decode or model.decode  # servprof.demo.compiled.CompiledDecode under --compile
+        # Fault knob: a per-request cache that never frees (each admitted request keeps this much).
+        self.leak_bytes_per_request = leak_bytes_per_request
+        self._leaked: list[torch.Tensor] = []
         self.step_delay_ns = int(step_delay_ms * 1e6)
         self.sync_per_step = sync_per_step
         self.device = model.device
@@ -145,6 +151,8 @@ class Engine:
             engine_alive=self.alive,
             engine_error=repr(self._error) if self._error else None,
             engine_thread_native_id=self._thread.native_id,
+            leaked_bytes=self.leak_bytes_per_request * len(self._leaked),
+            leaked_requests=len(self._leaked),
         )
 
     # -- the engine thread ------------------------------------------------------------
@@ -223,6 +231,8 @@ class Engine:
                 slot_index = self.model.slot_ids[request.slot : request.slot + 1]
                 token = self.sampler.sample(logits[None], [request.slot], slot_index)
                 self.last_token[request.slot] = token[0]
+                if self.leak_bytes_per_request:  # written, so the pages are really held
+                    self._leaked.append(torch.ones(self.leak_bytes_per_request, dtype=torch.uint8, device=self.device))
             self.stats.prefills += 1
             self.stats.prefill_tokens += len(request.prompt_ids)
             request.length = len(request.prompt_ids)
@@ -248,7 +258,7 @@ class Engine:
                 host_index = host_index.pin_memory()
             index = host_index.to(self.device, non_blocking=True)
             slot_index, lengths = index[0], index[1]
-            logits = self.model.decode(
+            logits = self.decode(
                 self.last_token[slot_index], slot_index, lengths, max(r.length for r in batch) + 1, rows
             )
             tokens = self.sampler.sample(logits, slots, slot_index)

@@ -34,6 +34,9 @@ INJECT_FLAGS: dict[str, list[str]] = {
     "tokenization-stall": ["--tokenize-on-loop", "--slow-tokenizer-us-per-token", "150"],
     "decode-gap": ["--step-delay-ms", "20"],
     "sync": ["--sync-per-step"],
+    # Dynamo's own recompiles (~1 s each here); --compile-backend inductor makes each ~10 s on CPU.
+    "recompile": ["--compile", "--unpadded-batches", "--compile-backend", "eager"],
+    "memory-leak": ["--leak-mb-per-request", "2"],
 }
 # The server's default session budget is sized for production (a few ms of capture, so
 # serving barely notices); the demo wants a trace with enough decode steps for each detector
@@ -42,7 +45,7 @@ INJECT_FLAGS: dict[str, list[str]] = {
 # stalled the server ~320 ms, 16 steps with shapes ~270 ms), so the session stops at 16 decode
 # steps: no longer a stall than the demo's sessions had without shapes. An env var the user set wins.
 DEMO_SESSION_ENV = {"SERVPROF_MAX_SESSION_EVENTS": "50000", "SERVPROF_MAX_SESSION_STEPS": "16",
-                    "SERVPROF_RECORD_SHAPES": "1"}
+                    "SERVPROF_RECORD_SHAPES": "1", "SERVPROF_PROFILE_MEMORY": "1"}
 HEALTH_TIMEOUT_S = 180.0
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -62,7 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds into the load to order the sample (default: a third of --duration)")
     parser.add_argument("--max-output-tokens", type=int, default=64, help="cap on tokens per request (default 64)")
     parser.add_argument("--inject", action="append", choices=list(INJECT_FLAGS), default=[],
-                        help="switch a demo fault knob on (repeatable): tokenization-stall, decode-gap, sync")
+                        help="switch a demo fault knob on (repeatable): " + ", ".join(INJECT_FLAGS))
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the demo's decode step (implied by --inject recompile)")
+    parser.add_argument("--compile-backend", choices=["inductor", "eager", "aot_eager"], default=None,
+                        help="torch.compile backend (default inductor; eager compiles much faster on CPU)")
     parser.add_argument("--size", default="tiny", help="demo model size: tiny, small, 1b (default tiny)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     parser.add_argument("--analysis-timeout", type=float, default=120.0,
@@ -133,6 +140,10 @@ class Demo:
 
     def start_server(self) -> None:
         flags = [flag for fault in self.args.inject for flag in INJECT_FLAGS[fault]]
+        if getattr(self.args, "compile", False) and "--compile" not in flags:
+            flags.append("--compile")
+        if getattr(self.args, "compile_backend", None):
+            flags += ["--compile-backend", self.args.compile_backend]
         command = [sys.executable, "-m", "servprof.demo.server", "--host", "127.0.0.1", "--port", str(self.port),
                    "--size", self.args.size, "--device", self.args.device, "--log-level", "warning", *flags]
         env = {**DEMO_SESSION_ENV, **os.environ, "SERVPROF_CONTROL_TOKEN": self.token,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from servprof.demo.config import DTYPES, DemoConfig
+from servprof.demo.config import COMPILE_BACKENDS, DTYPES, DemoConfig
 from servprof.demo.model import SIZES
 
 
@@ -56,6 +56,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="serve without ServprofMiddleware",
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        default=None,
+        help="torch.compile the decode step (static shapes; batches padded to buckets warmed up at start-up)",
+    )
+    parser.add_argument(
+        "--compile-backend",
+        choices=list(COMPILE_BACKENDS),
+        default=None,
+        help="torch.compile backend (default inductor; eager compiles in a fraction of the time)",
+    )
     parser.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     knobs = parser.add_argument_group("fault knobs (off by default; each injects a known cause of slowness)")
     knobs.add_argument(
@@ -84,6 +96,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="U",
         help="(d) extra Python CPU work of U microseconds per token, holding the GIL",
     )
+    knobs.add_argument(
+        "--unpadded-batches",
+        action="store_true",
+        default=None,
+        help="(e) with --compile: run each decode batch at its own size, so every size outside the "
+        "warmed-up buckets compiles the model again while serving",
+    )
+    knobs.add_argument(
+        "--leak-mb-per-request",
+        type=float,
+        default=None,
+        metavar="M",
+        help="(f) every admitted request keeps M MiB (a cache that never frees)",
+    )
 
 
 CONFIG_FLAGS = (
@@ -101,6 +127,10 @@ CONFIG_FLAGS = (
     "step_delay_ms",
     "sync_per_step",
     "slow_tokenizer_us_per_token",
+    "compile",
+    "compile_backend",
+    "unpadded_batches",
+    "leak_mb_per_request",
 )
 
 

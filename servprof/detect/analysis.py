@@ -7,8 +7,10 @@ from typing import Any
 
 from servprof.detect.bandwidth_bound_decode import detect_bandwidth_bound
 from servprof.detect.decode_gap import detect_decode_gaps, find_gaps
-from servprof.detect.finding import WHOLE_TRACE, Finding
+from servprof.detect.finding import KINDS, WHOLE_TRACE, Finding
+from servprof.detect.memory import detect_memory
 from servprof.detect.overhead import overhead_summary
+from servprof.detect.recompilation import detect_recompilation
 from servprof.detect.steps import Step, find_steps
 from servprof.detect.tokenization_stall import detect_tokenization_stalls
 from servprof.detect.utilisation import utilisation
@@ -37,12 +39,15 @@ def _analyse(trace: Trace, requests: list[dict[str, Any]] | None, device: str | 
     gap_findings, gap_summary = detect_decode_gaps(trace, steps, (gaps, gap_stats))
     token_findings, token_summary = detect_tokenization_stalls(trace, steps, gaps)
     bw_findings, bw_summary, kernels = detect_bandwidth_bound(trace, steps, device)
-    findings = sorted([*gap_findings, *token_findings, *bw_findings], key=lambda f: f.cost_ms, reverse=True)
+    memory_findings, memory_summary = detect_memory(trace, steps)
+    compile_findings, compile_summary = detect_recompilation(trace, steps)
+    findings = sorted([*gap_findings, *token_findings, *bw_findings, *memory_findings, *compile_findings],
+                      key=lambda f: f.cost_ms, reverse=True)
     sampled = sampled_request_ids(trace, requests)
     _attribute_to_session(findings, requests, trace)
     for finding in findings:
         finding.sampled_request_ids = [r for r in finding.request_ids if r in sampled]
-    parts = (gap_summary, token_summary, bw_summary)
+    parts = (gap_summary, token_summary, bw_summary, memory_summary, compile_summary)
     # What the trace could not show, once, at the top (the detectors' own summaries keep no copy).
     missing = [*steps.missing(), *(m for part in parts for m in part.pop("missing", []))]
     summary = {
@@ -59,11 +64,12 @@ def _analyse(trace: Trace, requests: list[dict[str, Any]] | None, device: str | 
         "utilisation": utilisation(trace, steps),  # per-step busy / idle inside / idle between
         "servprof_overhead": overhead_summary(trace, steps, steps.dropped_after_stop),
         "missing": missing,
-        "findings": {k: sum(1 for f in findings if f.kind == k) for k in
-                     ("tokenization_stall", "decode_gap", "bandwidth_bound_decode")},
+        "findings": {k: sum(1 for f in findings if f.kind == k) for k in KINDS},
         "decode_gap": gap_summary,
         "tokenization": token_summary,
         "bandwidth": bw_summary,
+        "memory": memory_summary,
+        "compile": compile_summary,
         "requests_given": len(requests or []),
         "sampled_request_ids": sorted(sampled),
         # What the user must know to trust the figures (two files claiming one rank, a --device the
@@ -116,7 +122,9 @@ def _attribute_to_session(findings: list[Finding], requests: list[dict[str, Any]
         return
     windows = _request_windows(trace, requests)
     for finding in findings:
-        if finding.request_ids or finding.kind == "tokenization_stall" or finding.evidence.get("scope") == WHOLE_TRACE:
+        # Memory findings are about the process or the device, not about the requests sampled.
+        if (finding.request_ids or finding.kind == "tokenization_stall" or finding.kind.startswith("memory_")
+                or finding.evidence.get("scope") == WHOLE_TRACE):
             continue
         if finding.end_us <= finding.start_us:
             continue

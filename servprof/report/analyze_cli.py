@@ -23,6 +23,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from servprof.detect.analysis import Analysis, analyse
 from servprof.detect.devices import DEVICES, UnknownDevice
 from servprof.report.findings_table import print_findings
+from servprof.report.memory_compile import print_section as print_memory_compile
 from servprof.report.utilisation import print_utilisation
 from servprof.trace import Trace, TraceError, load_trace, phase_events, request_phases
 from servprof.trace.loader import SIDECAR_SUFFIXES, trace_files
@@ -161,3 +162,4 @@ def print_analysis(analysis: Analysis | None, console: Console, session: str | N
                   f"{s['steps']['by_kind']}, device: {s['bandwidth']['device']['name']}", highlight=False)
     print_utilisation(s, console)  # per-step busy / idle first, then servprof's own overhead
     print_findings(console, s, [f.to_dict() for f in analysis.findings])  # warnings, missing, findings
+    print_memory_compile(s, console)

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from servprof.detect.analysis import Analysis
+from servprof.report.memory_compile import html_section as memory_compile_section
 from servprof.report.utilisation import utilisation_html
 
 WIDTH, LANE = 960, 18
@@ -216,6 +217,7 @@ def body(analysis: Analysis, tokenize_spans: list[tuple[float, float, str]]) -> 
 <p>{_legend()} Hover a bar for its name, length and, for gaps, the cause.</p>{timeline_svg(analysis, tokenize_spans)}
 <h2>Gap lengths (inside and between steps)</h2>{histogram_svg(analysis)}
 <h2>Roofline of decode ops</h2>{roofline_svg(analysis)}{_bandwidth_notes(analysis)}
+{memory_compile_section(s)}
 """
 
 

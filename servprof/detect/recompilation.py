@@ -1,0 +1,347 @@
+"""torch.compile stalls inside serving: compiles and recompiles in model steps, graph breaks.
+
+In a trace, Dynamo and Inductor mark their work with ranges: ``entire_frame_compile``,
+``backend_compile``, ``inductor_compile``, ``*(dynamo_timed)`` (every version since 2.1),
+``*_data: ... compile_id=F/R`` annotations (frame F, its R-th recompile), and with stacks
+the ``torch/_dynamo/convert_frame.py`` frames. Compiled code runs as ``Torch-Compiled
+Region: F/R``. Each stretch of compile ranges on a thread is one stall; the step it sits
+in names the requests it delayed. The reason comes from torch's own compile records when
+the session metadata has them (servprof.probes.compile): the guard that failed (a new size
+of a dimension, a new batch size, a changed value). Graph breaks per step are the compiled
+regions a step runs whose frame is a resume function (``torch_dynamo_resume_in_*``).
+
+Findings: ``recompilation`` (one per function and cause, cost = the stalls' length) and
+``graph_break`` (cost = eager time between the compiled regions of the steps).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+from servprof.detect.finding import Finding, severity_for
+from servprof.detect.steps import Step, step_index
+from servprof.trace.model import Trace
+from servprof.trace.phases import request_phases
+
+STRONG_COMPILE_NAMES = frozenset({
+    "entire_frame_compile", "_compile.compile_inner", "backend_compile", "inductor_compile", "compile_fx_inner",
+    "OutputGraph.call_user_compiler", "create_aot_dispatcher_function", "fx_codegen_and_compile",
+    "bytecode_tracing", "compile_attempt_0", "build_guards"})
+WEAK_COMPILE_NAMES = frozenset({"dynamo"})  # counted only around a strong one (a common word)
+DYNAMO_TIMED = " (dynamo_timed)"
+PY_COMPILE_FRAME = re.compile(r"torch/_dynamo/convert_frame\.py\(\d+\): (?:_compile|compile_inner|__call__)$|"
+                              r"torch/_inductor/compile_fx\.py\(\d+\): compile_fx(?:_inner)?$")
+COMPILE_ID_ARG = re.compile(r"compile_id=\[?(\d+)/(\d+)")
+REGION = re.compile(r"^Torch-Compiled Region: \[?(\d+)/(\d+)")
+SIZE_GUARD = re.compile(r"tensor '([^']+)' size mismatch at index (\d+)\. expected (\d+), actual (\d+)")
+VALUE_GUARD = re.compile(r"(L\[[^\]]+\](?:\[[^\]]+\])*)\s*==\s*([^\s,]+)")
+MAX_STALLS_LISTED = 20
+WARNING_MS, CRITICAL_MS = 50.0, 500.0
+
+FIXES = {
+    "batch_size": ("Pad decode batches to a few bucket sizes (1, 2, 4, 8, ...) and run each once at start-up, "
+                   "or mark the batch dimension dynamic before the first call: torch._dynamo.mark_dynamic(x, 0) "
+                   "(or torch.compile(dynamic=True))."),
+    "dimension": ("Mark the dimension dynamic before the first call: torch._dynamo.mark_dynamic({name}, {dim}), "
+                  "or pad it to a few bucket sizes (dim 0 is usually the batch) and warm each up at start-up."),
+    "value": ("A Python value is baked into the graph ({guard}): pass it as a tensor, or make it a constant; "
+              "each new value compiles again."),
+    "first_compile": ("This shape was compiled while serving: run every shape the server will see (each batch "
+                      "and length bucket) once at start-up, before taking traffic."),
+    "unknown": ("Find the failing guard with TORCH_LOGS=recompiles (or torch._dynamo.utils.guard_failures); "
+                "then mark the changing dimension dynamic (torch._dynamo.mark_dynamic), pad it to buckets, or "
+                "warm those shapes up at start-up."),
+}
+GRAPH_BREAK_FIX = ("torch._dynamo.explain(fn)(*inputs) lists each break and its cause; remove it from the "
+                   "compiled code (print/logging, .item() or .tolist(), data-dependent Python branches, "
+                   "unsupported calls) or wrap the call with torch.compiler.allow_in_graph / a custom op.")
+
+
+def _compile_rows(trace: Trace) -> np.ndarray:
+    strong = trace.ids_matching(lambda s: s in STRONG_COMPILE_NAMES or s.endswith(DYNAMO_TIMED)
+                                or PY_COMPILE_FRAME.search(s) is not None)
+    return np.flatnonzero(np.isin(trace.name_id, strong) & trace.complete() & (trace.stream < 0))
+
+
+def compile_stalls(trace: Trace) -> list[dict[str, Any]]:
+    """Each stretch of compile ranges on one thread: start, end, and the compile id it names."""
+    rows = _compile_rows(trace)
+    if rows.size == 0:
+        return []
+    weak = np.flatnonzero(np.isin(trace.name_id, trace.ids_matching(lambda s: s in WEAK_COMPILE_NAMES))
+                          & trace.complete() & (trace.stream < 0))
+    ids = trace.ids_matching(lambda s: "compile_id=" in s)
+    id_rows = np.flatnonzero(np.isin(trace.name_id, ids)) if ids.size else np.zeros(0, dtype=np.int64)
+    stalls = []
+    keys = np.stack([trace.rank[rows].astype(np.int64), trace.pid[rows], trace.tid[rows]], axis=1)
+    for key in sorted({tuple(k) for k in keys.tolist()}):
+        on_thread = (trace.rank == key[0]) & (trace.pid == key[1]) & (trace.tid == key[2])
+        mine = rows[on_thread[rows]]
+        mine = mine[np.argsort(trace.ts[mine], kind="stable")]
+        intervals: list[list[float]] = []
+        for row in mine:
+            start, end = float(trace.ts[row]), float(trace.end[row])
+            if intervals and start <= intervals[-1][1]:
+                intervals[-1][1] = max(intervals[-1][1], end)
+            else:
+                intervals.append([start, end])
+        for row in weak[on_thread[weak]]:  # "dynamo" wraps a compile: widen the stretch it contains
+            start, end = float(trace.ts[row]), float(trace.end[row])
+            for interval in intervals:
+                if start <= interval[0] and interval[1] <= end:
+                    interval[0], interval[1] = start, end
+        thread_ids = id_rows[on_thread[id_rows]]
+        for start, end in intervals:
+            inside = thread_ids[(trace.ts[thread_ids] >= start) & (trace.ts[thread_ids] <= end)]
+            match = next((m for m in (COMPILE_ID_ARG.search(trace.name(int(r))) for r in inside) if m), None)
+            stalls.append({"rank": int(key[0]), "tid": int(key[2]), "start_us": start, "end_us": end,
+                           "ms": (end - start) / 1e3,
+                           "compile_id": f"{match.group(1)}/{match.group(2)}" if match else None})
+    # Inductor compiles files on worker threads while the compiling thread waits: a stretch that
+    # lies within a longer one on another thread of the rank is part of that compile.
+    return [s for s in stalls if not any(
+        o is not s and o["rank"] == s["rank"] and o["tid"] != s["tid"] and o["start_us"] <= s["start_us"]
+        and s["end_us"] <= o["end_us"] and (o["end_us"] - o["start_us"]) > (s["end_us"] - s["start_us"])
+        for o in stalls)]
+
+
+def _records(trace: Trace) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    """(compile records of the session, frame table, the compile metadata), type-checked."""
+    compile_meta = trace.servprof_metadata().get("compile")
+    if not isinstance(compile_meta, dict):
+        return [], {}, {}
+    records = [r for r in compile_meta.get("compiles") or [] if isinstance(r, dict)
+               and isinstance(r.get("start_time_us"), int) and isinstance(r.get("duration_us"), int)]
+    frames = compile_meta.get("frames") if isinstance(compile_meta.get("frames"), dict) else {}
+    return records, {k: v for k, v in frames.items() if isinstance(v, dict)}, compile_meta
+
+
+def _match_record(stall: dict[str, Any], records: list[dict[str, Any]], base_ns: float | None) -> dict[str, Any] | None:
+    for record in records:
+        if stall["compile_id"] and isinstance(record.get("compile_id"), str) and \
+                record["compile_id"].strip("[]") == stall["compile_id"]:
+            return record
+    if base_ns is None:
+        return None
+    for record in records:  # by time: torch's record is in unix µs
+        start = record["start_time_us"] - base_ns / 1e3
+        if start <= stall["end_us"] and start + record["duration_us"] >= stall["start_us"]:
+            return record
+    return None
+
+
+def classify(reason: str | None, compile_id: str | None, batch: int | None) -> dict[str, Any]:
+    """What made Dynamo compile: the kind of cause and its particulars."""
+    if not reason:
+        recompile = compile_id is not None and not compile_id.endswith("/0")
+        return {"cause": "unknown" if recompile else "first_compile"}
+    size = SIZE_GUARD.search(reason)
+    if size:
+        name, dim, expected, actual = size.group(1), int(size.group(2)), int(size.group(3)), int(size.group(4))
+        cause = "batch_size" if dim == 0 and actual == batch else "dimension"
+        return {"cause": cause, "tensor": name, "dim": dim, "expected": expected, "actual": actual}
+    value = VALUE_GUARD.search(reason)
+    if value:
+        return {"cause": "value", "guard": f"{value.group(1)} == {value.group(2)}"}
+    return {"cause": "unknown"}
+
+
+def _describe_cause(detail: dict[str, Any]) -> str:
+    cause = detail["cause"]
+    if cause == "batch_size":
+        return f"a new batch size ({detail['actual']})"
+    if cause == "dimension":
+        return f"a new size of {detail['tensor']} dim {detail['dim']} ({detail['expected']} -> {detail['actual']})"
+    if cause == "value":
+        return f"a changed value ({detail['guard']})"
+    if cause == "first_compile":
+        return "a first compile while serving"
+    return "a guard failure torch did not name here"
+
+
+def _fix(detail: dict[str, Any]) -> str:
+    cause = detail["cause"]
+    if cause == "dimension":
+        return FIXES["dimension"].format(name=detail["tensor"].split("[")[-1].strip("'\"]") or "x", dim=detail["dim"])
+    if cause == "value":
+        return FIXES["value"].format(guard=detail["guard"])
+    return FIXES[cause]
+
+
+def detect_recompilation(trace: Trace, steps: list[Step]) -> tuple[list[Finding], dict[str, Any]]:
+    records, frames, meta = _records(trace)
+    base = next((m.get("baseTimeNanoseconds") for m in trace.metadata.values()
+                 if isinstance(m.get("baseTimeNanoseconds"), (int, float))), None)
+    stalls = compile_stalls(trace)
+    stop_ns = trace.servprof_metadata().get("stop_wall_ns")
+    stop_us = (stop_ns - base) / 1e3 if isinstance(stop_ns, int) and base is not None else None
+    for stall in stalls:  # a compile still running when the capture stopped lasted at least this long
+        stall["cut_at_stop"] = stop_us is not None and stall["end_us"] >= stop_us - 1e3
+    index = step_index(steps, np.array([s["rank"] for s in stalls]), np.array([s["start_us"] for s in stalls])) \
+        if stalls and steps else np.full(len(stalls), -1)
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    windows = _request_windows(trace) if stalls else {}
+    for stall, where in zip(stalls, index.tolist(), strict=True):
+        step = steps[where] if where >= 0 else None
+        record = _match_record(stall, records, base)
+        in_step = list(step.request_ids) if step else []
+        # Requests in flight across the stall (queued, or between their steps) waited for it too.
+        waiting = [rid for rid, (lo, hi) in windows.items()
+                   if lo < stall["start_us"] and hi > stall["end_us"] and rid not in in_step]
+        stall.update({"in_step": step is not None, "step_kind": step.kind if step else None,
+                      "batch": step.batch if step else None, "request_ids": in_step + waiting,
+                      "waiting_request_ids": waiting,
+                      "function": (record or {}).get("co_name"),
+                      "torch_ms": record["duration_us"] / 1e3 if record else None,
+                      "reason": (record or {}).get("recompile_reason")})
+        stall["compile_id"] = stall["compile_id"] or (record or {}).get("compile_id")
+        stall["detail"] = classify(stall["reason"], stall["compile_id"], stall["batch"])
+        function = stall["function"] or (f"frame {stall['compile_id'].split('/')[0]}" if stall["compile_id"] else "?")
+        groups.setdefault((function, stall["detail"]["cause"]), []).append(stall)
+    findings = [_recompile_finding(function, group) for (function, _), group in groups.items()]
+    before = _before_session(meta, float(trace.ts.min()) if len(trace) else 0.0)
+    findings.extend(_recompile_finding(function, group, before_session=True) for (function, _), group in before.items())
+    regions = _regions_per_step(trace, steps, frames)
+    graph_breaks = regions.pop("graph_break_finding", None)
+    if graph_breaks is not None:
+        findings.append(graph_breaks)
+    summary = {
+        "compiles": len(stalls), "in_steps": sum(1 for s in stalls if s["in_step"]),
+        "stall_ms": sum(s["ms"] for s in stalls), "stall_ms_in_steps": sum(s["ms"] for s in stalls if s["in_step"]),
+        "torch_reported_ms": sum(r["duration_us"] for r in records) / 1e3 if records else None,
+        "compile_records": len(records),
+        "before_session": {"compiles": sum(len(g) for g in before.values()),
+                           "ms": sum(s["ms"] for g in before.values() for s in g)},
+        "counters_start": meta.get("counters_start"),
+        "counters_end": meta.get("counters_end"), "graph_break_reasons": meta.get("graph_break_reasons"),
+        **regions, "missing": _missing(stalls, regions, bool(meta)),
+    }
+    return findings, summary
+
+
+def _request_windows(trace: Trace) -> dict[str, tuple[float, float]]:
+    """Each marked request's first phase start and last phase end."""
+    return {rid: (min(float(p["start_us"]) for p in phases), max(float(p["end_us"]) for p in phases))
+            for rid, phases in request_phases(trace).items() if phases}
+
+
+def _before_session(meta: dict[str, Any], at_us: float) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """Compiles torch recorded while serving before this session (not in the trace): shown at
+    the trace's start, with torch's own durations and reasons."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for record in meta.get("before_session") or []:
+        if not isinstance(record, dict) or not isinstance(record.get("duration_us"), int):
+            continue
+        compile_id = record.get("compile_id") if isinstance(record.get("compile_id"), str) else None
+        reason = record.get("recompile_reason") if isinstance(record.get("recompile_reason"), str) else None
+        function = record.get("co_name") if isinstance(record.get("co_name"), str) else "?"
+        stall = {"start_us": at_us, "end_us": at_us, "ms": record["duration_us"] / 1e3, "compile_id": compile_id,
+                 "in_step": False, "step_kind": None, "batch": None, "request_ids": [], "tid": None,
+                 "torch_ms": record["duration_us"] / 1e3, "reason": reason,
+                 "unix_start_us": record.get("start_time_us"), "detail": classify(reason, compile_id, None)}
+        groups.setdefault((function, stall["detail"]["cause"]), []).append(stall)
+    return groups
+
+
+def _recompile_finding(function: str, stalls: list[dict[str, Any]], before_session: bool = False) -> Finding:
+    in_steps = [s for s in stalls if s["in_step"]]
+    cost = sum(s["ms"] for s in stalls)
+    detail = stalls[0]["detail"]
+    sizes = sorted({s["detail"]["actual"] for s in stalls if "actual" in s["detail"]})
+    requests = list(dict.fromkeys(r for s in stalls for r in s["request_ids"]))
+    what = _describe_cause(detail)
+    if sizes and detail["cause"] in ("batch_size", "dimension"):
+        what += f"; sizes seen: {', '.join(map(str, sizes))}"
+    if before_session:
+        title = (f"torch.compile compiled `{function}` {len(stalls)} time(s) while serving before this session "
+                 f"({cost:,.0f} ms stalled, torch's own records): {what}")
+    else:
+        where = f"{len(in_steps)} inside model steps" if in_steps else "outside any model step found"
+        cut = " (at least: still compiling when the capture stopped)" if any(s.get("cut_at_stop") for s in stalls) else ""
+        title = (f"torch.compile compiled `{function}` {len(stalls)} time(s) while serving ({where}), "
+                 f"{cost:,.0f} ms stalled{cut}: {what}")
+    torch_ms = [s["torch_ms"] for s in stalls if s["torch_ms"] is not None]
+    evidence = {
+        "function": function, "where": "before_session" if before_session else "in_trace",
+        "cause": detail["cause"], "detail": detail, "compiles": len(stalls),
+        "in_steps": len(in_steps), "stall_ms": cost, "torch_reported_ms": sum(torch_ms) if torch_ms else None,
+        "reasons": list(dict.fromkeys(s["reason"] for s in stalls if s["reason"]))[:5],
+        "stalls": [{k: s[k] for k in ("start_us", "ms", "compile_id", "step_kind", "batch", "request_ids",
+                                      "waiting_request_ids", "tid", "unix_start_us", "cut_at_stop") if k in s}
+                   for s in stalls[:MAX_STALLS_LISTED]],
+    }
+    severity = severity_for(cost, WARNING_MS, CRITICAL_MS) if in_steps or before_session else "info"
+    return Finding("recompilation", severity, cost, min(s["start_us"] for s in stalls),
+                   max(s["end_us"] for s in stalls), title, request_ids=requests[:100], evidence=evidence,
+                   fix=_fix(detail))
+
+
+def _regions_per_step(trace: Trace, steps: list[Step], frames: dict[str, Any]) -> dict[str, Any]:
+    """Compiled regions each step runs, and the graph breaks among them (resume functions)."""
+    ids = trace.ids_matching(lambda s: REGION.match(s) is not None)
+    if ids.size == 0 or not steps:
+        return {"steps_with_compiled_code": 0}
+    rows = np.flatnonzero(np.isin(trace.name_id, ids) & trace.complete())
+    where = step_index(steps, trace.rank[rows], trace.ts[rows])
+    per_step: dict[int, list[int]] = {}
+    for row, index in zip(rows.tolist(), where.tolist(), strict=True):
+        if index >= 0:
+            per_step.setdefault(index, []).append(row)
+    if not per_step:
+        return {"steps_with_compiled_code": 0}
+    counts, breaks, eager_us, step_us = [], [], 0.0, 0.0
+    for index, mine in per_step.items():
+        mine.sort(key=lambda r: trace.ts[r])
+        frame_ids = [REGION.match(trace.name(r)).group(1) for r in mine]  # type: ignore[union-attr]
+        counts.append(len(mine))
+        known = [frames.get(f) for f in frame_ids]
+        breaks.append(sum(1 for f in known if f and f.get("resume")) if all(known) else None)
+        covered = _union_us([(float(trace.ts[r]), float(trace.end[r])) for r in mine])
+        eager_us += max(float(trace.end[mine[-1]] - trace.ts[mine[0]]) - covered, 0.0)
+        step_us += steps[index].dur_us
+    known_breaks = [b for b in breaks if b is not None]
+    summary: dict[str, Any] = {
+        "steps_with_compiled_code": len(per_step), "compiled_regions_per_step": float(np.median(counts)),
+        "graph_breaks_per_step": float(np.median(known_breaks)) if known_breaks else None,
+        "eager_ms_between_regions": eager_us / 1e3,
+    }
+    if known_breaks and np.median(known_breaks) >= 1:
+        share = eager_us / step_us if step_us else 0.0
+        resumes = sorted({f["name"] for f in frames.values() if f.get("resume")})
+        summary["graph_break_finding"] = Finding(
+            "graph_break", "warning" if share >= 0.1 else "info", eager_us / 1e3,
+            min(steps[i].start_us for i in per_step), max(steps[i].end_us for i in per_step),
+            f"{np.median(known_breaks):g} graph break(s) per step in {len(per_step)} steps: "
+            f"{eager_us / 1e3:,.1f} ms ({share:.0%} of those steps) ran eagerly between compiled graphs",
+            request_ids=list(dict.fromkeys(r for i in per_step for r in steps[i].request_ids))[:100],
+            evidence={"steps": len(per_step), "graph_breaks_per_step": float(np.median(known_breaks)),
+                      "compiled_regions_per_step": float(np.median(counts)), "eager_ms": eager_us / 1e3,
+                      "share_of_steps": share, "resume_functions": resumes[:10]},
+            fix=GRAPH_BREAK_FIX)
+    return summary
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, -np.inf
+    for start, stop in sorted(intervals):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def _missing(stalls: list[dict[str, Any]], regions: dict[str, Any], have_metadata: bool) -> list[dict[str, str]]:
+    missing = []
+    if stalls and not have_metadata:
+        missing.append({"what": "recompile reasons", "message": (
+            "This trace shows compiles but not why: servprof's own sessions carry torch's compile records; "
+            "elsewhere run with TORCH_LOGS=recompiles to see the failing guard.")})
+    if regions.get("compiled_regions_per_step", 0) >= 2 and regions.get("graph_breaks_per_step") is None:
+        missing.append({"what": "graph breaks", "message": (
+            f"Steps run {regions['compiled_regions_per_step']:g} compiled regions each: graph breaks or separately "
+            "compiled modules. torch's compile records (in servprof's session metadata) tell which; "
+            "torch._dynamo.explain(fn)(*inputs) lists the breaks.")})
+    return missing

@@ -1,0 +1,118 @@
+"""The recompilation detector on real torch.compile traces recorded here (Dynamo with the eager
+backend; servprof's probe adds torch's compile records to the metadata). The demo server's
+--compile knob, live, is in test_memory_compile_live.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+from _memory_compile_helpers import record_compile_trace
+
+from servprof.detect.analysis import analyse
+from servprof.detect.recompilation import classify, compile_stalls
+from servprof.trace import load_trace
+
+# Each recording compiles a small function a few times (~0.5-1 s each on 2 cores).
+slow = pytest.mark.slow
+
+
+def _kind(analysis, kind: str):
+    return [f for f in analysis.findings if f.kind == kind]
+
+
+@slow
+def test_a_new_batch_size_recompiles_inside_the_step_and_is_named(tmp_path: Path):
+    path, records = record_compile_trace(tmp_path / "rc.json", warm=[2, 4], served=[2, 3, 4, 3])
+    assert len(records) == 1  # torch compiled once while profiling: for batch size 3
+    findings = _kind(analyse(load_trace(path)), "recompilation")
+    assert len(findings) == 1
+    finding = findings[0]
+    evidence = finding.evidence
+    assert evidence["cause"] == "batch_size" and evidence["detail"]["actual"] == 3
+    assert evidence["in_steps"] == 1 and evidence["stalls"][0]["batch"] == 3
+    # Measured by torch itself: the compile's duration in its own record.
+    assert evidence["stall_ms"] == pytest.approx(records[0].duration_us / 1e3, rel=0.2)
+    assert finding.cost_ms == evidence["stall_ms"]
+    assert finding.request_ids == ["req-1-0", "req-1-1", "req-1-2"]  # the step it stalled
+    assert "mark_dynamic" in finding.fix and "bucket" in finding.fix
+    assert finding.severity in ("warning", "critical")
+
+
+@slow
+def test_serving_only_warmed_up_shapes_finds_nothing(tmp_path: Path):
+    path, records = record_compile_trace(tmp_path / "clean.json", warm=[2, 4], served=[2, 4, 2, 4])
+    assert records == []
+    analysis = analyse(load_trace(path))
+    assert not _kind(analysis, "recompilation") and not _kind(analysis, "graph_break")
+    assert analysis.summary["compile"]["steps_with_compiled_code"] == 4
+    assert analysis.summary["compile"]["compiles"] == 0
+
+
+@slow
+def test_without_torchs_records_the_stall_is_still_found_and_the_reason_is_missing(tmp_path: Path):
+    path, records = record_compile_trace(tmp_path / "bare.json", warm=[2], served=[2, 5], probes=False)
+    analysis = analyse(load_trace(path))
+    findings = _kind(analysis, "recompilation")
+    assert len(findings) == 1 and findings[0].evidence["cause"] == "unknown"
+    assert findings[0].evidence["stall_ms"] == pytest.approx(records[0].duration_us / 1e3, rel=0.2)
+    assert findings[0].evidence["stalls"][0]["compile_id"] == records[0].compile_id
+    assert any(m["what"] == "recompile reasons" for m in analysis.summary["missing"])
+
+
+@slow
+def test_graph_breaks_are_counted_per_step(tmp_path: Path):
+    path, _ = record_compile_trace(tmp_path / "gb.json", warm=[2], served=[2, 2, 2], graph_break=True)
+    analysis = analyse(load_trace(path))
+    summary = analysis.summary["compile"]
+    assert summary["compiled_regions_per_step"] == 2 and summary["graph_breaks_per_step"] == 1
+    findings = _kind(analysis, "graph_break")
+    assert len(findings) == 1
+    assert findings[0].evidence["resume_functions"] and "explain" in findings[0].fix
+    # Without the frame table the regions are counted but not called breaks.
+    bare, _ = record_compile_trace(tmp_path / "gb-bare.json", warm=[2], served=[2, 2], graph_break=True, probes=False)
+    bare_analysis = analyse(load_trace(bare))
+    assert bare_analysis.summary["compile"]["graph_breaks_per_step"] is None
+    assert not _kind(bare_analysis, "graph_break")
+    assert any(m["what"] == "graph breaks" for m in bare_analysis.summary["missing"])
+
+
+def test_compile_workers_on_other_threads_are_part_of_one_stall(tmp_path: Path):
+    """Inductor compiles files on worker threads while the compiling thread waits: found as one."""
+    events = [
+        {"ph": "X", "name": "entire_frame_compile", "ts": 100.0, "dur": 900.0, "pid": 1, "tid": 1, "cat": "cpu_op"},
+        {"ph": "X", "name": "inductor_compile_data: compile_id=0/2", "ts": 150.0, "dur": 1.0, "pid": 1, "tid": 1,
+         "cat": "user_annotation"},
+        {"ph": "X", "name": "compile_file (dynamo_timed)", "ts": 300.0, "dur": 400.0, "pid": 1, "tid": 2, "cat": "cpu_op"},
+    ]
+    path = tmp_path / "workers.json"
+    path.write_bytes(orjson.dumps({"traceEvents": events}))
+    stalls = compile_stalls(load_trace(path))
+    assert len(stalls) == 1 and stalls[0]["compile_id"] == "0/2"
+    assert stalls[0]["ms"] == pytest.approx(0.9) and stalls[0]["start_us"] == pytest.approx(100.0)
+
+
+@pytest.mark.parametrize(("reason", "batch", "cause"), [
+    ("0/0: tensor 'x' size mismatch at index 0. expected 2, actual 3", 3, "batch_size"),
+    ("0/0: tensor 'x' size mismatch at index 1. expected 128, actual 256", 3, "dimension"),
+    ("0/1: L['temperature'] == 0.7", None, "value"),
+    ("0/0: ___check_obj_id(L['self'], 1407)", None, "unknown"),
+    (None, None, "first_compile"),
+])
+def test_reasons_are_classified(reason, batch, cause):
+    compile_id = "0/1" if reason else "0/0"
+    assert classify(reason, compile_id, batch)["cause"] == cause
+
+
+def test_an_inductor_recompile_recorded_by_the_project_is_found():
+    """tests/fixtures/torch_compile_recompile.json.gz (bench/record_compile_fixture.py): Inductor
+    on CPU, warmed at batch 2, then batch 3 recompiles inside its decode step."""
+    trace = load_trace(Path(__file__).parent / "fixtures" / "torch_compile_recompile.json.gz")
+    analysis = analyse(trace)
+    (finding,) = _kind(analysis, "recompilation")
+    assert finding.evidence["cause"] == "batch_size" and finding.evidence["in_steps"] == 1
+    # torch's own record of that compile, carried in the trace's metadata by servprof's probe.
+    (record,) = trace.servprof_metadata()["compile"]["compiles"]
+    assert finding.evidence["stall_ms"] == pytest.approx(record["duration_us"] / 1e3, rel=0.2)
+    assert finding.request_ids == ["req-1-0", "req-1-1", "req-1-2"]
