@@ -29,6 +29,9 @@ from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile
 
 from servprof.analysis import empty_result, kill_running_analyses, run_analysis
+from servprof.auto import AutoInstrumentation
+from servprof.auto.session import SessionInstruments
+from servprof.budget import STOP_AT, EventBudget, LiveSignals
 from servprof.observers import RequestRecord
 from servprof.settings import Settings
 from servprof.store import StoreError, TraceStore
@@ -73,12 +76,22 @@ class Session:
         self.trace_raw_bytes = 0
         self.result: dict[str, Any] | None = None
         self.event_loop_tid: int | None = None  # the serving loop's thread, so analysis can tell loop work apart
+        self.instruments: SessionInstruments | None = None  # automatic phases + loop watchdog, while capturing
         self.started = threading.Event()  # set once capturing, or failed before capturing
         self.finished = threading.Event()
 
     def has_room(self) -> bool:
         return (self.state in (STARTING, CAPTURING) and self.stop_requested is None
                 and len(self.records) < self.target_requests)
+
+    def watch_loop(self) -> None:
+        """Called on the serving loop by the first sampled request: the watchdog attaches to it."""
+        instruments = self.instruments
+        if instruments is not None and self.state == CAPTURING:
+            instruments.attach_loop()
+
+    def open_request_ids(self) -> list[str]:
+        return [r.request_id for r in list(self.records) if r.end_ns is None]
 
     def steps(self) -> int:
         """Decode steps so far, estimated as the most body chunks any sampled request streamed."""
@@ -97,6 +110,7 @@ class Session:
                 "wall_start_ns": self.wall_start_ns, "perf_start_ns": self.perf_start_ns,
                 "duration_s": self.duration_s(), "busy_s": self.busy_ns / 1e9, "steps": self.steps(),
                 "trace_file": str(self.trace_path) if self.trace_path else None,
+                **(self.instruments.summary if self.instruments is not None else {}),
                 "requests": [_record_summary(r) for r in list(self.records)]}
 
 
@@ -122,8 +136,8 @@ class CaptureController:
         self.warmup_error: str | None = None
         self.sessions_started = 0  # profiler starts by servprof in this process (warm-up excluded)
         self.in_flight = 0  # HTTP requests being served by any ServprofMiddleware in this process
-        self.events_per_second: float | None = None  # learned from the last finished session
-        self.events_per_step: float | None = None
+        self.budget = EventBudget()  # events per step / chunk / second, learned from stored traces
+        self.auto = AutoInstrumentation()
         self._atexit_registered = False
 
     # --- called from the event loop: cheap, never blocking --------------------------------------
@@ -242,13 +256,25 @@ class CaptureController:
         prof.start()
         self._profiler = prof
         self.sessions_started += 1
+        session.instruments = SessionInstruments(session.settings, self.auto, self.budget, session.open_request_ids,
+                                                 lambda: self.in_flight, self._wake.set)
+        session.instruments.start()
         session.state = CAPTURING
         session.started.set()
 
+    @property
+    def events_per_second(self) -> float | None:
+        return self.budget.per_second
+
+    @property
+    def events_per_step(self) -> float | None:
+        return self.budget.per_step or self.budget.per_chunk
+
     def estimated_events(self, elapsed_s: float, steps: int, assumed_per_s: float = 0.0) -> float:
-        by_time = (self.events_per_second or assumed_per_s) * elapsed_s
-        by_steps = (self.events_per_step or 0.0) * steps
-        return max(by_time, by_steps)
+        session = self.session
+        instruments = session.instruments if session is not None else None
+        live = instruments.live() if instruments is not None else LiveSignals()
+        return self.budget.estimate(elapsed_s, steps, live, assumed_per_s)
 
     def _stop_reason(self, session: Session) -> str | None:
         if session.stop_requested:
@@ -268,7 +294,8 @@ class CaptureController:
             return "max_session_s"
         if steps >= settings.max_session_steps:
             return "max_session_steps"
-        if self.estimated_events(session.busy_ns / 1e9, steps, settings.assumed_events_per_s) >= settings.max_session_events:
+        if self.estimated_events(session.busy_ns / 1e9, steps, settings.assumed_events_per_s) >= \
+                self.budget.budget(settings) * STOP_AT:
             return "max_session_events"
         return None
 
@@ -277,7 +304,10 @@ class CaptureController:
         session.state = STOPPING
         prof, self._profiler = self._profiler, None
         assert prof is not None
-        metadata = {"session_id": session.session_id, "request_ids": [r.request_id for r in session.records],
+        instruments = session.instruments
+        # The watchdog stops first: whatever the loop waits for from here on is servprof's stop/export.
+        serving = instruments.stop() if instruments is not None else {}
+        metadata = {**serving, "session_id": session.session_id, "request_ids": [r.request_id for r in session.records],
                     "wall_start_ns": session.wall_start_ns, "perf_start_ns": session.perf_start_ns,
                     "stop_reason": why, "reason": session.reason, "event_loop_tid": session.event_loop_tid,
                     # From here on the profiler's own stop() holds the GIL: whatever the trace shows
@@ -288,6 +318,8 @@ class CaptureController:
         session.steps_captured = session.steps()
         prof.stop()  # holds the GIL ~5-9 us per captured event: why the sessions are bounded
         session.perf_end_ns = time.perf_counter_ns()
+        if instruments is not None:
+            instruments.remove()
         session.state = EXPORTING
         try:
             session.trace_path, session.trace_raw_bytes = session.store.export(prof, session.session_id)
@@ -319,15 +351,11 @@ class CaptureController:
         count = (result.get("summary") or {}).get("event_count")
         if not isinstance(count, (int, float)) or count <= 0:
             count = session.trace_raw_bytes / RAW_BYTES_PER_EVENT
-        steps = session.steps_captured  # not steps(): the sampled streams went on after the stop
-        # Busy capture time only (stop() holds the GIL, so next to nothing is captured during it).
-        duration = session.busy_ns / 1e9
-        if count > 0 and duration > 0:
-            # A quiet session must not talk the next, busier one into a long capture:
-            # an old rate fades by half per session instead of being forgotten.
-            self.events_per_second = max(count / duration, (self.events_per_second or 0.0) / 2)
-            if steps:
-                self.events_per_step = max(count / steps, (self.events_per_step or 0.0) / 2)
+        auto = (session.instruments.summary.get("auto") or {}) if session.instruments is not None else {}
+        model_steps = auto.get("steps") or 0
+        # Busy capture time only (stop() holds the GIL, so next to nothing is captured during it);
+        # chunks at the stop, not now: the sampled streams went on after it.
+        self.budget.learn(count, session.settings, session.busy_ns / 1e9, model_steps, session.steps_captured)
 
     def _fail(self, session: Session, error: str, store_problem: bool = False) -> None:
         session.error = error
@@ -337,6 +365,9 @@ class CaptureController:
             # Already failing: the first error is the one worth reporting.
             with contextlib.suppress(Exception):
                 prof.stop()
+        if session.instruments is not None:
+            with contextlib.suppress(Exception):
+                session.instruments.remove()
         self._end(session, FAILED)
 
     def _end(self, session: Session, state: str) -> None:

@@ -114,6 +114,7 @@ class ServprofRuntime:
         record.session_id = session.session_id
         if session.event_loop_tid is None:
             session.event_loop_tid = threading.get_native_id()  # join_session runs on the serving loop
+            session.watch_loop()
         return session
 
     # --- the capture thread calls these ---------------------------------------------------------
@@ -162,10 +163,12 @@ class ServprofRuntime:
             "profiler": {"warm": controller.warm, "warmup_error": controller.warmup_error,
                          "sessions_started_in_process": controller.sessions_started,
                          "events_per_second": controller.events_per_second,
-                         "events_per_step": controller.events_per_step},
+                         "events_per_step": controller.events_per_step,
+                         "event_budget": controller.budget.status()},
             "current_session": current.description() if current is not None else None,
             "last_sessions": list(self.history),
             "last_findings": last.get("findings", []),
+            "missing": self.missing(),
             "last_analysis": {k: last.get(k) for k in ("session_id", "error", "summary")} if last else None,
             "last_error": self.last_error,
             "observers": {"count": len(self.observers), "errors": self.counters["observer_errors"],
@@ -176,6 +179,20 @@ class ServprofRuntime:
         if extra is not None:
             status.update(extra())
         return status
+
+    def missing(self) -> list[dict[str, str]]:
+        """What the last session could not show, and how to get it (docs/CONTRACTS.md
+        ``summary["missing"]``): the analysis' entries, then the serving side's own (automatic
+        phases off, no tokenizer library, no loop watched) when the analysis did not carry them."""
+        last_session = self.history[-1] if self.history else {}
+        summary = (self.last_result or {}).get("summary") or {}
+        if self.last_result is not None and self.last_result.get("session_id") != last_session.get("session_id"):
+            summary = {}  # the last session's analysis did not come back (failed or skipped)
+        out: list[dict[str, str]] = []
+        for entry in [*(summary.get("missing") or []), *(last_session.get("missing") or [])]:
+            if isinstance(entry, dict) and entry not in out:
+                out.append(entry)
+        return out
 
     def _telemetry_status(self) -> dict[str, Any] | None:
         # This middleware's own telemetry observer (exporter, span counts, dropped spans).

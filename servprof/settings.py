@@ -36,6 +36,10 @@ class Settings:
     control_token: str | None = None  # enables /servprof/* and the x-servprof-sample header
     control_prefix: str = "/servprof"
     max_on_demand: int = 64  # largest n accepted by POST /servprof/sample
+    # Which requests every/rate/on-demand sampling counts (servprof.sampling.RouteFilter): comma-separated
+    # globs on the path. Empty sample_routes: any method but GET/HEAD/OPTIONS. The header policy ignores both.
+    sample_routes: str = ""
+    skip_routes: str = "/health*,/healthz*,/ready*,/readyz*,/live*,/livez*,/ping*,/metrics*,/favicon.ico"
     on_demand_min_interval_s: float = 1.0  # rate limit on POST /servprof/sample
 
     # Session bounds: a session ends at whichever comes first. stop() and export hold the GIL
@@ -51,6 +55,9 @@ class Settings:
     record_shapes: bool = False
     with_stack: bool = False
     warmup: bool = True  # warm Kineto up in the background at start-up
+    # Zero-touch phases while a session runs (servprof.auto): model steps, tokenizer calls.
+    auto_instrument: bool = True
+    loop_stall_ms: float = 10.0  # the serving loop not ticking this long is a stall (0: no watchdog)
 
     # Trace store retention (oldest files go first).
     trace_max_files: int = 20
@@ -90,6 +97,7 @@ class Settings:
             (self.max_session_events > 0, "max_session_events must be > 0"),
             (self.max_session_steps > 0, "max_session_steps must be > 0"),
             (self.assumed_events_per_s >= 0, "assumed_events_per_s must be >= 0"),
+            (self.loop_stall_ms >= 0, "loop_stall_ms must be >= 0"),
             (self.max_on_demand >= 1, "max_on_demand must be >= 1"),
             (self.trace_max_files >= 1, "trace_max_files must be >= 1"),
             (self.trace_max_mb > 0, "trace_max_mb must be > 0"),
@@ -97,6 +105,11 @@ class Settings:
             (self.control_prefix.startswith("/") and not self.control_prefix.endswith("/"),
              "control_prefix must start with '/' and not end with '/'"),
         ]
+        for name in ("sample_routes", "skip_routes"):
+            for pattern in getattr(self, name).split(","):
+                pattern = pattern.strip()
+                if pattern and not pattern.startswith(("/", "*")):
+                    checks.append((False, f"{name}: {pattern!r} is not a path glob (start it with '/' or '*')"))
         for ok, message in checks:
             if not ok:
                 raise SettingsError(f"servprof: {message} (set through {ENV_PREFIX}<NAME> or keyword)")

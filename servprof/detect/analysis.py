@@ -8,6 +8,7 @@ from typing import Any
 from servprof.detect.bandwidth_bound_decode import detect_bandwidth_bound
 from servprof.detect.decode_gap import detect_decode_gaps, find_gaps
 from servprof.detect.finding import Finding
+from servprof.detect.loop_stall import detect_loop_stalls
 from servprof.detect.steps import Step, find_steps
 from servprof.detect.tokenization_stall import detect_tokenization_stalls
 from servprof.trace.loader import paused_gc
@@ -34,7 +35,9 @@ def _analyse(trace: Trace, requests: list[dict[str, Any]] | None, device: str | 
     gap_findings, gap_summary = detect_decode_gaps(trace, steps, (gaps, gap_stats))
     token_findings, token_summary = detect_tokenization_stalls(trace, steps, gaps)
     bw_findings, bw_summary, kernels = detect_bandwidth_bound(trace, steps, device)
-    findings = sorted([*gap_findings, *token_findings, *bw_findings], key=lambda f: f.cost_ms, reverse=True)
+    stall_findings, stall_summary = detect_loop_stalls(trace, token_findings)
+    findings = sorted([*gap_findings, *token_findings, *bw_findings, *stall_findings], key=lambda f: f.cost_ms,
+                      reverse=True)
     _attribute_to_session(findings, requests)
     summary = {
         "source": trace.source,
@@ -47,10 +50,11 @@ def _analyse(trace: Trace, requests: list[dict[str, Any]] | None, device: str | 
             "source": sorted({s.source for s in steps}),
         },
         "findings": {k: sum(1 for f in findings if f.kind == k) for k in
-                     ("tokenization_stall", "decode_gap", "bandwidth_bound_decode")},
+                     ("tokenization_stall", "decode_gap", "bandwidth_bound_decode", "loop_stall")},
         "decode_gap": gap_summary,
         "tokenization": token_summary,
         "bandwidth": bw_summary,
+        "loop_stalls": stall_summary,
         "requests_given": len(requests or []),
     }
     return Analysis(findings, summary, steps, gaps, kernels)

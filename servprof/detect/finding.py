@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Severity = Literal["info", "warning", "critical"]
-KINDS = ("tokenization_stall", "decode_gap", "bandwidth_bound_decode")
+KINDS = ("tokenization_stall", "decode_gap", "bandwidth_bound_decode", "loop_stall")
 SEVERITY_ORDER = {"info": 0, "warning": 1, "critical": 2}
 
 

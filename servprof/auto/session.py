@@ -1,0 +1,112 @@
+"""What one session switches on around the profiler: automatic phases, the loop watchdog,
+and the step hooks' call for a stop when the event budget is spent.
+
+The capture thread calls ``start`` right after the profiler's start(), ``stop`` right
+before its stop() (the watchdog's stalls and the serving side's ``missing`` go into the
+trace's ``servprof`` metadata then), and ``remove`` right after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from servprof.auto import AutoInstrumentation
+from servprof.budget import EventBudget, LiveSignals
+from servprof.watchdog import LoopWatchdog
+
+AUTO_OFF = ("Automatic phases are off (SERVPROF_AUTO_INSTRUMENT=0): model steps and tokenization are found only "
+            "where the server marks them with `servprof.phase(...)`; unset it to have servprof mark them.")
+WATCHDOG_OFF = ("The event-loop watchdog is off (SERVPROF_LOOP_STALL_MS=0): a call that blocks the serving loop "
+                "is not named; set it to e.g. 10.")
+NO_LOOP = ("No sampled request ran on an asyncio event loop in this session, so loop stalls were not watched.")
+
+
+_UNSAFE = str.maketrans({"\\": "/", '"': "'", **{chr(c): " " for c in range(32)}})
+
+
+def metadata_safe(value: Any) -> Any:
+    """``value`` with no character JSON must escape: the profiler's add_metadata_json turns
+    a backslash into '/', which breaks every escape (``\\"`` -> ``/"``) and the trace file."""
+    if isinstance(value, str):
+        return value.translate(_UNSAFE)
+    if isinstance(value, dict):
+        return {metadata_safe(k): metadata_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [metadata_safe(v) for v in value]
+    return value
+
+
+class SessionInstruments:
+    def __init__(self, settings: Any, auto: AutoInstrumentation, budget: EventBudget,
+                 open_request_ids: Callable[[], list[str]], in_flight: Callable[[], int],
+                 wake: Callable[[], None]):
+        self.settings = settings
+        self.auto = auto if settings.auto_instrument else None
+        self.budget = budget
+        self._open_request_ids = open_request_ids
+        self._wake = wake
+        self._step_limit: int | None = None
+        self._asked_stop = False
+        self.watchdog = LoopWatchdog(settings.loop_stall_ms, in_flight, open_request_ids)
+        self.summary: dict[str, Any] = {}
+
+    # --- capture thread ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.auto is None:
+            return
+        try:
+            self.auto.start(self._open_request_ids, self._on_step)
+        except Exception as exc:  # noqa: BLE001 - a hook that cannot go in must not fail the session
+            self.auto.remove()
+            self.auto.problem = f"automatic phases could not be installed: {type(exc).__name__}: {exc}"
+            self.auto.hooks_active = False
+
+    def attach_loop(self) -> None:
+        """On the serving loop (the first sampled request's join)."""
+        self.watchdog.attach()
+
+    def live(self) -> LiveSignals:
+        return self.auto.live() if self.auto is not None else LiveSignals()
+
+    def stop(self) -> dict[str, Any]:
+        """Before the profiler's stop(): what goes into the trace's servprof metadata."""
+        stalls = self.watchdog.stop()
+        if self.auto is not None:
+            self.auto.stop()
+        missing = []
+        if self.auto is None:
+            missing.append({"what": "automatic phases", "message": AUTO_OFF})
+        else:
+            missing.extend(self.auto.missing())
+        if self.watchdog.threshold_ns <= 0:
+            missing.append({"what": "event-loop stalls", "message": WATCHDOG_OFF})
+        elif self.watchdog.loop is None:
+            missing.append({"what": "event-loop stalls", "message": NO_LOOP})
+        self.summary = metadata_safe({
+            "event_budget": round(self.budget.budget(self.settings)),
+            "auto": self.auto.summary() if self.auto is not None else {"enabled": False},
+            "watchdog": self.watchdog.summary(),
+            "missing": missing,
+        })
+        return {**self.summary, "loop_stalls": metadata_safe(stalls)}
+
+    def remove(self) -> None:
+        """After the profiler's stop() (also on a failed session)."""
+        self.watchdog.stop()
+        if self.auto is not None:
+            self.auto.remove()
+
+    # --- the step hooks (serving threads) ---------------------------------------------------------
+
+    def _on_step(self, steps: int) -> None:
+        limit = self._step_limit
+        if limit is None:
+            limit = self._step_limit = self.budget.step_limit(self.settings, self.auto.live() if self.auto else
+                                                              LiveSignals())
+            if limit is None:
+                return
+        if steps >= limit and not self._asked_stop:
+            self._asked_stop = True
+            self._wake()  # the capture thread checks the budget now, not at its next poll

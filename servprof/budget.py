@@ -1,0 +1,120 @@
+"""The event budget: how many events a session has captured, estimated while it runs.
+
+A session's event count cannot be read while the profiler runs, and ``stop()``/export
+hold the GIL a few µs per event, so the count is estimated from live signals and the
+session stopped before it passes the budget:
+
+* **model steps** counted by the automatic step hooks (servprof.auto.steps), times the
+  events per step measured from earlier sessions' stored traces. Before a session has
+  measured it, a prior from the module calls seen in the first steps:
+  ``PRIOR_EVENTS_PER_MODULE_CALL`` per nested module call (transformers' Llama makes ~18-21
+  events per module call, a hand-written model ~11). While those first steps run, module
+  calls are counted live and the estimate is calls x that prior.
+  Steps scale with load (more threads or more requests step more), so a load that jumps
+  mid-session moves the estimate with it; events per step do not depend on batch size.
+* **streamed chunks** of the sampled requests (the old decode-step estimate) times the
+  events per chunk a reliable session measured.
+* **busy time** x an event rate, only where no step signal exists (automatic phases off,
+  a torch.compile'd model, or no module call at all after ``STEPLESS_GRACE_S`` of busy
+  time). The rate starts at ``Settings.assumed_events_per_s`` and is never lowered by more
+  than half per session, so a session too small to tell (the first one of a quiet server)
+  cannot talk the next one into a long capture.
+
+A rate is learned only from a session that captured ``MIN_LEARN_EVENTS`` (or a quarter of
+a smaller budget). ``record_shapes`` roughly triples what ``stop()`` costs per
+event, so with it the budget in events is a third (``cost_factor``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+PRIOR_EVENTS_PER_MODULE_CALL = 24.0
+MIN_LEARN_EVENTS = 500
+RELIABLE_SHARE = 0.25  # of the budget: a session with fewer events than this and MIN_LEARN_EVENTS teaches no rate
+STEPLESS_GRACE_S = 0.25
+STOP_AT = 0.9  # the share of the budget at which the step hooks ask for the stop
+SHAPES_COST_FACTOR = 3.0  # stop() per event with record_shapes / without (facts: ~3x)
+STACK_COST_FACTOR = 2.0  # with_stack adds a Python event per call
+
+
+@dataclass
+class LiveSignals:
+    """What the automatic instrumentation counted in the running session."""
+
+    hooks_active: bool = False  # step hooks installed (auto on, torch present, no compiled model)
+    steps: int = 0
+    module_calls: int = 0
+    discovering: bool = False
+    calls_per_step: float | None = None
+
+
+def cost_factor(settings: Any) -> float:
+    factor = 1.0
+    if getattr(settings, "record_shapes", False):
+        factor *= SHAPES_COST_FACTOR
+    if getattr(settings, "with_stack", False):
+        factor *= STACK_COST_FACTOR
+    return factor
+
+
+class EventBudget:
+    def __init__(self) -> None:
+        self.per_step: float | None = None  # events per model step (step hooks)
+        self.per_chunk: float | None = None  # events per streamed chunk of the busiest sampled request
+        self.per_second: float | None = None  # events per busy second
+        self.history: list[dict[str, Any]] = []  # last sessions: events / budget (status)
+
+    def budget(self, settings: Any) -> float:
+        return settings.max_session_events / cost_factor(settings)
+
+    def _per_step(self, live: LiveSignals) -> float | None:
+        if self.per_step:
+            return self.per_step
+        if live.calls_per_step:
+            return live.calls_per_step * PRIOR_EVENTS_PER_MODULE_CALL
+        return None
+
+    def step_limit(self, settings: Any, live: LiveSignals) -> int | None:
+        """Steps after which the hooks ask for the stop (None while unknown)."""
+        per_step = self._per_step(live)
+        if not per_step:
+            return None
+        return max(1, int(self.budget(settings) * STOP_AT / per_step))
+
+    def estimate(self, busy_s: float, chunks: int, live: LiveSignals, assumed_per_s: float) -> float:
+        terms = [0.0]
+        per_step = self._per_step(live)
+        if live.hooks_active:
+            if per_step:
+                terms.append(per_step * live.steps)
+            else:  # the first steps of the first session: module calls counted live
+                terms.append(live.module_calls * PRIOR_EVENTS_PER_MODULE_CALL)
+        if self.per_chunk:
+            terms.append(self.per_chunk * chunks)
+        stepless = not live.hooks_active or (live.steps == 0 and live.module_calls == 0 and busy_s >= STEPLESS_GRACE_S)
+        if stepless:
+            terms.append((self.per_second or assumed_per_s) * busy_s)
+        return max(terms)
+
+    def learn(self, events: float, settings: Any, busy_s: float, steps: int, chunks: int) -> None:
+        budget = self.budget(settings)
+        self.history = [*self.history[-9:], {"events": round(events), "budget": round(budget),
+                                              "ratio": round(events / budget, 3) if budget else None}]
+        if events <= 0:
+            return
+        reliable = events >= min(MIN_LEARN_EVENTS, RELIABLE_SHARE * budget)
+        if busy_s > 0:
+            # Never below half the last rate: a quiet or tiny session cannot open the next one wide.
+            self.per_second = max(events / busy_s, (self.per_second or settings.assumed_events_per_s) / 2)
+        if not reliable:
+            return
+        if steps >= 2:
+            self.per_step = max(events / steps, (self.per_step or 0.0) / 2)
+        if chunks >= 2:
+            self.per_chunk = max(events / chunks, (self.per_chunk or 0.0) / 2)
+
+    def status(self) -> dict[str, Any]:
+        return {"events_per_step": self.per_step, "events_per_chunk": self.per_chunk,
+                "events_per_second": self.per_second, "last_sessions": list(self.history)}
