@@ -20,8 +20,9 @@ session stopped before it passes the budget:
   than half per session, so a session too small to tell (the first one of a quiet server)
   cannot talk the next one into a long capture.
 
-A rate is learned only from a session that captured ``MIN_LEARN_EVENTS`` (or a quarter of
-a smaller budget). ``record_shapes`` roughly triples what ``stop()`` costs per
+A rate per second or per chunk is learned only from a session that captured
+``MIN_LEARN_EVENTS`` (or a quarter of a smaller budget); events per step from any session
+with ``MIN_LEARN_STEPS`` steps. ``record_shapes`` roughly triples what ``stop()`` costs per
 event, so with it the budget in events is a third (``cost_factor``).
 """
 
@@ -33,6 +34,7 @@ from typing import Any
 PRIOR_EVENTS_PER_MODULE_CALL = 24.0
 MIN_LEARN_EVENTS = 500
 RELIABLE_SHARE = 0.25  # of the budget: a session with fewer events than this and MIN_LEARN_EVENTS teaches no rate
+MIN_LEARN_STEPS = 3  # events per step are a property of the model: a few steps tell them
 STEPLESS_GRACE_S = 0.25
 STOP_AT = 0.9  # the share of the budget at which the step hooks ask for the stop
 SHAPES_COST_FACTOR = 3.0  # stop() per event with record_shapes / without (facts: ~3x)
@@ -45,6 +47,7 @@ class LiveSignals:
 
     hooks_active: bool = False  # step hooks installed (auto on, torch present, no compiled model)
     steps: int = 0
+    open_steps: int = 0  # steps running now: each thread in one may start another before a stop lands
     module_calls: int = 0
     discovering: bool = False
     calls_per_step: float | None = None
@@ -77,18 +80,25 @@ class EventBudget:
         return None
 
     def step_limit(self, settings: Any, live: LiveSignals) -> int | None:
-        """Steps after which the hooks ask for the stop (None while unknown)."""
+        """Steps (started, plus those running now) after which the hooks ask for the stop
+        (None while unknown)."""
         per_step = self._per_step(live)
         if not per_step:
             return None
         return max(1, int(self.budget(settings) * STOP_AT / per_step))
+
+    @staticmethod
+    def steps_ahead(live: LiveSignals) -> int:
+        """Steps counted against the budget: those started, plus one more for every thread in
+        a step now (it can start its next one while the stop waits for the GIL)."""
+        return live.steps + live.open_steps
 
     def estimate(self, busy_s: float, chunks: int, live: LiveSignals, assumed_per_s: float) -> float:
         terms = [0.0]
         per_step = self._per_step(live)
         if live.hooks_active:
             if per_step:
-                terms.append(per_step * live.steps)
+                terms.append(per_step * self.steps_ahead(live))
             else:  # the first steps of the first session: module calls counted live
                 terms.append(live.module_calls * PRIOR_EVENTS_PER_MODULE_CALL)
         if self.per_chunk:
@@ -108,10 +118,10 @@ class EventBudget:
         if busy_s > 0:
             # Never below half the last rate: a quiet or tiny session cannot open the next one wide.
             self.per_second = max(events / busy_s, (self.per_second or settings.assumed_events_per_s) / 2)
+        if steps >= MIN_LEARN_STEPS and events >= 100:
+            self.per_step = max(events / steps, (self.per_step or 0.0) / 2)
         if not reliable:
             return
-        if steps >= 2:
-            self.per_step = max(events / steps, (self.per_step or 0.0) / 2)
         if chunks >= 2:
             self.per_chunk = max(events / chunks, (self.per_chunk or 0.0) / 2)
 

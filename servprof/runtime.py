@@ -16,6 +16,7 @@ from typing import Any
 
 import anyio.to_thread
 
+from servprof.auto import install_thread_inheritance
 from servprof.capture import CAPTURING, STARTING, CaptureController, Session, get_controller
 from servprof.observers import RequestObserver, RequestRecord
 from servprof.sampling import REASON_ON_DEMAND, Sampler
@@ -61,6 +62,8 @@ class ServprofRuntime:
         self.last_order_at = 0.0
         if settings.enabled:
             self.controller.ensure_running(settings.warmup)
+            if settings.auto_instrument:
+                install_thread_inheritance()  # threads started for a request carry its id into sessions
 
     # --- sampling --------------------------------------------------------------------------------
 

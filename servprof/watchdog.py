@@ -27,6 +27,8 @@ from typing import Any
 
 BEAT_S = 0.002
 POLL_S = 0.004
+SAMPLE_FROM = 0.25  # sampling starts when the loop is this share of the threshold late (the start
+# of a stall names the blocking call as well as its end); only stalls past the threshold are kept
 MAX_STALLS = 200  # per session: the longest are kept
 MAX_FRAMES = 40
 MAX_STACKS = 4  # distinct stacks kept per stall
@@ -80,12 +82,13 @@ def _responder_request_id(frame: Any) -> str | None:
 
 
 class _Stall:
-    __slots__ = ("since_beat_ns", "stacks", "samples", "request_id")
+    __slots__ = ("since_beat_ns", "stacks", "samples", "idle_samples", "request_id")
 
     def __init__(self, since_beat_ns: int):
         self.since_beat_ns = since_beat_ns
         self.stacks: Counter[tuple[tuple[str, str, int], ...]] = Counter()
         self.samples = 0
+        self.idle_samples = 0  # the loop was in its selector: waiting for the GIL or a CPU, not blocked
         self.request_id: str | None = None
 
 
@@ -140,10 +143,11 @@ class LoopWatchdog:
 
     def _watch(self) -> None:
         beat_ns = int(BEAT_S * 1e9)
+        sample_from_ns = max(int(BEAT_S * 1e9), int(self.threshold_ns * SAMPLE_FROM))
         while self._running:
             time.sleep(POLL_S)
             last = self._last_beat_ns
-            if time.perf_counter_ns() - last - beat_ns < self.threshold_ns or not self._running:
+            if time.perf_counter_ns() - last - beat_ns < sample_from_ns or not self._running:
                 continue
             stall = self._stall
             if stall is None or stall.since_beat_ns != last:
@@ -154,6 +158,7 @@ class LoopWatchdog:
             stack = stack_of(frame)
             del frame
             if is_idle(stack):
+                stall.idle_samples += 1
                 continue  # back in the selector: waiting for the GIL, not blocked in a call
             self.samples += 1
             stall.samples += 1
@@ -190,7 +195,9 @@ class LoopWatchdog:
         # perf -> wall clock once, on the loop, so the analysis can place the stall in the trace.
         offset = time.time_ns() - time.perf_counter_ns()
         stacks = []
-        if stall is not None and stall.since_beat_ns == last_ns:
+        if stall is not None and stall.since_beat_ns != last_ns:
+            stall = None  # samples of an earlier stall
+        if stall is not None:
             for stack, count in stall.stacks.most_common(MAX_STACKS):
                 stacks.append({"count": count, "frames": [
                     {"function": f, "file": path, "line": line, "origin": frame_origin(path)} for f, path, line in stack]})
@@ -198,7 +205,8 @@ class LoopWatchdog:
             "start_wall_ns": now_ns - lag_ns + offset,
             "end_wall_ns": now_ns + offset,
             "duration_ms": round(lag_ns / 1e6, 3),
-            "samples": stall.samples if stall is not None and stall.since_beat_ns == last_ns else 0,
+            "samples": stall.samples if stall is not None else 0,
+            "idle_samples": stall.idle_samples if stall is not None else 0,
             "stacks": stacks,
             "blocking_request_id": stall.request_id if stall is not None else None,
             "in_flight": self._in_flight(),

@@ -2,7 +2,10 @@
 marked by servprof itself while a session runs and only then.
 
 Installed on the capture thread right after the profiler starts and removed right after
-it stops; between sessions nothing is patched or registered. ``SERVPROF_AUTO_INSTRUMENT=0``
+it stops; between sessions nothing is patched or registered, except one patch put in
+when the middleware is created: ``threading.Thread.start`` notes the request a thread was
+started for (servprof.auto.context), so that a thread started before a session still
+carries its request's id into the session. ``SERVPROF_AUTO_INSTRUMENT=0``
 turns it off. Phases a server marks itself with ``servprof.phase`` win over these on the
 trace side (servprof.trace.phases). What is patched and what it costs: docs/middleware.md.
 """
@@ -13,13 +16,13 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from servprof.auto.context import install_thread_inheritance, remove_thread_inheritance
+from servprof.auto.context import install_thread_inheritance
 from servprof.auto.emit import range_kind, set_range_kind
 from servprof.auto.steps import StepHooks
 from servprof.auto.tokenizers import TARGETS, TokenizerPatches
 from servprof.budget import LiveSignals
 
-__all__ = ["AutoInstrumentation", "range_kind", "set_range_kind"]
+__all__ = ["AutoInstrumentation", "install_thread_inheritance", "range_kind", "set_range_kind"]
 
 COMPILED = ("a torch.compile'd model runs in this process: servprof registers no module hooks (adding or "
             "removing them could make it recompile), so model steps are found only where the server marks "
@@ -51,7 +54,7 @@ class AutoInstrumentation:
         self.running = True
         self.problem = COMPILED if compiled_model_present() else None
         self.hooks_active = self.problem is None
-        install_thread_inheritance()
+        install_thread_inheritance()  # normally in place since the middleware was created
         if self.hooks_active:
             self.steps.start(session_request_ids, on_step)
         self.tokenizers.install()
@@ -68,11 +71,11 @@ class AutoInstrumentation:
         self.running = False
         self.steps.remove()
         self.tokenizers.remove()
-        remove_thread_inheritance()
 
     def live(self) -> LiveSignals:
         steps = self.steps
         return LiveSignals(hooks_active=self.hooks_active and self.running, steps=steps.steps,
+                           open_steps=steps.open_steps,
                            module_calls=steps.module_calls, discovering=steps.discovering,
                            calls_per_step=steps.calls_per_step)
 

@@ -4,8 +4,9 @@ First the middleware's contextvar (set on the serving loop, copied into worker t
 ``asyncio.to_thread`` / ``anyio.to_thread``); then the id a thread inherited when a request
 started it (``threading.Thread(target=model.generate, ...).start()`` in a handler, as
 transformers' ``TextIteratorStreamer`` recipe does: plain threads do not copy contextvars).
-The inheritance is a patch of ``threading.Thread.start`` that exists only while a session
-runs, and an inherited id holds only while its request is in flight (an engine thread a
+The inheritance is a patch of ``threading.Thread.start``, put in when the middleware is
+created (a thread started before a session must carry its request into it; the patch costs
+one contextvar read per thread start), and an inherited id holds only while its request is in flight (an engine thread a
 first request happened to start lazily does not carry that request's id for ever). Pool
 threads (``concurrent.futures`` workers, anyio's worker threads) inherit nothing: they
 serve many requests over their life.

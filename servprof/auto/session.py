@@ -101,12 +101,13 @@ class SessionInstruments:
     # --- the step hooks (serving threads) ---------------------------------------------------------
 
     def _on_step(self, steps: int) -> None:
+        if self._asked_stop or self.auto is None:
+            return
         limit = self._step_limit
         if limit is None:
-            limit = self._step_limit = self.budget.step_limit(self.settings, self.auto.live() if self.auto else
-                                                              LiveSignals())
+            limit = self._step_limit = self.budget.step_limit(self.settings, self.auto.live())
             if limit is None:
                 return
-        if steps >= limit and not self._asked_stop:
+        if steps + self.auto.steps.open_steps >= limit:
             self._asked_stop = True
             self._wake()  # the capture thread checks the budget now, not at its next poll

@@ -90,6 +90,24 @@ def _frame_kwargs() -> dict[str, Any] | None:
     return None
 
 
+_CALL_CODES = frozenset(c for c in (getattr(torch.nn.Module._call_impl, "__code__", None),
+                                    getattr(torch.nn.Module._wrapped_call_impl, "__code__", None)) if c is not None)
+
+
+def _inside_module_call(depth_to_skip: int) -> bool:
+    """A module call is already running on this thread below the current one: one that began
+    before the hooks were registered (a forward in flight when the session started)."""
+    frame = sys._getframe(depth_to_skip)
+    seen = 0
+    while frame is not None:
+        if frame.f_code in _CALL_CODES:
+            seen += 1
+            if seen > 2:  # the current call's own _wrapped_call_impl and _call_impl
+                return True
+        frame = frame.f_back
+    return False
+
+
 def _is_model(module: torch.nn.Module) -> bool:
     return bool(module._modules) and next(module.parameters(), None) is not None
 
@@ -111,6 +129,7 @@ class StepHooks:
         self._session_ids: Callable[[], list[str]] = list
         self._on_step: Callable[[int], None] | None = None
         self.steps = self.prefill_steps = self.decode_steps = 0
+        self.open_steps = 0  # threads inside a step now (each may start one more before a stop lands)
         self.module_calls = 0  # counted while discovering only
         self.discovery_steps = 0
         self.calls_per_step: float | None = None  # nested module calls per step, from discovery
@@ -123,6 +142,7 @@ class StepHooks:
         self._session_ids = session_request_ids
         self._on_step = on_step
         self.steps = self.prefill_steps = self.decode_steps = self.module_calls = self.discovery_steps = 0
+        self.open_steps = 0
         self.models = set()
         self.active = True
         with self._lock:
@@ -220,7 +240,8 @@ class StepHooks:
         entry = self._known.get(key)
         if entry is not None and entry[0]() is module:
             return entry[1]
-        is_model = _is_model(module)
+        # A module first seen nested in a forward that was already running is a part, not a model.
+        is_model = _is_model(module) and not _inside_module_call(3)
         with self._lock:
             self._known[key] = (weakref.ref(module, lambda _r, k=key: self._known.pop(k, None)), is_model)
         return is_model
@@ -248,6 +269,7 @@ class StepHooks:
         state.handle = open_range(auto_phase_name(kind, ids))
         state.owner = module
         self.steps += 1
+        self.open_steps += 1
         if len(self.models) < 8:
             self.models.add(type(module).__qualname__)
         if self._on_step is not None:
@@ -256,4 +278,5 @@ class StepHooks:
     def _close(self, state: _ThreadState) -> None:
         handle, state.handle, state.owner = state.handle, None, None
         if handle is not None:
+            self.open_steps = max(0, self.open_steps - 1)
             close_range(handle)
