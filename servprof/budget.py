@@ -34,7 +34,7 @@ from typing import Any
 PRIOR_EVENTS_PER_MODULE_CALL = 24.0
 MIN_LEARN_EVENTS = 500
 RELIABLE_SHARE = 0.25  # of the budget: a session with fewer events than this and MIN_LEARN_EVENTS teaches no rate
-MIN_LEARN_STEPS = 3  # events per step are a property of the model: a few steps tell them
+MIN_LEARN_STEPS = 1.5  # events per step are a property of the model: a step or two tell them
 STEPLESS_GRACE_S = 0.25
 STOP_AT = 0.9  # the share of the budget at which the step hooks ask for the stop
 SHAPES_COST_FACTOR = 3.0  # stop() per event with record_shapes / without (facts: ~3x)
@@ -87,6 +87,13 @@ class EventBudget:
             return None
         return max(1, int(self.budget(settings) * STOP_AT / per_step))
 
+    def call_limit(self, settings: Any) -> int | None:
+        """Module calls (counted while the step hooks discover the model) after which the
+        hooks ask for the stop, when no events-per-step figure is known yet."""
+        if self.per_step:
+            return None
+        return max(1, int(self.budget(settings) * STOP_AT / PRIOR_EVENTS_PER_MODULE_CALL))
+
     @staticmethod
     def steps_ahead(live: LiveSignals) -> int:
         """Steps counted against the budget: those started, plus one more for every thread in
@@ -99,8 +106,10 @@ class EventBudget:
         if live.hooks_active:
             if per_step:
                 terms.append(per_step * self.steps_ahead(live))
-            else:  # the first steps of the first session: module calls counted live
-                terms.append(live.module_calls * PRIOR_EVENTS_PER_MODULE_CALL)
+            else:  # the first steps of the first session: module calls counted live, and the
+                # steps running now counted as whole ones (at the calls per step seen so far)
+                per_step_calls = live.module_calls / max(1, live.steps)
+                terms.append((live.module_calls + live.open_steps * per_step_calls) * PRIOR_EVENTS_PER_MODULE_CALL)
         if self.per_chunk:
             terms.append(self.per_chunk * chunks)
         stepless = not live.hooks_active or (live.steps == 0 and live.module_calls == 0 and busy_s >= STEPLESS_GRACE_S)
@@ -108,7 +117,7 @@ class EventBudget:
             terms.append((self.per_second or assumed_per_s) * busy_s)
         return max(terms)
 
-    def learn(self, events: float, settings: Any, busy_s: float, steps: int, chunks: int) -> None:
+    def learn(self, events: float, settings: Any, busy_s: float, steps: float, chunks: int) -> None:
         budget = self.budget(settings)
         self.history = [*self.history[-9:], {"events": round(events), "budget": round(budget),
                                               "ratio": round(events / budget, 3) if budget else None}]

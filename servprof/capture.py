@@ -352,7 +352,8 @@ class CaptureController:
         if not isinstance(count, (int, float)) or count <= 0:
             count = session.trace_raw_bytes / RAW_BYTES_PER_EVENT
         auto = (session.instruments.summary.get("auto") or {}) if session.instruments is not None else {}
-        model_steps = auto.get("steps") or 0
+        # A step still running at the stop left only part of its events: half a step each.
+        model_steps = (auto.get("steps") or 0) - (auto.get("running_at_stop") or 0) / 2
         # Busy capture time only (stop() holds the GIL, so next to nothing is captured during it);
         # chunks at the stop, not now: the sampled streams went on after it.
         self.budget.learn(count, session.settings, session.busy_ns / 1e9, model_steps, session.steps_captured)

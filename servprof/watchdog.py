@@ -1,11 +1,16 @@
 """Event-loop stall watchdog: names what blocks the serving loop by its Python frames.
 
 While a session runs, a heartbeat callback on the serving loop stamps the time every
-``BEAT_S``, and a ``servprof-watchdog`` thread looks at the stamp every ``POLL_S``. When
-the loop has not ticked for longer than the threshold, the watchdog samples the loop
-thread's Python stack (``sys._current_frames()``) every poll until it ticks again, so a
-blocking call is named by function and file even with ``with_stack`` off and no torch op
-in it. A stall's length is the late heartbeat's lag (it began at most ``BEAT_S`` earlier).
+``BEAT_S``, and a ``servprof-watchdog`` thread looks at the stamp once per threshold while
+the loop keeps time. When the loop is late, the watchdog samples the loop thread's Python
+stack (``sys._current_frames()``) every ``POLL_S`` until it ticks again, so a blocking call
+is named by function and file even with ``with_stack`` off and no torch op in it. Stalls
+of at least the threshold are kept; a stall's length is the late heartbeat's lag (it began
+at most ``BEAT_S`` earlier).
+
+Every wake of the watchdog thread takes the GIL from whoever holds it, and on a busy
+machine a forced GIL hand-off waits for the OS to run the other thread: hence the slow
+pace while the loop is healthy (measured: bench/bench_zero_touch.py).
 
 A function that holds the GIL inside C code for the whole stall leaves no sample (the
 watchdog cannot run meanwhile): the stall is still reported, with its length, and the
@@ -25,7 +30,7 @@ import time
 from collections import Counter
 from typing import Any
 
-BEAT_S = 0.002
+BEAT_S = 0.005
 POLL_S = 0.004
 SAMPLE_FROM = 0.25  # sampling starts when the loop is this share of the threshold late (the start
 # of a stall names the blocking call as well as its end); only stalls past the threshold are kept
@@ -143,11 +148,14 @@ class LoopWatchdog:
 
     def _watch(self) -> None:
         beat_ns = int(BEAT_S * 1e9)
-        sample_from_ns = max(int(BEAT_S * 1e9), int(self.threshold_ns * SAMPLE_FROM))
+        sample_from_ns = max(int(POLL_S * 1e9), int(self.threshold_ns * SAMPLE_FROM))
+        healthy_s = max(POLL_S, self.threshold_ns / 1e9)
+        late = False
         while self._running:
-            time.sleep(POLL_S)
+            time.sleep(POLL_S if late else healthy_s)
             last = self._last_beat_ns
-            if time.perf_counter_ns() - last - beat_ns < sample_from_ns or not self._running:
+            late = time.perf_counter_ns() - last - beat_ns >= sample_from_ns
+            if not late or not self._running:
                 continue
             stall = self._stall
             if stall is None or stall.since_beat_ns != last:

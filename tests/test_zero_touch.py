@@ -36,6 +36,7 @@ PROSE = ("The harbour master counted the boats twice before the storm, and the b
 PROMPTS = {"hf": PROSE * 40, "loop": PROSE * 250}
 EXPECTED_STALL = {"hf": ("screen_prompt", "loop_stall"), "loop": ("slow_normalize", "tokenization_stall")}
 MAX_TOKENS = 12
+SAMPLED = 4  # requests in the session: three one after another, then one with others beside it
 
 
 def servprof_middleware(app: Any) -> ServprofMiddleware:
@@ -90,7 +91,7 @@ def observed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     app = server.create_app()
     # The one line a user adds. sample_every=1 would sample /health too without the route filter.
     app.add_middleware(ServprofMiddleware, out_dir=tmp_path_factory.mktemp(name), telemetry=False,
-                       control_token=TOKEN, sample_every=1, requests_per_session=2,
+                       control_token=TOKEN, sample_every=1, requests_per_session=SAMPLED,
                        max_session_events=10**9)  # whole requests here: the budget has its own tests
     wait_idle()
     prompt = PROMPTS[name]
@@ -124,11 +125,12 @@ def observed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
                 errors.append(exc)
                 first_chunk.set()
 
-        # The session's two requests tokenize with no other request's load on the CPUs, as the
-        # reference timings do: the first alone, the second once the first is done; while the
-        # second streams, two more arrive (the session is full: they run unsampled).
+        # The session's requests tokenize with no other request's load on the CPUs, as the reference
+        # timings do: each once the one before is done; while the last streams, two more arrive
+        # (the session is full: they run unsampled).
         reference = reference_tokenize_ms(name, server, prompt)
-        one()
+        for _ in range(SAMPLED - 1):
+            one()
         clients = [threading.Thread(target=one, args=(first_chunk,))]
         clients[0].start()
         first_chunk.wait(120)
@@ -156,7 +158,7 @@ def observed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 def test_model_steps_found_and_prefill_told_from_decode(observed: dict[str, Any]) -> None:
     result, tokens = observed["result"], observed["tokens"]
     assert result["error"] is None, result["error"]
-    assert len(observed["sampled"]) == 2
+    assert len(observed["sampled"]) == SAMPLED
     for rid in observed["sampled"]:
         phases = sorted(result["requests"][rid]["phases"], key=lambda p: p["start_us"])
         steps = [p["name"] for p in phases if p["name"] in ("prefill", "decode_step")]
@@ -169,16 +171,17 @@ def test_model_steps_found_and_prefill_told_from_decode(observed: dict[str, Any]
 
 def test_tokenization_found_on_the_loop_with_its_time(observed: dict[str, Any]) -> None:
     result = observed["result"]
-    low, high = min(observed["reference_ms"]), max(observed["reference_ms"])
     per_request = result["summary"]["detect"]["tokenization"]["per_request"]
+    measured = []
     for rid in observed["sampled"]:
         spans = [p for p in result["requests"][rid]["phases"] if p["name"] == "tokenize"]
         assert len(spans) == 1, spans
         assert per_request[rid]["on_event_loop"] is True
-        measured = (spans[0]["end_us"] - spans[0]["start_us"]) / 1e3
-        # The same call timed without the profiler (14 runs before and after, on this shared machine):
-        # within 20% of their range.
-        assert 0.8 * low <= measured <= 1.2 * high, (measured, observed["reference_ms"])
+        measured.append((spans[0]["end_us"] - spans[0]["start_us"]) / 1e3)
+    # The same call timed without the profiler (14 runs, before and after). On a shared machine
+    # noise only adds time, so the fastest of each side is what the call costs: within 20%.
+    fastest = min(observed["reference_ms"])
+    assert abs(min(measured) - fastest) <= 0.2 * fastest, (measured, observed["reference_ms"])
 
 
 def test_the_loop_stall_is_named_by_the_blocking_function(observed: dict[str, Any]) -> None:
@@ -268,7 +271,8 @@ def test_every_session_stays_within_its_event_budget(tmp_path: Path, name: str, 
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "SERVPROF_OUT_DIR": str(tmp_path), "SERVPROF_CONTROL_TOKEN": TOKEN,
            "SERVPROF_TELEMETRY": "0", "SERVPROF_REQUESTS_PER_SESSION": "1", "SERVPROF_ON_DEMAND_MIN_INTERVAL_S": "0.1",
-           "SERVPROF_RECORD_SHAPES": "1" if record_shapes else "0", "KINETO_LOG_LEVEL": "6"}
+           "SERVPROF_RECORD_SHAPES": "1" if record_shapes else "0", "KINETO_LOG_LEVEL": "6",
+           "PYTHONFAULTHANDLER": "1"}
     server = subprocess.Popen([sys.executable, str(Path(__file__).parent / "servers" / "run_with_servprof.py"),
                                SERVERS[name], str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     load_stop = threading.Event()
@@ -330,6 +334,10 @@ def test_every_session_stays_within_its_event_budget(tmp_path: Path, name: str, 
             load_stop.set()
             for thread in steady:
                 thread.join(300)
+    except BaseException:
+        if server.poll() is not None:  # say how the server died
+            print((server.stderr.read() if server.stderr else b"").decode(errors="replace")[-4000:], file=sys.stderr)
+        raise
     finally:
         load_stop.set()
         server.terminate()

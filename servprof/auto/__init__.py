@@ -50,13 +50,14 @@ class AutoInstrumentation:
         self.hooks_active = False
         self.problem: str | None = None  # why steps are not marked automatically
 
-    def start(self, session_request_ids: Callable[[], list[str]], on_step: Callable[[int], None] | None) -> None:
+    def start(self, session_request_ids: Callable[[], list[str]], on_step: Callable[[int], None] | None,
+              on_calls: Callable[[int], None] | None = None, call_limit: int | None = None) -> None:
         self.running = True
         self.problem = COMPILED if compiled_model_present() else None
         self.hooks_active = self.problem is None
         install_thread_inheritance()  # normally in place since the middleware was created
         if self.hooks_active:
-            self.steps.start(session_request_ids, on_step)
+            self.steps.start(session_request_ids, on_step, on_calls, call_limit)
         self.tokenizers.install()
 
     def stop(self) -> None:
@@ -81,7 +82,8 @@ class AutoInstrumentation:
 
     def summary(self) -> dict[str, Any]:
         steps = self.steps
-        return {"steps": steps.steps if self.hooks_active else None, "prefill": steps.prefill_steps,
+        return {"steps": steps.steps if self.hooks_active else None, "running_at_stop": steps.open_steps,
+                "prefill": steps.prefill_steps,
                 "decode": steps.decode_steps, "module_calls_per_step": steps.calls_per_step,
                 "models": sorted(steps.models), "tokenizer_libraries": list(self.tokenizers.libraries),
                 "tokenizer_calls": dict(self.tokenizers.calls), "range_kind": range_kind(),

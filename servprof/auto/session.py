@@ -57,7 +57,8 @@ class SessionInstruments:
         if self.auto is None:
             return
         try:
-            self.auto.start(self._open_request_ids, self._on_step)
+            self.auto.start(self._open_request_ids, self._on_step, self._on_calls,
+                            self.budget.call_limit(self.settings))
         except Exception as exc:  # noqa: BLE001 - a hook that cannot go in must not fail the session
             self.auto.remove()
             self.auto.problem = f"automatic phases could not be installed: {type(exc).__name__}: {exc}"
@@ -99,6 +100,11 @@ class SessionInstruments:
             self.auto.remove()
 
     # --- the step hooks (serving threads) ---------------------------------------------------------
+
+    def _on_calls(self, calls: int) -> None:
+        if not self._asked_stop:
+            self._asked_stop = True
+            self._wake()
 
     def _on_step(self, steps: int) -> None:
         if self._asked_stop or self.auto is None:
