@@ -45,6 +45,9 @@ from rich.table import Table
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the test servers: servers.hf_streaming, servers.handwritten_loop
+sys.path.insert(0, str(ROOT / "bench"))
+from bench_sampling_lag import TickerApp  # noqa: E402  (a 1 ms ticker on the serving loop)
+
 TOKEN = "bench-token"
 SERVERS = {"hf": "servers.hf_streaming", "loop": "servers.handwritten_loop"}
 TICK_S = 0.001
@@ -54,34 +57,12 @@ OWN_STATES = ("stopping", "exporting")  # servprof's own GIL holds
 # --- one configuration, in a fresh process ------------------------------------------------------------
 
 
-class TickerApp:
-    """Wraps the served app; from lifespan start-up a 1 ms ticker runs on the serving loop."""
-
-    def __init__(self, app: Any):
-        self.app = app
-        self.samples: list[tuple[float, int, str]] = []  # (wall s, lag ns, session state)
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            asyncio.get_running_loop().create_task(self._tick())
-        await self.app(scope, receive, send)
-
-    async def _tick(self) -> None:
-        from servprof.capture import get_controller
-
-        controller = get_controller()
-        interval = int(TICK_S * 1e9)
-        while True:
-            before = time.perf_counter_ns()
-            await asyncio.sleep(TICK_S)
-            lag = max(0, time.perf_counter_ns() - before - interval)
-            session = controller.session
-            self.samples.append((time.time(), lag, session.state if session else "none"))
-
-
-def _lags(samples: list[tuple[float, int, str]], lo: float, hi: float, states: tuple[str, ...] | None = None
+def _lags(samples: list[tuple[int, int, str]], lo: float, hi: float, states: tuple[str, ...] | None = None
           ) -> list[int]:
-    return [lag for t, lag, state in samples if lo <= t <= hi and (states is None or state in states)]
+    """Ticker lags between two wall-clock times (the ticker stamps perf_counter_ns)."""
+    offset = time.time() - time.perf_counter()
+    lo_ns, hi_ns = int((lo - offset) * 1e9), int((hi - offset) * 1e9)
+    return [lag for t, lag, state in samples if lo_ns <= t <= hi_ns and (states is None or state in states)]
 
 
 def _p99_max(lags: list[int]) -> tuple[float, float]:
@@ -291,23 +272,30 @@ def measure_costs() -> dict[str, float]:
     return costs
 
 
-def _watchdog_cost(seconds: float = 1.0) -> dict[str, float]:
-    """Loop throughput (no-op callbacks) with and without the watchdog attached: its share of loop time."""
+def _watchdog_cost(seconds: float = 1.0, work_us: float = 200.0) -> dict[str, float]:
+    """A loop kept busy by ~200 µs callbacks (a server's handlers), with and without the watchdog
+    attached: the share of loop time it takes (heartbeat callbacks, GIL hand-offs to its thread)."""
     from servprof.watchdog import LoopWatchdog
 
-    async def spin(with_watchdog: bool) -> float:
+    def handler() -> None:
+        end = time.perf_counter() + work_us / 1e6
+        while time.perf_counter() < end:
+            pass
+
+    async def busy(with_watchdog: bool) -> float:
         watchdog = LoopWatchdog(10.0) if with_watchdog else None
         if watchdog is not None:
             watchdog.attach()
         count, end = 0, time.perf_counter() + seconds
         while time.perf_counter() < end:
+            handler()
             await asyncio.sleep(0)
             count += 1
         if watchdog is not None:
             watchdog.stop()
-        return 1e6 / (count / seconds)  # µs per loop iteration
+        return seconds * 1e6 / count  # µs per handler, loop overhead included
 
-    off, extra = _paired(lambda: asyncio.run(spin(False)), lambda: asyncio.run(spin(True)), 7)
+    off, extra = _paired(lambda: asyncio.run(busy(False)), lambda: asyncio.run(busy(True)), 7)
     return {"watchdog_loop_share": extra / off, "watchdog_us_per_s": extra / off * 1e6}
 
 
@@ -328,7 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.one:
         Path(args.out).write_bytes(orjson.dumps(run_one(args)))
-        return 0
+        # Leave without the interpreter's teardown: Kineto's threads, started off the main thread,
+        # can abort the process at exit ("terminate called without an active exception"), with
+        # servprof's automatic phases on or off alike.
+        os._exit(0)
     console = Console(width=140)
     runs = []
     for name in args.servers.split(","):
@@ -341,8 +332,10 @@ def main(argv: list[str] | None = None) -> int:
             if shapes:
                 command.append("--shapes")
             console.print(f"running {name} (record_shapes={shapes}) ...")
-            subprocess.run(command, check=True, env={**os.environ, "KINETO_LOG_LEVEL": "6"},
-                           stderr=subprocess.DEVNULL)
+            done = subprocess.run(command, env={**os.environ, "KINETO_LOG_LEVEL": "6"}, stderr=subprocess.PIPE)
+            if not Path(path).stat().st_size:
+                console.print(f"[red]{name} run failed[/red]: {done.stderr.decode(errors='replace')[-2000:]}")
+                continue
             runs.append(orjson.loads(Path(path).read_bytes()))
             os.unlink(path)
     for run in runs:

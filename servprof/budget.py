@@ -37,6 +37,9 @@ RELIABLE_SHARE = 0.25  # of the budget: a session with fewer events than this an
 MIN_LEARN_STEPS = 1.5  # events per step are a property of the model: a step or two tell them
 STEPLESS_GRACE_S = 0.25
 STOP_AT = 0.9  # the share of the budget at which the step hooks ask for the stop
+# ... and at which they switch the profiler's collection off themselves, when the capture thread
+# has not stopped it yet (on a busy machine it may wait tens of ms for a CPU): a hard bound.
+CUT_AT = 1.2
 SHAPES_COST_FACTOR = 3.0  # stop() per event with record_shapes / without (facts: ~3x)
 STACK_COST_FACTOR = 2.0  # with_stack adds a Python event per call
 
@@ -79,20 +82,20 @@ class EventBudget:
             return live.calls_per_step * PRIOR_EVENTS_PER_MODULE_CALL
         return None
 
-    def step_limit(self, settings: Any, live: LiveSignals) -> int | None:
-        """Steps (started, plus those running now) after which the hooks ask for the stop
-        (None while unknown)."""
+    def step_limit(self, settings: Any, live: LiveSignals, share: float = STOP_AT) -> int | None:
+        """Steps (started, plus those running now) after which the hooks ask for the stop, or
+        (``share=CUT_AT``) cut collection (None while unknown)."""
         per_step = self._per_step(live)
         if not per_step:
             return None
-        return max(1, int(self.budget(settings) * STOP_AT / per_step))
+        return max(1, int(self.budget(settings) * share / per_step))
 
-    def call_limit(self, settings: Any) -> int | None:
+    def call_limit(self, settings: Any, share: float = STOP_AT) -> int | None:
         """Module calls (counted while the step hooks discover the model) after which the
-        hooks ask for the stop, when no events-per-step figure is known yet."""
+        hooks ask for the stop (or cut collection), when no events-per-step figure is known yet."""
         if self.per_step:
             return None
-        return max(1, int(self.budget(settings) * STOP_AT / PRIOR_EVENTS_PER_MODULE_CALL))
+        return max(1, int(self.budget(settings) * share / PRIOR_EVENTS_PER_MODULE_CALL))
 
     @staticmethod
     def steps_ahead(live: LiveSignals) -> int:

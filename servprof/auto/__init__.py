@@ -51,7 +51,7 @@ class AutoInstrumentation:
         self.problem: str | None = None  # why steps are not marked automatically
 
     def start(self, session_request_ids: Callable[[], list[str]], on_step: Callable[[int], None] | None,
-              on_calls: Callable[[int], None] | None = None, call_limit: int | None = None) -> None:
+              on_calls: Callable[[int], bool] | None = None, call_limit: int | None = None) -> None:
         self.running = True
         self.problem = COMPILED if compiled_model_present() else None
         self.hooks_active = self.problem is None

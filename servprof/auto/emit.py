@@ -4,16 +4,19 @@ Every automatic phase (model steps, tokenizer calls) is opened with ``open_range
 closed with ``close_range``; which kind of RecordFunction range that is is chosen here
 and nowhere else:
 
-* ``"fast"`` (default): ``torch._C._profiler._RecordFunctionFast``, ~1 µs per range while
-  a profiler runs (cat ``cpu_op`` in the export). It is *not* a user-scope range: a
-  profiler limited to ``RecordScope.USER_SCOPE`` drops it.
-* ``"user"``: ``torch._C._autograd._record_function_with_args_enter/_exit`` (what
-  ``torch.profiler.record_function`` uses underneath, without its Python object),
-  ~2.5 µs per range, cat ``user_annotation``, kept by a user-scope-only profiler.
+* ``"user"`` (default): ``torch._C._autograd._record_function_with_args_enter/_exit`` (what
+  ``torch.profiler.record_function`` uses underneath, without its Python object), ~2.5 µs
+  per range while a profiler runs, cat ``user_annotation``, kept by a profiler limited to
+  ``RecordScope.USER_SCOPE`` (the light sessions of issue 17).
+* ``"fast"``: ``torch._C._profiler._RecordFunctionFast``, ~1 µs per range, cat ``cpu_op``; *not*
+  a user-scope range (a user-scope-only profiler drops it). Not the default: with
+  ``record_shapes`` and other threads running ops, stop()/export segfaulted the transformers
+  test server in 2 of 2 benchmark runs ("Tensor metadata exhausted prematurely" first), against
+  0 of 2 with "user" ranges (torch 2.13 CPU); and an ``__exit__`` after a profiler started
+  between enter and exit raises an internal assert.
 
-A light session (user-scope only, issue 17) switches with ``set_range_kind("user")``
-before it starts. Measured on torch 2.13 CPU (20,000 ranges, profiler active):
-fast 0.7-1.0 µs, user 2.5-2.6 µs, ``torch.profiler.record_function`` 9.7-10.7 µs.
+Measured on torch 2.13 CPU (20,000 ranges, profiler active): fast 0.7-1.0 µs, user
+2.5-2.6 µs, ``torch.profiler.record_function`` 9.7-10.7 µs.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from servprof.trace.phases import AUTO_PHASE_PREFIX, PHASE_PREFIX
 
 RangeKind = Literal["fast", "user"]
 _NO_ARGS: tuple[Any, ...] = ()
-_kind: RangeKind = "fast"
+_kind: RangeKind = "user"
 
 
 def set_range_kind(kind: RangeKind) -> None:

@@ -11,15 +11,38 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from servprof.auto import AutoInstrumentation
-from servprof.budget import EventBudget, LiveSignals
+from servprof.budget import CUT_AT, EventBudget, LiveSignals
 from servprof.watchdog import LoopWatchdog
+
+try:  # torch >= 2.3: switch a running profiler's collection off from any thread, at once
+    from torch._C._autograd import _toggle_collection_dynamic
+except ImportError:  # pragma: no cover - older torch: the stop alone bounds the session
+    _toggle_collection_dynamic = None
 
 AUTO_OFF = ("Automatic phases are off (SERVPROF_AUTO_INSTRUMENT=0): model steps and tokenization are found only "
             "where the server marks them with `servprof.phase(...)`; unset it to have servprof mark them.")
 WATCHDOG_OFF = ("The event-loop watchdog is off (SERVPROF_LOOP_STALL_MS=0): a call that blocks the serving loop "
                 "is not named; set it to e.g. 10.")
 NO_LOOP = ("No sampled request ran on an asyncio event loop in this session, so loop stalls were not watched.")
+
+
+def pause_collection() -> bool:
+    """Stop recording events in every thread now, the profiler still running (its stop() and
+    export come later, on the capture thread). Ranges already open still get their end. Costs
+    ~60 µs once; torch logs one warning line about GPU tracks for it."""
+    if _toggle_collection_dynamic is None:
+        return False
+    activities = {torch._C._profiler.ProfilerActivity.CPU}
+    if torch.cuda.is_available():
+        activities.add(torch._C._profiler.ProfilerActivity.CUDA)
+    try:
+        _toggle_collection_dynamic(False, activities)
+    except Exception:  # noqa: BLE001 - the profiler stopped meanwhile: nothing left to pause
+        return False
+    return True
 
 
 _UNSAFE = str.maketrans({"\\": "/", '"': "'", **{chr(c): " " for c in range(32)}})
@@ -47,9 +70,12 @@ class SessionInstruments:
         self._open_request_ids = open_request_ids
         self._wake = wake
         self._step_limit: int | None = None
+        self._cut_limit: int | None = None
         self._asked_stop = False
+        self.collection_cut = False  # the hooks switched collection off at CUT_AT of the budget
         self.watchdog = LoopWatchdog(settings.loop_stall_ms, in_flight, open_request_ids)
         self.summary: dict[str, Any] = {}
+        self._calls_cut: int | None = None
 
     # --- capture thread ---------------------------------------------------------------------------
 
@@ -57,6 +83,7 @@ class SessionInstruments:
         if self.auto is None:
             return
         try:
+            self._calls_cut = self.budget.call_limit(self.settings, CUT_AT)
             self.auto.start(self._open_request_ids, self._on_step, self._on_calls,
                             self.budget.call_limit(self.settings))
         except Exception as exc:  # noqa: BLE001 - a hook that cannot go in must not fail the session
@@ -87,6 +114,7 @@ class SessionInstruments:
             missing.append({"what": "event-loop stalls", "message": NO_LOOP})
         self.summary = metadata_safe({
             "event_budget": round(self.budget.budget(self.settings)),
+            "collection_cut": self.collection_cut,
             "auto": self.auto.summary() if self.auto is not None else {"enabled": False},
             "watchdog": self.watchdog.summary(),
             "missing": missing,
@@ -101,19 +129,35 @@ class SessionInstruments:
 
     # --- the step hooks (serving threads) ---------------------------------------------------------
 
-    def _on_calls(self, calls: int) -> None:
+    def _on_calls(self, calls: int) -> bool:
+        """Module calls (first steps of a first session), running steps counted whole, passed the
+        stop share of the budget; False once there is nothing more to do."""
         if not self._asked_stop:
             self._asked_stop = True
             self._wake()
+        if self._calls_cut is not None and calls > self._calls_cut:
+            self._cut()  # the calls made so far already hold the cut share of the budget
+        return not self.collection_cut
 
     def _on_step(self, steps: int) -> None:
-        if self._asked_stop or self.auto is None:
+        if self.collection_cut or self.auto is None:
             return
-        limit = self._step_limit
-        if limit is None:
-            limit = self._step_limit = self.budget.step_limit(self.settings, self.auto.live())
-            if limit is None:
+        if self._step_limit is None:
+            live = self.auto.live()
+            self._step_limit = self.budget.step_limit(self.settings, live)
+            self._cut_limit = self.budget.step_limit(self.settings, live, CUT_AT)
+            if self._step_limit is None:
                 return
-        if steps + self.auto.steps.open_steps >= limit:
+        if steps + self.auto.steps.open_steps >= self._step_limit and not self._asked_stop:
             self._asked_stop = True
             self._wake()  # the capture thread checks the budget now, not at its next poll
+        # Steps started so far hold at most steps x per-step events: the one starting now would
+        # pass the cut share, so nothing from here on is recorded.
+        if self._cut_limit is not None and steps > self._cut_limit:
+            self._cut()
+
+    def _cut(self) -> None:
+        # The capture thread has not stopped the profiler in time: stop collecting right here.
+        if not self.collection_cut:
+            self.collection_cut = pause_collection()
+            self._wake()

@@ -128,8 +128,10 @@ class StepHooks:
         self._lock = threading.Lock()  # module hooks are added on serving threads, removed on capture
         self._session_ids: Callable[[], list[str]] = list
         self._on_step: Callable[[int], None] | None = None
-        self._on_calls: Callable[[int], None] | None = None
-        self.call_limit = 1 << 62  # module calls (while discovering) after which _on_calls is told
+        # Told of every module call (while discovering) once calls, with the steps running now
+        # counted whole, reach call_limit; returns False when it wants to hear no more.
+        self._on_calls: Callable[[int], bool] | None = None
+        self.call_limit = 1 << 62
         self.steps = self.prefill_steps = self.decode_steps = 0
         self.open_steps = 0  # threads inside a step now (each may start one more before a stop lands)
         self.module_calls = 0  # counted while discovering only
@@ -140,7 +142,7 @@ class StepHooks:
     # --- lifecycle (capture thread) ---------------------------------------------------------------
 
     def start(self, session_request_ids: Callable[[], list[str]], on_step: Callable[[int], None] | None,
-              on_calls: Callable[[int], None] | None = None, call_limit: int | None = None) -> None:
+              on_calls: Callable[[int], bool] | None = None, call_limit: int | None = None) -> None:
         self._generation += 1
         self._session_ids = session_request_ids
         self._on_step = on_step
@@ -199,9 +201,9 @@ class StepHooks:
         state = self._thread_state()
         calls = self.module_calls = self.module_calls + 1
         # Steps running now will make their remaining calls before a stop lands: count them whole.
-        if calls + self.open_steps * (calls // (self.steps or 1)) >= self.call_limit and self._on_calls is not None:
-            self.call_limit = 1 << 62  # once
-            self._on_calls(self.module_calls)
+        if calls + self.open_steps * (calls // (self.steps or 1)) >= self.call_limit and self._on_calls is not None \
+                and not self._on_calls(calls):
+            self.call_limit = 1 << 62
         state.depth += 1
         if state.depth != 1 or state.handle is not None or not self.active:
             return
