@@ -165,10 +165,12 @@ def _trace_events(path: str | None) -> int | None:
 
 
 def _us_per_call(fn: Any, n: int) -> float:
-    start = time.perf_counter()
+    """CPU time of this thread per call: a shared machine's waits for a CPU do not count (what
+    is measured here is work done, which runs in the calling thread)."""
+    start = time.thread_time_ns()
     for _ in range(n):
         fn()
-    return (time.perf_counter() - start) / n * 1e6
+    return (time.thread_time_ns() - start) / n / 1e3
 
 
 def _paired(block_a: Any, block_b: Any, rounds: int = 9) -> tuple[float, float]:
@@ -218,11 +220,9 @@ def measure_costs() -> dict[str, float]:
         lambda: _us_per_call(lambda: sampling.decide(False, None, "POST", "/v1/completions"), 20000))
     hf = importlib.import_module(SERVERS["hf"])
     loop = importlib.import_module(SERVERS["loop"])
-    models = {"hf": lambda: hf.model(torch.ones(1, 1, dtype=torch.long)),
-              "loop": lambda: loop.model(torch.ones(1, 1, dtype=torch.long))}
     auto = AutoInstrumentation()
 
-    def stepping(step: Any, hooks: str, n: int = 20) -> Any:
+    def stepping(step: Any, hooks: str, n: int = 300) -> Any:
         def block() -> float:
             if hooks == "none":
                 return _us_per_call(step, n)
@@ -241,16 +241,34 @@ def measure_costs() -> dict[str, float]:
                 steps.DISCOVERY_STEPS = saved
         return block
 
+    # The hooks' cost does not depend on what a step computes: measured on models that compute
+    # next to nothing (one Linear(1, 1); then 32 modules), so that it stands out of the noise.
+    tiny = torch.nn.Sequential(torch.nn.Linear(1, 1)).eval()
+    wide = torch.nn.Sequential(*[torch.nn.Identity() for _ in range(31)], torch.nn.Linear(1, 1)).eval()
+    one = torch.ones(1, 1)
     prof = profile(activities=[ProfilerActivity.CPU], experimental_config=_ExperimentalConfig(profile_all_threads=True))
     with torch.inference_mode():
-        for name, step in models.items():
-            costs[f"{name}_step_us"] = _paired(stepping(step, "none"), stepping(step, "none"), 3)[0]
-            prof.start()
-            on, costs[f"{name}_hooks_per_step_us"] = _paired(stepping(step, "none"), stepping(step, "model"))
-            _, costs[f"{name}_discovery_per_step_us"] = _paired(stepping(step, "none"), stepping(step, "global"), 5)
-            prof.stop()
-            costs[f"{name}_profiler_per_step_us"] = on - costs[f"{name}_step_us"]
+        for name, model in (("hf", hf.model), ("loop", loop.model)):
+            ids = torch.ones(1, 1, dtype=torch.long)
+            costs[f"{name}_step_us"] = _us_per_call(lambda m=model, i=ids: m(i), 20)
+            auto.start(list, None)
+            for _ in range(3):
+                model(ids)
             costs[f"{name}_module_calls_per_step"] = auto.steps.module_calls / max(1, auto.steps.steps)
+            auto.stop()
+            auto.remove()
+        prof.start()
+        on, costs["hooks_per_step_us"] = _paired(stepping(lambda: tiny(one), "none"),
+                                                 stepping(lambda: tiny(one), "model"))
+        wide_on, wide_global = _paired(stepping(lambda: wide(one), "none"), stepping(lambda: wide(one), "global"))
+        prof.stop()
+        costs["global_hooks_per_call_us"] = wide_global / 32
+        for name, model in (("hf", hf.model), ("loop", loop.model)):
+            ids = torch.ones(1, 1, dtype=torch.long)
+            bare = _us_per_call(lambda m=model, i=ids: m(i), 20)
+            prof.start()
+            costs[f"{name}_profiler_per_step_us"] = _us_per_call(lambda m=model, i=ids: m(i), 20) - bare
+            prof.stop()
         text = "The harbour master counted the boats twice before the storm. " * 4
 
         def encoding(patched: bool) -> Any:
@@ -272,9 +290,9 @@ def measure_costs() -> dict[str, float]:
     return costs
 
 
-def _watchdog_cost(seconds: float = 1.0, work_us: float = 200.0) -> dict[str, float]:
-    """A loop kept busy by ~200 µs callbacks (a server's handlers), with and without the watchdog
-    attached: the share of loop time it takes (heartbeat callbacks, GIL hand-offs to its thread)."""
+def _watchdog_cost(seconds: float = 1.0, handlers: int = 3000, work_us: float = 200.0) -> dict[str, float]:
+    """CPU the watchdog takes while a session runs: on a busy loop (200 µs handlers back to back:
+    the share of loop CPU its heartbeats add), and per second on an idle loop and on its thread."""
     from servprof.watchdog import LoopWatchdog
 
     def handler() -> None:
@@ -286,17 +304,34 @@ def _watchdog_cost(seconds: float = 1.0, work_us: float = 200.0) -> dict[str, fl
         watchdog = LoopWatchdog(10.0) if with_watchdog else None
         if watchdog is not None:
             watchdog.attach()
-        count, end = 0, time.perf_counter() + seconds
-        while time.perf_counter() < end:
+        start = time.thread_time_ns()
+        for _ in range(handlers):
             handler()
             await asyncio.sleep(0)
-            count += 1
+        cpu = (time.thread_time_ns() - start) / handlers / 1e3
         if watchdog is not None:
             watchdog.stop()
-        return seconds * 1e6 / count  # µs per handler, loop overhead included
+        return cpu  # µs of loop CPU per handler
 
-    off, extra = _paired(lambda: asyncio.run(busy(False)), lambda: asyncio.run(busy(True)), 7)
-    return {"watchdog_loop_share": extra / off, "watchdog_us_per_s": extra / off * 1e6}
+    async def idle(with_watchdog: bool) -> tuple[float, float]:
+        watchdog = LoopWatchdog(10.0) if with_watchdog else None
+        if watchdog is not None:
+            watchdog.attach()
+        start = time.thread_time_ns()
+        await asyncio.sleep(seconds)
+        loop_cpu = (time.thread_time_ns() - start) / seconds / 1e3
+        thread_cpu = 0.0
+        if watchdog is not None:
+            thread = watchdog._thread
+            assert thread is not None and thread.ident is not None
+            thread_cpu = time.clock_gettime(time.pthread_getcpuclockid(thread.ident)) * 1e6 / seconds
+            watchdog.stop()
+        return loop_cpu, thread_cpu  # µs per second
+
+    off, extra = _paired(lambda: asyncio.run(busy(False)), lambda: asyncio.run(busy(True)), 5)
+    idles = [(asyncio.run(idle(True))[0] - asyncio.run(idle(False))[0], asyncio.run(idle(True))[1]) for _ in range(3)]
+    return {"watchdog_busy_share": extra / off, "watchdog_idle_loop_us_per_s": statistics.median(i[0] for i in idles),
+            "watchdog_thread_us_per_s": statistics.median(i[1] for i in idles)}
 
 
 # --- the parent: runs each configuration, prints ratios ------------------------------------------------
@@ -375,7 +410,7 @@ def _print_run(console: Console, run: dict[str, Any]) -> None:
 
 
 def _print_costs(console: Console, costs: dict[str, float], runs: list[dict[str, Any]]) -> None:
-    table = Table(title="what zero-touch costs (this process, no load; medians of best-of-3)")
+    table = Table(title="what zero-touch costs: CPU time in the thread doing the work (medians of interleaved rounds)")
     table.add_column("item")
     table.add_column("cost", justify="right")
     table.add_column("per request", justify="right")
@@ -384,23 +419,28 @@ def _print_costs(console: Console, costs: dict[str, float], runs: list[dict[str,
                   f"({costs['thread_start_us']:.0f} µs per start)", f"{costs['thread_start_patch_us']:.2f} µs (1 thread)")
     table.add_row("no session: route filter (sampling on)", f"{costs['route_filter_us']:.2f} µs per request",
                   f"{costs['route_filter_us']:.2f} µs")
+    hooks = costs["hooks_per_step_us"]
+    per_call = costs["global_hooks_per_call_us"]
     for name in ("hf", "loop"):
-        step = costs[f"{name}_step_us"]
-        hooks = costs[f"{name}_hooks_per_step_us"]
-        table.add_row(f"session: step hooks, {name} ({costs[f'{name}_module_calls_per_step']:.0f} module calls/step)",
-                      f"{hooks:.1f} µs per step ({hooks / step:.1%} of a {step:.0f} µs step; profiler itself "
+        step, calls = costs[f"{name}_step_us"], costs[f"{name}_module_calls_per_step"]
+        table.add_row(f"session: step hooks, {name} server's model",
+                      f"{hooks:.1f} µs per step ({hooks / step:.1%} of its {step:.0f} µs step; the profiler itself "
                       f"+{costs[f'{name}_profiler_per_step_us']:.0f} µs)",
                       f"{hooks * steps_per_request / 1e3:.2f} ms ({steps_per_request} steps)")
-        table.add_row(f"session: global hooks while discovering, {name}",
-                      f"{costs[f'{name}_discovery_per_step_us']:.1f} µs per step", "first 4 steps of a session")
+        table.add_row(f"session: global hooks while discovering, {name} ({calls:.0f} module calls/step)",
+                      f"{per_call:.2f} µs per module call = {per_call * calls:.0f} µs per step",
+                      "the first 4 steps of a session")
     table.add_row("session: tokenizer patch", f"{costs['tokenizer_patch_per_call_us']:.2f} µs per call "
                   f"({costs['tokenize_call_us']:.0f} µs per encode)",
                   f"{costs['tokenizer_patch_per_call_us'] * (steps_per_request + 1):.0f} µs "
                   f"(1 encode + {steps_per_request} decodes)")
     rps = statistics.median([r["requests"] / r["load_s"] for r in runs if r.get("requests")] or [float("nan")])
-    table.add_row("session: watchdog heartbeat", f"{costs['watchdog_loop_share']:.2%} of a busy loop "
-                  f"({costs['watchdog_us_per_s']:.0f} µs/s)",
-                  f"{costs['watchdog_us_per_s'] / rps:.0f} µs at {rps:.1f} requests/s")
+    table.add_row("session: watchdog on a busy loop", f"{costs['watchdog_busy_share']:.1%} of the loop's CPU "
+                  f"(200 µs handlers back to back)", f"{costs['watchdog_busy_share']:.1%} of each request's loop time")
+    table.add_row("session: watchdog on an idle loop", f"{costs['watchdog_idle_loop_us_per_s']:.0f} µs/s of loop CPU "
+                  f"(heartbeats wake it) + {costs['watchdog_thread_us_per_s']:.0f} µs/s on its thread",
+                  f"{(costs['watchdog_idle_loop_us_per_s'] + costs['watchdog_thread_us_per_s']) / rps:.0f} µs at "
+                  f"{rps:.1f} requests/s")
     console.print(table)
 
 

@@ -351,9 +351,13 @@ class CaptureController:
         count = (result.get("summary") or {}).get("event_count")
         if not isinstance(count, (int, float)) or count <= 0:
             count = session.trace_raw_bytes / RAW_BYTES_PER_EVENT
-        auto = (session.instruments.summary.get("auto") or {}) if session.instruments is not None else {}
-        # A step still running at the stop left only part of its events: half a step each.
+        summary = session.instruments.summary if session.instruments is not None else {}
+        auto = summary.get("auto") or {}
+        # A step still running at the stop left only part of its events: half a step each; after
+        # a cut (collection switched off by the step hooks) steps went on uncounted in the trace.
         model_steps = (auto.get("steps") or 0) - (auto.get("running_at_stop") or 0) / 2
+        if summary.get("steps_at_cut") is not None:
+            model_steps = summary["steps_at_cut"]
         # Busy capture time only (stop() holds the GIL, so next to nothing is captured during it);
         # chunks at the stop, not now: the sampled streams went on after it.
         self.budget.learn(count, session.settings, session.busy_ns / 1e9, model_steps, session.steps_captured)

@@ -73,6 +73,7 @@ class SessionInstruments:
         self._cut_limit: int | None = None
         self._asked_stop = False
         self.collection_cut = False  # the hooks switched collection off at CUT_AT of the budget
+        self.steps_at_cut: float | None = None  # steps recorded before the cut (later ones are not)
         self.watchdog = LoopWatchdog(settings.loop_stall_ms, in_flight, open_request_ids)
         self.summary: dict[str, Any] = {}
         self._calls_cut: int | None = None
@@ -115,6 +116,7 @@ class SessionInstruments:
         self.summary = metadata_safe({
             "event_budget": round(self.budget.budget(self.settings)),
             "collection_cut": self.collection_cut,
+            "steps_at_cut": self.steps_at_cut,
             "auto": self.auto.summary() if self.auto is not None else {"enabled": False},
             "watchdog": self.watchdog.summary(),
             "missing": missing,
@@ -160,4 +162,8 @@ class SessionInstruments:
         # The capture thread has not stopped the profiler in time: stop collecting right here.
         if not self.collection_cut:
             self.collection_cut = pause_collection()
+            if self.collection_cut and self.auto is not None:
+                # Recorded: the steps before the one starting now, those still running about half.
+                hooks = self.auto.steps
+                self.steps_at_cut = max(0.0, hooks.steps - 1 - max(0, hooks.open_steps - 1) / 2)
             self._wake()
