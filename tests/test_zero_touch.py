@@ -130,6 +130,8 @@ def observed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         # (the session is full: they run unsampled).
         reference = reference_tokenize_ms(name, server, prompt)
         for _ in range(SAMPLED - 1):
+            # Interleaved with the requests: the machine's load drifts (it is shared).
+            reference += reference_tokenize_ms(name, server, prompt, repeats=3)
             one()
         clients = [threading.Thread(target=one, args=(first_chunk,))]
         clients[0].start()
@@ -178,10 +180,15 @@ def test_tokenization_found_on_the_loop_with_its_time(observed: dict[str, Any]) 
         assert len(spans) == 1, spans
         assert per_request[rid]["on_event_loop"] is True
         measured.append((spans[0]["end_us"] - spans[0]["start_us"]) / 1e3)
-    # The same call timed without the profiler (14 runs, before and after). On a shared machine
-    # noise only adds time, so the fastest of each side is what the call costs: within 20%.
-    fastest = min(observed["reference_ms"])
-    assert abs(min(measured) - fastest) <= 0.2 * fastest, (measured, observed["reference_ms"])
+    # The same call timed without the profiler, interleaved with the requests (23 runs). On this
+    # shared machine single timings swing by 2x, so the comparison is between distributions: the
+    # fastest sampled call within 20% of the typical reference call (noise only adds time), and none
+    # faster than the fastest reference call less 20%. The servers' slow helpers that run just
+    # before the tokenizer (several times its time) must not be in the phase.
+    reference = observed["reference_ms"]
+    typical = sorted(reference)[len(reference) // 2]
+    assert min(measured) <= 1.2 * typical, (measured, reference)
+    assert min(measured) >= 0.8 * min(reference), (measured, reference)
 
 
 def test_the_loop_stall_is_named_by_the_blocking_function(observed: dict[str, Any]) -> None:
