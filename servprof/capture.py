@@ -306,7 +306,7 @@ class CaptureController:
         assert prof is not None
         instruments = session.instruments
         # The watchdog stops first: whatever the loop waits for from here on is servprof's stop/export.
-        serving = instruments.stop() if instruments is not None else {}
+        serving = instruments.stop(why == "max_session_events") if instruments is not None else {}
         metadata = {**serving, "session_id": session.session_id, "request_ids": [r.request_id for r in session.records],
                     "wall_start_ns": session.wall_start_ns, "perf_start_ns": session.perf_start_ns,
                     "stop_reason": why, "reason": session.reason, "event_loop_tid": session.event_loop_tid,

@@ -99,8 +99,12 @@ class SessionInstruments:
     def live(self) -> LiveSignals:
         return self.auto.live() if self.auto is not None else LiveSignals()
 
-    def stop(self) -> dict[str, Any]:
-        """Before the profiler's stop(): what goes into the trace's servprof metadata."""
+    def stop(self, budget_spent: bool = False) -> dict[str, Any]:
+        """Before the profiler's stop(): what goes into the trace's servprof metadata. A session
+        ended by its event budget stops collecting first: at a high event rate even the
+        milliseconds until stop() add steps' worth of events."""
+        if budget_spent:
+            self._cut()
         stalls = self.watchdog.stop()
         if self.auto is not None:
             self.auto.stop()
@@ -156,14 +160,15 @@ class SessionInstruments:
         # Steps started so far hold at most steps x per-step events: the one starting now would
         # pass the cut share, so nothing from here on is recorded.
         if self._cut_limit is not None and steps > self._cut_limit:
-            self._cut()
+            self._cut(at_step_open=True)
 
-    def _cut(self) -> None:
-        # The capture thread has not stopped the profiler in time: stop collecting right here.
+    def _cut(self, at_step_open: bool = False) -> None:
+        # Stop collecting now (the hooks: the capture thread has not stopped the profiler in time).
         if not self.collection_cut:
             self.collection_cut = pause_collection()
-            if self.collection_cut and self.auto is not None:
-                # Recorded: the steps before the one starting now, those still running about half.
+            if self.collection_cut and self.auto is not None and self.auto.running:
+                # Recorded: whole steps, those still running about half (one starting now: none).
                 hooks = self.auto.steps
-                self.steps_at_cut = max(0.0, hooks.steps - 1 - max(0, hooks.open_steps - 1) / 2)
+                starting = 1 if at_step_open else 0
+                self.steps_at_cut = max(0.0, hooks.steps - starting - max(0, hooks.open_steps - starting) / 2)
             self._wake()
