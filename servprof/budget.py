@@ -22,8 +22,13 @@ session stopped before it passes the budget:
 
 A rate per second or per chunk is learned only from a session that captured
 ``MIN_LEARN_EVENTS`` (or a quarter of a smaller budget); events per step from any session
-with ``MIN_LEARN_STEPS`` steps. ``record_shapes`` roughly triples what ``stop()`` costs per
-event, so with it the budget in events is a third (``cost_factor``).
+with ``MIN_LEARN_STEPS`` steps.
+
+What bounds the loop's stall is ``stop()``'s time, not the event count: ``max_session_events``
+is a count of events at ``BASE_STOP_US_PER_EVENT`` each (what the default of 2000 was measured
+at: ~12 ms). Sessions measure what ``stop()`` really took per event, per capture mode, and the
+budget in events shrinks by that ratio when events cost more: ``record_shapes`` made them 1.5-7x
+dearer on the two unmarked test servers (5x is assumed until measured), a busy machine too.
 """
 
 from __future__ import annotations
@@ -40,8 +45,10 @@ STOP_AT = 0.9  # the share of the budget at which the step hooks ask for the sto
 # ... and at which they switch the profiler's collection off themselves, when the capture thread
 # has not stopped it yet (on a busy machine it may wait tens of ms for a CPU): a hard bound.
 CUT_AT = 1.2
-SHAPES_COST_FACTOR = 3.0  # stop() per event with record_shapes / without (facts: ~3x)
+BASE_STOP_US_PER_EVENT = 6.0  # stop() per event on the demo at the default budget (2000 events: ~12 ms)
+SHAPES_COST_FACTOR = 5.0  # assumed until measured: record_shapes made stop()+export 1.5-7x dearer per event
 STACK_COST_FACTOR = 2.0  # with_stack adds a Python event per call
+MIN_COST_EVENTS = 300  # smaller sessions are dominated by stop()'s fixed costs
 
 
 @dataclass
@@ -56,7 +63,12 @@ class LiveSignals:
     calls_per_step: float | None = None
 
 
+def _mode(settings: Any) -> tuple[bool, bool]:
+    return bool(getattr(settings, "record_shapes", False)), bool(getattr(settings, "with_stack", False))
+
+
 def cost_factor(settings: Any) -> float:
+    """How much dearer an event is than the budget's nominal one, before any was measured."""
     factor = 1.0
     if getattr(settings, "record_shapes", False):
         factor *= SHAPES_COST_FACTOR
@@ -70,10 +82,13 @@ class EventBudget:
         self.per_step: float | None = None  # events per model step (step hooks)
         self.per_chunk: float | None = None  # events per streamed chunk of the busiest sampled request
         self.per_second: float | None = None  # events per busy second
+        self.stop_us: dict[tuple[bool, bool], float] = {}  # stop() µs per event, per (shapes, stack)
         self.history: list[dict[str, Any]] = []  # last sessions: events / budget (status)
 
     def budget(self, settings: Any) -> float:
-        return settings.max_session_events / cost_factor(settings)
+        measured = self.stop_us.get(_mode(settings))
+        factor = max(1.0, measured / BASE_STOP_US_PER_EVENT) if measured else cost_factor(settings)
+        return settings.max_session_events / factor
 
     def _per_step(self, live: LiveSignals) -> float | None:
         if self.per_step:
@@ -120,12 +135,18 @@ class EventBudget:
             terms.append((self.per_second or assumed_per_s) * busy_s)
         return max(terms)
 
-    def learn(self, events: float, settings: Any, busy_s: float, steps: float, chunks: int) -> None:
+    def learn(self, events: float, settings: Any, busy_s: float, steps: float, chunks: int,
+              stop_s: float | None = None) -> None:
         budget = self.budget(settings)
         self.history = [*self.history[-9:], {"events": round(events), "budget": round(budget),
                                               "ratio": round(events / budget, 3) if budget else None}]
         if events <= 0:
             return
+        if stop_s is not None and stop_s > 0 and events >= MIN_COST_EVENTS:
+            mode = _mode(settings)
+            old = self.stop_us.get(mode)
+            # As the rates: one cheap stop does not halve the cost the next session is planned with.
+            self.stop_us[mode] = max(stop_s * 1e6 / events, (old or 0.0) / 2)
         reliable = events >= min(MIN_LEARN_EVENTS, RELIABLE_SHARE * budget)
         if busy_s > 0:
             # Never below half the last rate: a quiet or tiny session cannot open the next one wide.
@@ -139,4 +160,7 @@ class EventBudget:
 
     def status(self) -> dict[str, Any]:
         return {"events_per_step": self.per_step, "events_per_chunk": self.per_chunk,
-                "events_per_second": self.per_second, "last_sessions": list(self.history)}
+                "events_per_second": self.per_second,
+                "stop_us_per_event": {("shapes" if s else "plain") + ("+stack" if k else ""): round(v, 2)
+                                      for (s, k), v in self.stop_us.items()},
+                "last_sessions": list(self.history)}

@@ -360,7 +360,9 @@ class CaptureController:
             model_steps = summary["steps_at_cut"]
         # Busy capture time only (stop() holds the GIL, so next to nothing is captured during it);
         # chunks at the stop, not now: the sampled streams went on after it.
-        self.budget.learn(count, session.settings, session.busy_ns / 1e9, model_steps, session.steps_captured)
+        stop_s = (session.perf_end_ns - session.capture_end_ns) / 1e9 \
+            if session.perf_end_ns and session.capture_end_ns else None
+        self.budget.learn(count, session.settings, session.busy_ns / 1e9, model_steps, session.steps_captured, stop_s)
 
     def _fail(self, session: Session, error: str, store_problem: bool = False) -> None:
         session.error = error

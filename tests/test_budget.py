@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from servprof.budget import (
+    BASE_STOP_US_PER_EVENT,
     PRIOR_EVENTS_PER_MODULE_CALL,
+    SHAPES_COST_FACTOR,
     STEPLESS_GRACE_S,
     STOP_AT,
     EventBudget,
@@ -64,10 +66,20 @@ def test_rates_fade_by_half_at_most_per_session() -> None:
     assert budget.per_step == 100.0 and budget.per_chunk == 100.0
 
 
-def test_record_shapes_and_stacks_shrink_the_budget_in_events() -> None:
+def test_dearer_events_shrink_the_budget_in_events() -> None:
     budget = EventBudget()
     assert budget.budget(SETTINGS) == 2000
-    assert budget.budget(Settings(max_session_events=3000, record_shapes=True)) == 1000
-    assert budget.budget(Settings(max_session_events=3000, record_shapes=True, with_stack=True)) == 500
-    budget.learn(900.0, Settings(max_session_events=3000, record_shapes=True), busy_s=0.1, steps=3, chunks=0)
-    assert budget.status()["last_sessions"][-1] == {"events": 900, "budget": 1000, "ratio": 0.9}
+    shapes = Settings(max_session_events=3000, record_shapes=True)
+    assert budget.budget(shapes) == 3000 / SHAPES_COST_FACTOR  # assumed until a stop was timed
+    assert budget.budget(Settings(max_session_events=3000, record_shapes=True, with_stack=True)) == \
+        3000 / SHAPES_COST_FACTOR / 2
+    # A timed stop(): 600 events in 18 ms is 30 µs per event, 5x the nominal 6 µs.
+    budget.learn(600.0, shapes, busy_s=0.1, steps=3, chunks=0, stop_s=0.018)
+    assert budget.budget(shapes) == 3000 / (30.0 / BASE_STOP_US_PER_EVENT)
+    assert budget.status()["stop_us_per_event"] == {"shapes": 30.0}
+    # Cheap events never raise the budget above the setting; one cheap stop only halves the cost.
+    budget.learn(600.0, shapes, busy_s=0.1, steps=3, chunks=0, stop_s=0.0006)
+    assert budget.budget(shapes) == 3000 / (15.0 / BASE_STOP_US_PER_EVENT)
+    budget.learn(2000.0, SETTINGS, busy_s=0.1, steps=3, chunks=0, stop_s=0.004)
+    assert budget.budget(SETTINGS) == 2000
+    assert budget.status()["last_sessions"][-1] == {"events": 2000, "budget": 2000, "ratio": 1.0}
