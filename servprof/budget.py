@@ -45,6 +45,7 @@ STOP_AT = 0.9  # the share of the budget at which the step hooks ask for the sto
 # ... and at which they switch the profiler's collection off themselves, when the capture thread
 # has not stopped it yet (on a busy machine it may wait tens of ms for a CPU): a hard bound.
 CUT_AT = 1.2
+STOP_LATENCY_S = 0.005  # how long a stop asked for by the hooks takes to land (a GIL switch interval)
 BASE_STOP_US_PER_EVENT = 6.0  # stop() per event on the demo at the default budget (2000 events: ~12 ms)
 SHAPES_COST_FACTOR = 5.0  # assumed until measured: record_shapes made stop()+export 1.5-7x dearer per event
 STACK_COST_FACTOR = 2.0  # with_stack adds a Python event per call
@@ -58,6 +59,7 @@ class LiveSignals:
     hooks_active: bool = False  # step hooks installed (auto on, torch present, no compiled model)
     steps: int = 0
     open_steps: int = 0  # steps running now: each thread in one may start another before a stop lands
+    next_step_share: float = 1.0  # ... as much of one as it gets through in STOP_LATENCY_S
     module_calls: int = 0
     discovering: bool = False
     calls_per_step: float | None = None
@@ -113,10 +115,10 @@ class EventBudget:
         return max(1, int(self.budget(settings) * share / PRIOR_EVENTS_PER_MODULE_CALL))
 
     @staticmethod
-    def steps_ahead(live: LiveSignals) -> int:
+    def steps_ahead(live: LiveSignals) -> float:
         """Steps counted against the budget: those started, plus one more for every thread in
         a step now (it can start its next one while the stop waits for the GIL)."""
-        return live.steps + live.open_steps
+        return live.steps + live.open_steps * live.next_step_share
 
     def estimate(self, busy_s: float, chunks: int, live: LiveSignals, assumed_per_s: float) -> float:
         terms = [0.0]
@@ -127,7 +129,8 @@ class EventBudget:
             else:  # the first steps of the first session: module calls counted live, and the
                 # steps running now counted as whole ones (at the calls per step seen so far)
                 per_step_calls = live.module_calls / max(1, live.steps)
-                terms.append((live.module_calls + live.open_steps * per_step_calls) * PRIOR_EVENTS_PER_MODULE_CALL)
+                terms.append((live.module_calls + live.open_steps * live.next_step_share * per_step_calls)
+                             * PRIOR_EVENTS_PER_MODULE_CALL)
         if self.per_chunk:
             terms.append(self.per_chunk * chunks)
         stepless = not live.hooks_active or (live.steps == 0 and live.module_calls == 0 and busy_s >= STEPLESS_GRACE_S)

@@ -44,6 +44,9 @@ def test_events_per_step_bound_the_next_session_with_running_steps_counted() -> 
     live = LiveSignals(hooks_active=True, steps=3, open_steps=2)
     assert budget.estimate(0.1, 0, live, 100_000.0) == 300.0 * 5
     assert budget.step_limit(SETTINGS, live) == int(2000 * STOP_AT / 300.0)
+    # Long steps (20 ms against a ~5 ms stop): a running thread gets through a quarter of its next one.
+    long_steps = LiveSignals(hooks_active=True, steps=3, open_steps=2, next_step_share=0.25)
+    assert budget.estimate(0.1, 0, long_steps, 100_000.0) == 300.0 * 3.5
     # A load ten times higher: ten times the steps, ten times the estimate (time is not used).
     assert budget.estimate(0.1, 0, LiveSignals(hooks_active=True, steps=30, open_steps=20), 100_000.0) == 300.0 * 50
 

@@ -76,7 +76,7 @@ class AutoInstrumentation:
     def live(self) -> LiveSignals:
         steps = self.steps
         return LiveSignals(hooks_active=self.hooks_active and self.running, steps=steps.steps,
-                           open_steps=steps.open_steps,
+                           open_steps=steps.open_steps, next_step_share=steps.next_step_share,
                            module_calls=steps.module_calls, discovering=steps.discovering,
                            calls_per_step=steps.calls_per_step)
 

@@ -154,7 +154,8 @@ class SessionInstruments:
             self._cut_limit = self.budget.step_limit(self.settings, live, CUT_AT)
             if self._step_limit is None:
                 return
-        if steps + self.auto.steps.open_steps >= self._step_limit and not self._asked_stop:
+        hooks = self.auto.steps
+        if steps + hooks.open_steps * hooks.next_step_share >= self._step_limit and not self._asked_stop:
             self._asked_stop = True
             self._wake()  # the capture thread checks the budget now, not at its next poll
         # Steps started so far hold at most steps x per-step events: the one starting now would

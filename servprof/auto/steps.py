@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +34,7 @@ from torch.nn.modules import module as torch_module
 
 from servprof.auto.context import request_id_here
 from servprof.auto.emit import auto_phase_name, close_range, open_range
+from servprof.budget import STOP_LATENCY_S
 
 DISCOVERY_STEPS = 4  # completed outermost forwards watched with global hooks per session
 _Tensor = torch.Tensor
@@ -45,6 +47,7 @@ class _ThreadState(threading.local):
     owner: Any = None  # the module whose post-hook closes it
     pending: Any = None  # outermost module whose own kwargs hook will open the range
     last_seq = -1  # sequence length of this thread's previous step
+    opened_ns = 0
 
 
 def _sequence_length(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> int | None:
@@ -133,7 +136,11 @@ class StepHooks:
         self._on_calls: Callable[[int], bool] | None = None
         self.call_limit = 1 << 62
         self.steps = self.prefill_steps = self.decode_steps = 0
-        self.open_steps = 0  # threads inside a step now (each may start one more before a stop lands)
+        self.open_steps = 0  # threads inside a step now
+        # The share of a step a running thread gets through while a stop is on its way
+        # (STOP_LATENCY_S / the typical step): threads in short steps start their next one.
+        self.next_step_share = 1.0
+        self.step_s: float | None = None  # typical step time (moving average, kept across sessions)
         self.module_calls = 0  # counted while discovering only
         self.discovery_steps = 0
         self.calls_per_step: float | None = None  # nested module calls per step, from discovery
@@ -201,7 +208,8 @@ class StepHooks:
         state = self._thread_state()
         calls = self.module_calls = self.module_calls + 1
         # Steps running now will make their remaining calls before a stop lands: count them whole.
-        if calls + self.open_steps * (calls // (self.steps or 1)) >= self.call_limit and self._on_calls is not None \
+        if calls + self.open_steps * self.next_step_share * (calls // (self.steps or 1)) >= self.call_limit \
+                and self._on_calls is not None \
                 and not self._on_calls(calls):
             self.call_limit = 1 << 62
         state.depth += 1
@@ -279,6 +287,7 @@ class StepHooks:
         ids = [request_id] if request_id is not None else self._session_ids()
         state.handle = open_range(auto_phase_name(kind, ids))
         state.owner = module
+        state.opened_ns = time.perf_counter_ns()
         self.steps += 1
         self.open_steps += 1
         if len(self.models) < 8:
@@ -291,3 +300,6 @@ class StepHooks:
         if handle is not None:
             self.open_steps = max(0, self.open_steps - 1)
             close_range(handle)
+            took = (time.perf_counter_ns() - state.opened_ns) / 1e9
+            self.step_s = took if self.step_s is None else 0.8 * self.step_s + 0.2 * took
+            self.next_step_share = min(1.0, STOP_LATENCY_S / max(self.step_s, 1e-6))
