@@ -101,9 +101,11 @@ class SessionInstruments:
 
     def stop(self, budget_spent: bool = False) -> dict[str, Any]:
         """Before the profiler's stop(): what goes into the trace's servprof metadata. A session
-        ended by its event budget stops collecting first: at a high event rate even the
-        milliseconds until stop() add steps' worth of events."""
-        if budget_spent:
+        ended by its event budget and already past it stops collecting first: at a high event
+        rate even the milliseconds until stop() add steps' worth of events. (Only then: torch
+        logs a warning line for every such cut.)"""
+        if budget_spent and self.auto is not None and \
+                self.budget.estimate(0.0, 0, self.auto.live(), 0.0) >= self.budget.budget(self.settings):
             self._cut()
         stalls = self.watchdog.stop()
         if self.auto is not None:
