@@ -47,10 +47,10 @@ class Settings:
     # loop's stall (2000 events: ~10-15 ms on 2 CPU cores; see bench/bench_sampling_lag.py).
     requests_per_session: int = 4
     max_session_s: float = 10.0
-    max_session_events: int = 2_000  # estimated from the event rate the previous session measured
+    max_session_events: int = 2_000  # at ~6 us of stop() each; estimated live (servprof.budget)
     max_session_steps: int = 32  # decode steps, estimated as streamed chunks of the sampled requests
-    # Event rate assumed until a session has measured this server's (the demo makes ~60-75k/s on
-    # 2 cores); set high so that a first session errs on the short side.
+    # Event rate assumed, where no model step can be counted, until a session has measured this
+    # server's (the demo makes ~60-75k/s on 2 cores); set high so that a first session errs short.
     assumed_events_per_s: float = 100_000.0
     record_shapes: bool = False
     with_stack: bool = False
