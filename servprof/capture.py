@@ -31,6 +31,9 @@ from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile
 
 from servprof.analysis import empty_result, kill_running_analyses, run_analysis
+from servprof.auto import AutoInstrumentation
+from servprof.auto.session import SessionInstruments
+from servprof.budget import STOP_AT, EventBudget, LiveSignals
 from servprof.observers import RequestRecord
 from servprof.probes import IDLE_TICK_S, SessionProbes, tick_memory_history
 from servprof.settings import Settings
@@ -83,12 +86,22 @@ class Session:
         self.result: dict[str, Any] | None = None
         self.event_loop_tid: int | None = None  # the serving loop's thread, so analysis can tell loop work apart
         self.probes: SessionProbes | None = None  # memory levels, torch.compile records (servprof.probes)
+        self.instruments: SessionInstruments | None = None  # automatic phases + loop watchdog, while capturing
         self.started = threading.Event()  # set once capturing, or failed before capturing
         self.finished = threading.Event()
 
     def has_room(self) -> bool:
         return (self.state in (STARTING, CAPTURING) and self.stop_requested is None
                 and len(self.records) < self.target_requests)
+
+    def watch_loop(self) -> None:
+        """Called on the serving loop by the first sampled request: the watchdog attaches to it."""
+        instruments = self.instruments
+        if instruments is not None and self.state == CAPTURING:
+            instruments.attach_loop()
+
+    def open_request_ids(self) -> list[str]:
+        return [r.request_id for r in list(self.records) if r.end_ns is None]
 
     def steps(self) -> int:
         """Decode steps so far, estimated as the most body chunks any sampled request streamed
@@ -121,6 +134,7 @@ class Session:
                 "servprof_overhead_ms": dict(self.overhead_ms),
                 "open_requests": self.open_requests,  # > 0: the records below may still change
                 "trace_file": str(self.trace_path) if self.trace_path else None,
+                **(self.instruments.summary if self.instruments is not None else {}),
                 "requests": [_record_summary(r) for r in list(self.records)]}
 
 
@@ -150,8 +164,8 @@ class CaptureController:
         self.model_requests_done = 0  # POST requests served (model calls in OpenAI-style APIs), for memory history
         self.first_model_request_ns: int | None = None  # wall clock: compiles before it were start-up warm-up
         self.memory_history = False  # keep memory levels between sessions (a runtime with memory_samples on)
-        self.events_per_second: float | None = None  # learned from the last finished session
-        self.events_per_step: float | None = None
+        self.budget = EventBudget()  # events per step / chunk / second, learned from stored traces
+        self.auto = AutoInstrumentation()
         self._atexit_registered = False
         self._final_writes: list[Session] = []  # finished sessions whose last streaming request ended
         # Called (with a time budget in seconds) after a shutdown stopped the session: flush what the
@@ -344,6 +358,9 @@ class CaptureController:
         session.timed("start", session.perf_start_ns)
         self._profiler = prof
         self.sessions_started += 1
+        session.instruments = SessionInstruments(session.settings, self.auto, self.budget, session.open_request_ids,
+                                                 lambda: self.in_flight, self._wake.set)
+        session.instruments.start()
         self._begin_capture(session)
 
     def _begin_capture(self, session: Session) -> None:
@@ -359,10 +376,19 @@ class CaptureController:
             session.state = STOPPING
             session.records = [r for r in session.records if r.sampled]
 
+    @property
+    def events_per_second(self) -> float | None:
+        return self.budget.per_second
+
+    @property
+    def events_per_step(self) -> float | None:
+        return self.budget.per_step or self.budget.per_chunk
+
     def estimated_events(self, elapsed_s: float, steps: int, assumed_per_s: float = 0.0) -> float:
-        by_time = (self.events_per_second or assumed_per_s) * elapsed_s
-        by_steps = (self.events_per_step or 0.0) * steps
-        return max(by_time, by_steps)
+        session = self.session
+        instruments = session.instruments if session is not None else None
+        live = instruments.live() if instruments is not None else LiveSignals()
+        return self.budget.estimate(elapsed_s, steps, live, assumed_per_s)
 
     def _stop_reason(self, session: Session) -> str | None:
         if session.stop_requested:
@@ -382,7 +408,8 @@ class CaptureController:
             return "max_session_s"
         if steps >= settings.max_session_steps:
             return "max_session_steps"
-        if self.estimated_events(session.busy_ns / 1e9, steps, settings.assumed_events_per_s) >= settings.max_session_events:
+        if self.estimated_events(session.busy_ns / 1e9, steps, settings.assumed_events_per_s) >= \
+                self.budget.budget(settings) * STOP_AT:
             return "max_session_events"
         return None
 
@@ -390,7 +417,10 @@ class CaptureController:
         self._begin_stop(session, why)
         prof, self._profiler = self._profiler, None
         assert prof is not None
-        metadata = {"session_id": session.session_id, "request_ids": [r.request_id for r in session.records],
+        instruments = session.instruments
+        # The watchdog stops first: whatever the loop waits for from here on is servprof's stop/export.
+        serving = instruments.stop(why == "max_session_events") if instruments is not None else {}
+        metadata = {**serving, "session_id": session.session_id, "request_ids": [r.request_id for r in session.records],
                     "wall_start_ns": session.wall_start_ns, "perf_start_ns": session.perf_start_ns,
                     "stop_reason": why, "reason": session.reason, "event_loop_tid": session.event_loop_tid,
                     # From here on the profiler's own stop() holds the GIL: whatever the trace shows
@@ -404,6 +434,8 @@ class CaptureController:
         prof.stop()  # holds the GIL ~5-9 us per captured event: why the sessions are bounded
         session.perf_end_ns = time.perf_counter_ns()
         session.timed("stop", session.capture_end_ns)
+        if instruments is not None:
+            instruments.remove()
         session.state = EXPORTING
         try:
             export_started = time.perf_counter_ns()
@@ -443,15 +475,18 @@ class CaptureController:
         count = (result.get("summary") or {}).get("event_count")
         if not isinstance(count, (int, float)) or count <= 0:
             count = session.trace_raw_bytes / RAW_BYTES_PER_EVENT
-        steps = session.steps_captured  # not steps(): the sampled streams went on after the stop
-        # Busy capture time only (stop() holds the GIL, so next to nothing is captured during it).
-        duration = session.busy_ns / 1e9
-        if count > 0 and duration > 0:
-            # A quiet session must not talk the next, busier one into a long capture:
-            # an old rate fades by half per session instead of being forgotten.
-            self.events_per_second = max(count / duration, (self.events_per_second or 0.0) / 2)
-            if steps:
-                self.events_per_step = max(count / steps, (self.events_per_step or 0.0) / 2)
+        summary = session.instruments.summary if session.instruments is not None else {}
+        auto = summary.get("auto") or {}
+        # A step still running at the stop left only part of its events: half a step each; after
+        # a cut (collection switched off by the step hooks) steps went on uncounted in the trace.
+        model_steps = (auto.get("steps") or 0) - (auto.get("running_at_stop") or 0) / 2
+        if summary.get("steps_at_cut") is not None:
+            model_steps = summary["steps_at_cut"]
+        # Busy capture time only (stop() holds the GIL, so next to nothing is captured during it);
+        # chunks at the stop, not now: the sampled streams went on after it.
+        stop_s = (session.perf_end_ns - session.capture_end_ns) / 1e9 \
+            if session.perf_end_ns and session.capture_end_ns else None
+        self.budget.learn(count, session.settings, session.busy_ns / 1e9, model_steps, session.steps_captured, stop_s)
 
     def _fail(self, session: Session, error: str, store_problem: bool = False) -> None:
         session.error = error
@@ -461,6 +496,9 @@ class CaptureController:
             # Already failing: the first error is the one worth reporting.
             with contextlib.suppress(Exception):
                 prof.stop()
+        if session.instruments is not None:
+            with contextlib.suppress(Exception):
+                session.instruments.remove()
         self._end(session, FAILED)
 
     def _end(self, session: Session, state: str) -> None:

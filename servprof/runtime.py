@@ -16,6 +16,7 @@ from typing import Any
 
 import anyio.to_thread
 
+from servprof.auto import install_thread_inheritance
 from servprof.capture import FAILED, STARTING, CaptureController, Session, get_controller
 from servprof.observers import RequestObserver, RequestRecord
 from servprof.probes.snapshot import memory_snapshots
@@ -70,6 +71,8 @@ class ServprofRuntime:
             self.controller.memory_history = self.controller.memory_history or settings.memory_samples
             self.controller.ensure_running(settings.warmup)
             self.controller.add_shutdown_hook(self.flush_observers)
+            if settings.auto_instrument:
+                install_thread_inheritance()  # threads started for a request carry its id into sessions
 
     @property
     def history(self) -> list[dict[str, Any]]:
@@ -123,6 +126,7 @@ class ServprofRuntime:
             return None
         self.paused_reason = None
         self.counters["sampled"] += 1
+        session.watch_loop()  # the watchdog attaches to this serving loop (once per session)
         return session
 
     @staticmethod
@@ -204,7 +208,8 @@ class ServprofRuntime:
             "profiler": {"warm": controller.warm, "warmup_error": controller.warmup_error,
                          "sessions_started_in_process": controller.sessions_started,
                          "events_per_second": controller.events_per_second,
-                         "events_per_step": controller.events_per_step},
+                         "events_per_step": controller.events_per_step,
+                         "event_budget": controller.budget.status()},
             "current_session": current.description() if current is not None else None,
             "last_sessions": self.history,
             "last_findings": last.get("findings", []),
@@ -213,6 +218,7 @@ class ServprofRuntime:
             # analysis child), in total; each session's share is in its servprof_overhead_ms.
             "servprof_overhead_ms": {"sessions": self.counters["sessions_done"] + self.counters["sessions_failed"],
                                      **self.overhead_ms},
+            "missing": self.missing(),
             "last_analysis": {k: last.get(k) for k in ("session_id", "error", "summary")} if last else None,
             "last_error": self.last_error,
             "observers": {"count": len(self.observers), "errors": self.counters["observer_errors"],
@@ -224,6 +230,20 @@ class ServprofRuntime:
         if extra is not None:
             status.update(extra())
         return status
+
+    def missing(self) -> list[dict[str, str]]:
+        """What the last session could not show, and how to get it (docs/CONTRACTS.md
+        ``summary["missing"]``): the analysis' entries, then the serving side's own (automatic
+        phases off, no tokenizer library, no loop watched) when the analysis did not carry them."""
+        last_session = self.history[-1] if self.history else {}
+        summary = (self.last_result or {}).get("summary") or {}
+        if self.last_result is not None and self.last_result.get("session_id") != last_session.get("session_id"):
+            summary = {}  # the last session's analysis did not come back (failed or skipped)
+        out: list[dict[str, str]] = []
+        for entry in [*(summary.get("missing") or []), *(last_session.get("missing") or [])]:
+            if isinstance(entry, dict) and entry not in out:
+                out.append(entry)
+        return out
 
     def _telemetry_status(self) -> dict[str, Any] | None:
         # This middleware's own telemetry observer (exporter, span counts, dropped spans).

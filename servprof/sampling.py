@@ -13,12 +13,20 @@ Policies (any one is enough):
 The sampler only says "this request is a candidate"; the capture controller may still
 refuse it (a session is busy, a foreign profiler runs, the trace dir is unwritable).
 An on-demand candidate that was refused is given back so the order is not lost.
+
+Sampling spends sessions on requests that do model work: ``every``, ``rate`` and
+``on_demand`` count only requests the route filter lets through (by default any method but
+GET/HEAD/OPTIONS, never health checks or metrics scrapes; ``sample_routes`` /
+``skip_routes`` change that). The header is an explicit request from someone holding the
+token and is honoured on any route.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import hmac
 import random
+import re
 import threading
 
 from servprof.settings import Settings
@@ -27,6 +35,35 @@ REASON_HEADER = "header"
 REASON_ON_DEMAND = "on_demand"
 REASON_EVERY = "every"
 REASON_RATE = "rate"
+
+
+_NON_MODEL_METHODS = frozenset(("GET", "HEAD", "OPTIONS"))
+
+
+def route_patterns(text: str) -> list[str]:
+    """Comma-separated path globs (``*`` also matches ``/``), blanks dropped."""
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def _compile(patterns: list[str]) -> re.Pattern[str] | None:
+    return re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in patterns)) if patterns else None
+
+
+class RouteFilter:
+    """Which requests count for every/rate/on-demand sampling: one regex match per request."""
+
+    __slots__ = ("_sample", "_skip")
+
+    def __init__(self, sample_routes: str, skip_routes: str):
+        self._sample = _compile(route_patterns(sample_routes))
+        self._skip = _compile(route_patterns(skip_routes))
+
+    def eligible(self, method: str, path: str) -> bool:
+        if self._skip is not None and self._skip.match(path):
+            return False
+        if self._sample is not None:
+            return self._sample.match(path) is not None
+        return method not in _NON_MODEL_METHODS
 
 
 def bearer_token(authorization: bytes | None) -> bytes | None:
@@ -39,7 +76,7 @@ def bearer_token(authorization: bytes | None) -> bytes | None:
 
 class Sampler:
     __slots__ = ("_every", "_rate", "_token", "_random", "_seen", "_on_demand", "order_id", "_order_lock",
-                 "counts")
+                 "counts", "_routes", "_eligible", "_not_eligible")
 
     def __init__(self, settings: Settings, rng: random.Random | None = None):
         self._every = settings.sample_every
@@ -47,6 +84,9 @@ class Sampler:
         self._token = settings.control_token.encode() if settings.control_token else None
         self._random = (rng or random.Random()).random
         self._seen = 0
+        self._eligible = 0  # requests the route filter let through (every k-th counts these)
+        self._not_eligible = 0
+        self._routes = RouteFilter(settings.sample_routes, settings.skip_routes)
         self._on_demand = 0  # requests still owed to the last on-demand order
         self.order_id = 0  # which order that is: a session ending cancels only its own
         # The capture thread cancels orders while the serving loop counts them down.
@@ -83,7 +123,8 @@ class Sampler:
     def token_matches(self, presented: bytes | None) -> bool:
         return self._token is not None and presented is not None and hmac.compare_digest(presented, self._token)
 
-    def decide(self, header_asked: bool = False, presented_token: bytes | None = None) -> str | None:
+    def decide(self, header_asked: bool = False, presented_token: bytes | None = None,
+               method: str = "POST", path: str = "/") -> str | None:
         """The reason to sample this request, or None. Counts every call as one request."""
         self._seen += 1
         if header_asked:
@@ -91,6 +132,12 @@ class Sampler:
                 self.counts[REASON_HEADER] += 1
                 return REASON_HEADER
             self.counts["header_rejected"] += 1
+        if not (self._every or self._rate or self._on_demand):
+            return None  # no policy could pick it: the route filter costs nothing then
+        if not self._routes.eligible(method, path):
+            self._not_eligible += 1
+            return None
+        self._eligible += 1
         if self._on_demand > 0:  # the lock only on this rare path
             with self._order_lock:
                 taken = self._on_demand > 0
@@ -99,7 +146,7 @@ class Sampler:
             if taken:
                 self.counts[REASON_ON_DEMAND] += 1
                 return REASON_ON_DEMAND
-        if self._every and self._seen % self._every == 0:
+        if self._every and self._eligible % self._every == 0:
             self.counts[REASON_EVERY] += 1
             return REASON_EVERY
         if self._rate and self._random() < self._rate:
@@ -108,4 +155,5 @@ class Sampler:
         return None
 
     def status(self) -> dict[str, object]:
-        return {"requests_seen": self._seen, "on_demand_pending": self._on_demand, "candidates": dict(self.counts)}
+        return {"requests_seen": self._seen, "eligible": self._eligible, "not_eligible": self._not_eligible,
+                "on_demand_pending": self._on_demand, "candidates": dict(self.counts)}

@@ -36,6 +36,10 @@ class Settings:
     control_token: str | None = None  # enables /servprof/* and the x-servprof-sample header
     control_prefix: str = "/servprof"
     max_on_demand: int = 64  # largest n accepted by POST /servprof/sample
+    # Which requests every/rate/on-demand sampling counts (servprof.sampling.RouteFilter): comma-separated
+    # globs on the path. Empty sample_routes: any method but GET/HEAD/OPTIONS. The header policy ignores both.
+    sample_routes: str = ""
+    skip_routes: str = "/health*,/healthz*,/ready*,/readyz*,/live*,/livez*,/ping*,/metrics*,/favicon.ico"
     on_demand_min_interval_s: float = 1.0  # rate limit on POST /servprof/sample
 
     # Session bounds: a session ends at whichever comes first. stop() and export hold the GIL
@@ -43,10 +47,10 @@ class Settings:
     # loop's stall (2000 events: ~10-15 ms on 2 CPU cores; see bench/bench_sampling_lag.py).
     requests_per_session: int = 4
     max_session_s: float = 10.0
-    max_session_events: int = 2_000  # estimated from the event rate the previous session measured
+    max_session_events: int = 2_000  # at ~6 us of stop() each; estimated live (servprof.budget)
     max_session_steps: int = 32  # decode steps, estimated as streamed chunks of the sampled requests
-    # Event rate assumed until a session has measured this server's (the demo makes ~60-75k/s on
-    # 2 cores); set high so that a first session errs on the short side.
+    # Event rate assumed, where no model step can be counted, until a session has measured this
+    # server's (the demo makes ~60-75k/s on 2 cores); set high so that a first session errs short.
     assumed_events_per_s: float = 100_000.0
     record_shapes: bool = False
     with_stack: bool = False
@@ -64,6 +68,9 @@ class Settings:
     memory_snapshot_threshold: float = 0.9
     memory_snapshot_interval_s: float = 60.0  # at most one snapshot per this many seconds
     memory_snapshot_max_files: int = 4
+    # Zero-touch phases while a session runs (servprof.auto): model steps, tokenizer calls.
+    auto_instrument: bool = True
+    loop_stall_ms: float = 10.0  # the serving loop not ticking this long is a stall (0: no watchdog)
 
     # Trace store retention (oldest files go first).
     trace_max_files: int = 20
@@ -103,6 +110,7 @@ class Settings:
             (self.max_session_events > 0, "max_session_events must be > 0"),
             (self.max_session_steps > 0, "max_session_steps must be > 0"),
             (self.assumed_events_per_s >= 0, "assumed_events_per_s must be >= 0"),
+            (self.loop_stall_ms >= 0, "loop_stall_ms must be >= 0"),
             (self.max_on_demand >= 1, "max_on_demand must be >= 1"),
             (self.trace_max_files >= 1, "trace_max_files must be >= 1"),
             (self.trace_max_mb > 0, "trace_max_mb must be > 0"),
@@ -114,6 +122,11 @@ class Settings:
             (self.control_prefix.startswith("/") and not self.control_prefix.endswith("/"),
              "control_prefix must start with '/' and not end with '/'"),
         ]
+        for name in ("sample_routes", "skip_routes"):
+            for pattern in getattr(self, name).split(","):
+                pattern = pattern.strip()
+                if pattern and not pattern.startswith(("/", "*")):
+                    checks.append((False, f"{name}: {pattern!r} is not a path glob (start it with '/' or '*')"))
         for ok, message in checks:
             if not ok:
                 raise SettingsError(f"servprof: {message} (set through {ENV_PREFIX}<NAME> or keyword)")

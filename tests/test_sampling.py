@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from servprof.sampling import REASON_ON_DEMAND, Sampler
-from servprof.settings import Settings
+from servprof.sampling import REASON_ON_DEMAND, RouteFilter, Sampler
+from servprof.settings import Settings, SettingsError
 from servprof.store import TRACE_SUFFIX, StoreError, TraceStore, linked_prefix
 
 TOKEN = "s3cret"
@@ -99,6 +99,38 @@ def _fake_trace(store: TraceStore, name: str, size: int, age_s: float) -> Path:
     stamp = time.time() - age_s
     os.utime(path, (stamp, stamp))
     return path
+
+
+def test_routes_without_model_work_are_not_counted() -> None:
+    sampler = Sampler(Settings(sample_every=2))
+    requests = [("GET", "/health"), ("POST", "/v1/completions"), ("GET", "/metrics"), ("GET", "/v1/models"),
+                ("POST", "/v1/completions"), ("HEAD", "/"), ("POST", "/healthz"), ("POST", "/v1/chat/completions")]
+    reasons = [sampler.decide(False, None, method, path) for method, path in requests]
+    # Only the three POSTs to model routes count: the 2nd of them is the every-2nd request.
+    assert reasons == [None, None, None, None, "every", None, None, None]
+    assert sampler.status()["eligible"] == 3 and sampler.status()["not_eligible"] == 5
+
+
+def test_route_settings_choose_what_counts() -> None:
+    routes = RouteFilter(sample_routes="/generate*, /v1/*", skip_routes="/v1/models")
+    assert routes.eligible("GET", "/generate?x")  # sample_routes replaces the method rule
+    assert routes.eligible("POST", "/v1/completions") and routes.eligible("GET", "/v1/embeddings/x")
+    assert not routes.eligible("POST", "/v1/models") and not routes.eligible("POST", "/other")
+    default = RouteFilter("", Settings().skip_routes)
+    assert not default.eligible("POST", "/health/live") and not default.eligible("GET", "/anything")
+    assert default.eligible("PUT", "/jobs/3")
+    with pytest.raises(SettingsError, match="skip_routes: 'health' is not a path glob"):
+        Settings.from_env({"SERVPROF_SKIP_ROUTES": "/metrics,health"})
+
+
+def test_on_demand_orders_skip_health_checks_and_the_header_is_honoured_anywhere() -> None:
+    sampler = Sampler(Settings(control_token=TOKEN))
+    sampler.order(2)
+    assert sampler.decide(False, None, "GET", "/health") is None  # a probe does not eat the order
+    assert sampler.decide(False, None, "POST", "/v1/completions") == REASON_ON_DEMAND
+    assert sampler.on_demand_pending == 1
+    # An explicit per-request ask with the token is honoured on any route.
+    assert sampler.decide(True, TOKEN.encode(), "GET", "/health") == "header"
 
 
 def test_retention_removes_oldest_first_by_count_and_size(tmp_path: Path) -> None:

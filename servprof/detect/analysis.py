@@ -8,6 +8,7 @@ from typing import Any
 from servprof.detect.bandwidth_bound_decode import detect_bandwidth_bound
 from servprof.detect.decode_gap import detect_decode_gaps, find_gaps
 from servprof.detect.finding import KINDS, WHOLE_TRACE, Finding
+from servprof.detect.loop_stall import detect_loop_stalls
 from servprof.detect.memory import detect_memory
 from servprof.detect.overhead import overhead_summary
 from servprof.detect.recompilation import detect_recompilation
@@ -41,13 +42,14 @@ def _analyse(trace: Trace, requests: list[dict[str, Any]] | None, device: str | 
     bw_findings, bw_summary, kernels = detect_bandwidth_bound(trace, steps, device)
     memory_findings, memory_summary = detect_memory(trace, steps)
     compile_findings, compile_summary = detect_recompilation(trace, steps)
-    findings = sorted([*gap_findings, *token_findings, *bw_findings, *memory_findings, *compile_findings],
-                      key=lambda f: f.cost_ms, reverse=True)
+    stall_findings, stall_summary = detect_loop_stalls(trace, token_findings)
+    findings = sorted([*gap_findings, *token_findings, *bw_findings, *memory_findings, *compile_findings,
+                       *stall_findings], key=lambda f: f.cost_ms, reverse=True)
     sampled = sampled_request_ids(trace, requests)
     _attribute_to_session(findings, requests, trace)
     for finding in findings:
         finding.sampled_request_ids = [r for r in finding.request_ids if r in sampled]
-    parts = (gap_summary, token_summary, bw_summary, memory_summary, compile_summary)
+    parts = (gap_summary, token_summary, bw_summary, memory_summary, compile_summary, stall_summary)
     # What the trace could not show, once, at the top (the detectors' own summaries keep no copy).
     missing = [*steps.missing(), *(m for part in parts for m in part.pop("missing", []))]
     summary = {
@@ -70,6 +72,7 @@ def _analyse(trace: Trace, requests: list[dict[str, Any]] | None, device: str | 
         "bandwidth": bw_summary,
         "memory": memory_summary,
         "compile": compile_summary,
+        "loop_stalls": stall_summary,
         "requests_given": len(requests or []),
         "sampled_request_ids": sorted(sampled),
         # What the user must know to trust the figures (two files claiming one rank, a --device the

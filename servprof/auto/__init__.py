@@ -1,0 +1,107 @@
+"""Automatic (zero-touch) phases: model steps, tokenization and the requests they serve,
+marked by servprof itself while a session runs and only then.
+
+Installed on the capture thread right after the profiler starts and removed right after
+it stops; between sessions nothing is patched or registered, except one patch put in
+when the middleware is created: ``threading.Thread.start`` notes the request a thread was
+started for (servprof.auto.context), so that a thread started before a session still
+carries its request's id into the session. ``SERVPROF_AUTO_INSTRUMENT=0``
+turns it off. Phases a server marks itself with ``servprof.phase`` win over these on the
+trace side (servprof.trace.phases). What is patched and what it costs: docs/middleware.md.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from servprof.auto.context import install_thread_inheritance
+from servprof.auto.emit import range_kind, set_range_kind
+from servprof.auto.steps import StepHooks
+from servprof.auto.tokenizers import TARGETS, TokenizerPatches
+from servprof.budget import LiveSignals
+
+__all__ = ["AutoInstrumentation", "install_thread_inheritance", "range_kind", "set_range_kind"]
+
+COMPILED = ("a torch.compile'd model runs in this process: servprof registers no module hooks (adding or "
+            "removing them could make it recompile), so model steps are found only where the server marks "
+            "them with `with servprof.phase('decode_step'):`")
+
+
+def compiled_model_present() -> bool:
+    """True once torch.compile has compiled a frame in this process (read without importing dynamo)."""
+    if "torch._dynamo" not in sys.modules:
+        return False
+    try:
+        from torch._dynamo.utils import counters
+    except Exception:  # noqa: BLE001 - a torch without it compiles nothing we know of
+        return False
+    return bool(counters.get("frames", {}).get("ok"))
+
+
+class AutoInstrumentation:
+    """Process-wide (the hooks and patches are process-wide too); one session at a time."""
+
+    def __init__(self) -> None:
+        self.steps = StepHooks()
+        self.tokenizers = TokenizerPatches()
+        self.running = False
+        self.hooks_active = False
+        self.problem: str | None = None  # why steps are not marked automatically
+
+    def start(self, session_request_ids: Callable[[], list[str]], on_step: Callable[[int], None] | None,
+              on_calls: Callable[[int], bool] | None = None, call_limit: int | None = None) -> None:
+        self.running = True
+        self.problem = COMPILED if compiled_model_present() else None
+        self.hooks_active = self.problem is None
+        install_thread_inheritance()  # normally in place since the middleware was created
+        if self.hooks_active:
+            self.steps.start(session_request_ids, on_step, on_calls, call_limit)
+        self.tokenizers.install()
+
+    def stop(self) -> None:
+        """Before the profiler's stop(): nothing new opens; open ranges still close."""
+        self.steps.stop()
+        self.tokenizers.active = False
+
+    def remove(self) -> None:
+        """After the profiler's stop(): every hook and patch goes away."""
+        if not self.running:
+            return
+        self.running = False
+        self.steps.remove()
+        self.tokenizers.remove()
+
+    def live(self) -> LiveSignals:
+        steps = self.steps
+        return LiveSignals(hooks_active=self.hooks_active and self.running, steps=steps.steps,
+                           open_steps=steps.open_steps, next_step_share=steps.next_step_share,
+                           module_calls=steps.module_calls, discovering=steps.discovering,
+                           calls_per_step=steps.calls_per_step)
+
+    def summary(self) -> dict[str, Any]:
+        steps = self.steps
+        return {"steps": steps.steps if self.hooks_active else None, "running_at_stop": steps.open_steps,
+                "prefill": steps.prefill_steps,
+                "decode": steps.decode_steps, "module_calls_per_step": steps.calls_per_step,
+                "models": sorted(steps.models), "tokenizer_libraries": list(self.tokenizers.libraries),
+                "tokenizer_calls": dict(self.tokenizers.calls), "range_kind": range_kind(),
+                "problem": self.problem}
+
+    def missing(self) -> list[dict[str, str]]:
+        """What the automatic phases could not mark in this session, and how to get it."""
+        out = []
+        if self.problem:
+            out.append({"what": "automatic model steps", "message": self.problem[0].upper() + self.problem[1:] + "."})
+        elif self.steps.steps == 0:
+            out.append({"what": "automatic model steps", "message": (
+                "No torch.nn.Module forward ran in this process while the session captured (a model served in "
+                "another process, or not built from nn.Module): mark each model step with "
+                "`with servprof.phase('decode_step'):` (or 'prefill').")})
+        if not self.tokenizers.libraries:
+            names = ", ".join(TARGETS)
+            out.append({"what": "tokenizer library", "message": (
+                f"No tokenizer library servprof knows ({names}) was loaded in this process, so tokenization was "
+                "not timed automatically: mark it with `with servprof.phase('tokenize'):`.")})
+        return out

@@ -1,0 +1,177 @@
+"""What one session switches on around the profiler: automatic phases, the loop watchdog,
+and the step hooks' call for a stop when the event budget is spent.
+
+The capture thread calls ``start`` right after the profiler's start(), ``stop`` right
+before its stop() (the watchdog's stalls and the serving side's ``missing`` go into the
+trace's ``servprof`` metadata then), and ``remove`` right after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from servprof.auto import AutoInstrumentation
+from servprof.budget import CUT_AT, EventBudget, LiveSignals
+from servprof.watchdog import LoopWatchdog
+
+try:  # torch >= 2.3: switch a running profiler's collection off from any thread, at once
+    from torch._C._autograd import _toggle_collection_dynamic
+except ImportError:  # pragma: no cover - older torch: the stop alone bounds the session
+    _toggle_collection_dynamic = None
+
+AUTO_OFF = ("Automatic phases are off (SERVPROF_AUTO_INSTRUMENT=0): model steps and tokenization are found only "
+            "where the server marks them with `servprof.phase(...)`; unset it to have servprof mark them.")
+WATCHDOG_OFF = ("The event-loop watchdog is off (SERVPROF_LOOP_STALL_MS=0): a call that blocks the serving loop "
+                "is not named; set it to e.g. 10.")
+NO_LOOP = ("No sampled request ran on an asyncio event loop in this session, so loop stalls were not watched.")
+
+
+def pause_collection() -> bool:
+    """Stop recording events in every thread now, the profiler still running (its stop() and
+    export come later, on the capture thread). Ranges already open still get their end. Costs
+    ~60 µs once; torch logs one warning line about GPU tracks for it."""
+    if _toggle_collection_dynamic is None:
+        return False
+    activities = {torch._C._profiler.ProfilerActivity.CPU}
+    if torch.cuda.is_available():
+        activities.add(torch._C._profiler.ProfilerActivity.CUDA)
+    try:
+        _toggle_collection_dynamic(False, activities)
+    except Exception:  # noqa: BLE001 - the profiler stopped meanwhile: nothing left to pause
+        return False
+    return True
+
+
+_UNSAFE = str.maketrans({"\\": "/", '"': "'", **{chr(c): " " for c in range(32)}})
+
+
+def metadata_safe(value: Any) -> Any:
+    """``value`` with no character JSON must escape: the profiler's add_metadata_json turns
+    a backslash into '/', which breaks every escape (``\\"`` -> ``/"``) and the trace file."""
+    if isinstance(value, str):
+        return value.translate(_UNSAFE)
+    if isinstance(value, dict):
+        return {metadata_safe(k): metadata_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [metadata_safe(v) for v in value]
+    return value
+
+
+class SessionInstruments:
+    def __init__(self, settings: Any, auto: AutoInstrumentation, budget: EventBudget,
+                 open_request_ids: Callable[[], list[str]], in_flight: Callable[[], int],
+                 wake: Callable[[], None]):
+        self.settings = settings
+        self.auto = auto if settings.auto_instrument else None
+        self.budget = budget
+        self._open_request_ids = open_request_ids
+        self._wake = wake
+        self._step_limit: int | None = None
+        self._cut_limit: int | None = None
+        self._asked_stop = False
+        self.collection_cut = False  # the hooks switched collection off at CUT_AT of the budget
+        self.steps_at_cut: float | None = None  # steps recorded before the cut (later ones are not)
+        self.watchdog = LoopWatchdog(settings.loop_stall_ms, in_flight, open_request_ids)
+        self.summary: dict[str, Any] = {}
+        self._calls_cut: int | None = None
+
+    # --- capture thread ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.auto is None:
+            return
+        try:
+            self._calls_cut = self.budget.call_limit(self.settings, CUT_AT)
+            self.auto.start(self._open_request_ids, self._on_step, self._on_calls,
+                            self.budget.call_limit(self.settings))
+        except Exception as exc:  # noqa: BLE001 - a hook that cannot go in must not fail the session
+            self.auto.remove()
+            self.auto.problem = f"automatic phases could not be installed: {type(exc).__name__}: {exc}"
+            self.auto.hooks_active = False
+
+    def attach_loop(self) -> None:
+        """On the serving loop (the first sampled request's join)."""
+        self.watchdog.attach()
+
+    def live(self) -> LiveSignals:
+        return self.auto.live() if self.auto is not None else LiveSignals()
+
+    def stop(self, budget_spent: bool = False) -> dict[str, Any]:
+        """Before the profiler's stop(): what goes into the trace's servprof metadata. A session
+        ended by its event budget and already past it stops collecting first: at a high event
+        rate even the milliseconds until stop() add steps' worth of events. (Only then: torch
+        logs a warning line for every such cut.)"""
+        if budget_spent and self.auto is not None and \
+                self.budget.estimate(0.0, 0, self.auto.live(), 0.0) >= self.budget.budget(self.settings):
+            self._cut()
+        stalls = self.watchdog.stop()
+        if self.auto is not None:
+            self.auto.stop()
+        missing = []
+        if self.auto is None:
+            missing.append({"what": "automatic phases", "message": AUTO_OFF})
+        else:
+            missing.extend(self.auto.missing())
+        if self.watchdog.threshold_ns <= 0:
+            missing.append({"what": "event-loop stalls", "message": WATCHDOG_OFF})
+        elif self.watchdog.loop is None:
+            missing.append({"what": "event-loop stalls", "message": NO_LOOP})
+        self.summary = metadata_safe({
+            "event_budget": round(self.budget.budget(self.settings)),
+            "collection_cut": self.collection_cut,
+            "steps_at_cut": self.steps_at_cut,
+            "auto": self.auto.summary() if self.auto is not None else {"enabled": False},
+            "watchdog": self.watchdog.summary(),
+            "missing": missing,
+        })
+        return {**self.summary, "loop_stalls": metadata_safe(stalls)}
+
+    def remove(self) -> None:
+        """After the profiler's stop() (also on a failed session)."""
+        self.watchdog.stop()
+        if self.auto is not None:
+            self.auto.remove()
+
+    # --- the step hooks (serving threads) ---------------------------------------------------------
+
+    def _on_calls(self, calls: int) -> bool:
+        """Module calls (first steps of a first session), running steps counted whole, passed the
+        stop share of the budget; False once there is nothing more to do."""
+        if not self._asked_stop:
+            self._asked_stop = True
+            self._wake()
+        if self._calls_cut is not None and calls > self._calls_cut:
+            self._cut()  # the calls made so far already hold the cut share of the budget
+        return not self.collection_cut
+
+    def _on_step(self, steps: int) -> None:
+        if self.collection_cut or self.auto is None:
+            return
+        if self._step_limit is None:
+            live = self.auto.live()
+            self._step_limit = self.budget.step_limit(self.settings, live)
+            self._cut_limit = self.budget.step_limit(self.settings, live, CUT_AT)
+            if self._step_limit is None:
+                return
+        hooks = self.auto.steps
+        if steps + hooks.open_steps * hooks.next_step_share >= self._step_limit and not self._asked_stop:
+            self._asked_stop = True
+            self._wake()  # the capture thread checks the budget now, not at its next poll
+        # Steps started so far hold at most steps x per-step events: the one starting now would
+        # pass the cut share, so nothing from here on is recorded.
+        if self._cut_limit is not None and steps > self._cut_limit:
+            self._cut(at_step_open=True)
+
+    def _cut(self, at_step_open: bool = False) -> None:
+        # Stop collecting now (the hooks: the capture thread has not stopped the profiler in time).
+        if not self.collection_cut:
+            self.collection_cut = pause_collection()
+            if self.collection_cut and self.auto is not None and self.auto.running:
+                # Recorded: whole steps, those still running about half (one starting now: none).
+                hooks = self.auto.steps
+                starting = 1 if at_step_open else 0
+                self.steps_at_cut = max(0.0, hooks.steps - starting - max(0, hooks.open_steps - starting) / 2)
+            self._wake()

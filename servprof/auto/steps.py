@@ -1,0 +1,305 @@
+"""Model steps from the outermost ``torch.nn.Module`` forward on each thread.
+
+While a session runs, one range ``servprof:auto.prefill|ids`` or ``servprof:auto.decode_step|ids``
+covers each outermost forward of a model (a module that has child modules and parameters:
+a lone ``lm_head`` or a parameter-free sampler called from a loop is not a step).
+
+Cost matters: any *global* module hook sends every module call in the process down
+``Module._call_impl``'s slow path (+3-5 µs per call measured here; a 32-layer model makes
+~400 calls per step). So global hooks run only for the first few steps of a session, to
+discover which modules are outermost (and count module calls per step for the event
+budget); after that only those modules carry hooks (per-module pre-hook with kwargs,
+always-called post-hook) and nested modules go back to the fast path. Known outermost
+modules are remembered across sessions (weakly). Nothing is registered between sessions.
+
+Prefill or decode is read from the input's shape: ``input_ids`` / ``inputs_embeds``
+keyword (transformers' ``generate`` passes them so) or the first tensor argument.
+Sequence length 1 is a decode step (KV-cached decode, ``[B, 1]`` batches); a length one
+more than the previous step's on the same thread is a decode step of a loop without a
+KV cache; any other length > 1 is a prefill. A 1-D batch of decode tokens (``[B]``, no
+sequence dimension) cannot be told from a prompt and reads as prefill.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.nn.modules import module as torch_module
+
+from servprof.auto.context import request_id_here
+from servprof.auto.emit import auto_phase_name, close_range, open_range
+from servprof.budget import STOP_LATENCY_S
+
+DISCOVERY_STEPS = 4  # completed outermost forwards watched with global hooks per session
+_Tensor = torch.Tensor
+
+
+class _ThreadState(threading.local):
+    generation = -1
+    depth = 0  # module calls open on this thread (global hooks only)
+    handle: Any = None  # the open step range
+    owner: Any = None  # the module whose post-hook closes it
+    pending: Any = None  # outermost module whose own kwargs hook will open the range
+    last_seq = -1  # sequence length of this thread's previous step
+    opened_ns = 0
+
+
+def _sequence_length(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> int | None:
+    tensor = None
+    if kwargs:
+        tensor = kwargs.get("input_ids")
+        if tensor is None:
+            tensor = kwargs.get("inputs_embeds")
+    if tensor is None:
+        for value in args[:4]:
+            if isinstance(value, _Tensor):
+                tensor = value
+                break
+        else:
+            if kwargs:
+                tensor = next((v for v in kwargs.values() if isinstance(v, _Tensor)), None)
+    if not isinstance(tensor, _Tensor):
+        return None
+    shape = tensor.shape
+    if tensor.is_floating_point():
+        # [B, T, D] embeddings; a 1-D/2-D float input has no sequence dimension to read.
+        return int(shape[1]) if len(shape) >= 3 else None
+    if len(shape) == 0:
+        return 1
+    return int(shape[-1]) if len(shape) <= 2 else int(shape[1])
+
+
+def _frame_kwargs() -> dict[str, Any] | None:
+    """The keyword arguments of the module call a global pre-hook is running for (global
+    pre-hooks get no kwargs): ``_call_impl``'s ``kwargs``, two frames up. Only used for a
+    module's first outermost call; its own kwargs hook covers the later ones."""
+    try:
+        frame = sys._getframe(2)
+        for _ in range(3):
+            if frame is None:
+                return None
+            kwargs = frame.f_locals.get("kwargs")
+            if isinstance(kwargs, dict):
+                return kwargs
+            frame = frame.f_back
+    except (ValueError, AttributeError):
+        pass
+    return None
+
+
+_CALL_CODES = frozenset(c for c in (getattr(torch.nn.Module._call_impl, "__code__", None),
+                                    getattr(torch.nn.Module._wrapped_call_impl, "__code__", None)) if c is not None)
+
+
+def _inside_module_call(depth_to_skip: int) -> bool:
+    """A module call is already running on this thread below the current one: one that began
+    before the hooks were registered (a forward in flight when the session started)."""
+    frame = sys._getframe(depth_to_skip)
+    seen = 0
+    while frame is not None:
+        if frame.f_code in _CALL_CODES:
+            seen += 1
+            if seen > 2:  # the current call's own _wrapped_call_impl and _call_impl
+                return True
+        frame = frame.f_back
+    return False
+
+
+def _is_model(module: torch.nn.Module) -> bool:
+    return bool(module._modules) and next(module.parameters(), None) is not None
+
+
+class StepHooks:
+    """Counters are read by the capture thread (event budget) and by status."""
+
+    def __init__(self) -> None:
+        self._state = _ThreadState()
+        self._generation = 0
+        self.active = False
+        self.discovering = False
+        self._global_handles: list[Any] = []
+        self._module_handles: list[Any] = []
+        self._hooked: set[int] = set()
+        # id -> (weakref, is a model): modules seen as outermost, kept across sessions.
+        self._known: dict[int, tuple[weakref.ref[Any], bool]] = {}
+        self._lock = threading.Lock()  # module hooks are added on serving threads, removed on capture
+        self._session_ids: Callable[[], list[str]] = list
+        self._on_step: Callable[[int], None] | None = None
+        # Told of every module call (while discovering) once calls, with the steps running now
+        # counted whole, reach call_limit; returns False when it wants to hear no more.
+        self._on_calls: Callable[[int], bool] | None = None
+        self.call_limit = 1 << 62
+        self.steps = self.prefill_steps = self.decode_steps = 0
+        self.open_steps = 0  # threads inside a step now
+        # The share of a step a running thread gets through while a stop is on its way
+        # (STOP_LATENCY_S / the typical step): threads in short steps start their next one.
+        self.next_step_share = 1.0
+        self.step_s: float | None = None  # typical step time (moving average, kept across sessions)
+        self.module_calls = 0  # counted while discovering only
+        self.discovery_steps = 0
+        self.calls_per_step: float | None = None  # nested module calls per step, from discovery
+        self.models: set[str] = set()  # class names of the modules marked as steps
+
+    # --- lifecycle (capture thread) ---------------------------------------------------------------
+
+    def start(self, session_request_ids: Callable[[], list[str]], on_step: Callable[[int], None] | None,
+              on_calls: Callable[[int], bool] | None = None, call_limit: int | None = None) -> None:
+        self._generation += 1
+        self._session_ids = session_request_ids
+        self._on_step = on_step
+        self._on_calls = on_calls
+        self.call_limit = call_limit if call_limit is not None else 1 << 62
+        self.steps = self.prefill_steps = self.decode_steps = self.module_calls = self.discovery_steps = 0
+        self.open_steps = 0
+        self.models = set()
+        self.active = True
+        with self._lock:
+            known = [(ref(), is_model) for ref, is_model in self._known.values()]
+        for module, is_model in known:
+            if module is not None and is_model:
+                self._hook_module(module)
+        self.discovering = True
+        self._global_handles = [
+            torch_module.register_module_forward_pre_hook(self._global_pre),
+            torch_module.register_module_forward_hook(self._global_post, always_call=True),
+        ]
+
+    def stop(self) -> None:
+        """No new step opens; ranges still open close when their forward returns."""
+        self.active = False
+        self._end_discovery()
+
+    def remove(self) -> None:
+        """Take every hook away (after the profiler stopped)."""
+        self.active = False
+        self._end_discovery()
+        with self._lock:
+            handles, self._module_handles = self._module_handles, []
+            self._hooked = set()
+        for handle in handles:
+            handle.remove()
+
+    def _end_discovery(self) -> None:
+        self.discovering = False
+        handles, self._global_handles = self._global_handles, []
+        for handle in handles:
+            handle.remove()
+
+    # --- hooks (serving threads) ------------------------------------------------------------------
+
+    def _thread_state(self) -> _ThreadState:
+        state = self._state
+        if state.generation != self._generation:  # first call of this thread in this session
+            state.generation = self._generation
+            state.depth = 0
+            state.handle = state.owner = state.pending = None
+            state.last_seq = -1
+        return state
+
+    def _global_pre(self, module: Any, args: tuple[Any, ...]) -> None:
+        if not self.discovering:
+            return
+        state = self._thread_state()
+        calls = self.module_calls = self.module_calls + 1
+        # Steps running now will make their remaining calls before a stop lands: count them whole.
+        if calls + self.open_steps * self.next_step_share * (calls // (self.steps or 1)) >= self.call_limit \
+                and self._on_calls is not None \
+                and not self._on_calls(calls):
+            self.call_limit = 1 << 62
+        state.depth += 1
+        if state.depth != 1 or state.handle is not None or not self.active:
+            return
+        if id(module) in self._hooked:
+            state.pending = module  # its own hook sees the kwargs and opens the range
+            return
+        if not self._remember(module):
+            return
+        self._hook_module(module)  # from its next call on
+        self._open(state, module, args, _frame_kwargs())
+
+    def _global_post(self, module: Any, args: tuple[Any, ...], output: Any) -> None:
+        state = self._thread_state()
+        if state.depth > 0:
+            state.depth -= 1
+        if state.depth == 0 and state.owner is module:
+            self._close(state)
+            self.discovery_steps += 1
+            if self.discovering and self.discovery_steps >= DISCOVERY_STEPS:
+                self.calls_per_step = self.module_calls / max(1, self.steps)
+                self._end_discovery()
+
+    def _module_pre(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not self.active:
+            return
+        state = self._thread_state()
+        if state.handle is not None:
+            return  # inside another model's step
+        if self.discovering:
+            if state.pending is not module:
+                return  # called nested, not outermost
+            state.pending = None
+        self._open(state, module, args, kwargs)
+
+    def _module_post(self, module: Any, args: tuple[Any, ...], output: Any) -> None:
+        state = self._state
+        if state.owner is module and state.generation == self._generation and \
+                (not self.discovering or state.depth == 0):
+            self._close(state)
+
+    # --- helpers ----------------------------------------------------------------------------------
+
+    def _remember(self, module: Any) -> bool:
+        key = id(module)
+        entry = self._known.get(key)
+        if entry is not None and entry[0]() is module:
+            return entry[1]
+        # A module first seen nested in a forward that was already running is a part, not a model.
+        is_model = _is_model(module) and not _inside_module_call(3)
+        with self._lock:
+            self._known[key] = (weakref.ref(module, lambda _r, k=key: self._known.pop(k, None)), is_model)
+        return is_model
+
+    def _hook_module(self, module: Any) -> None:
+        key = id(module)
+        with self._lock:
+            if key in self._hooked or not self.active:
+                return
+            self._hooked.add(key)
+            self._module_handles.append(module.register_forward_pre_hook(self._module_pre, with_kwargs=True))
+            self._module_handles.append(module.register_forward_hook(self._module_post, always_call=True))
+
+    def _open(self, state: _ThreadState, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> None:
+        seq = _sequence_length(args, kwargs)
+        if seq is None or seq == 1 or (state.last_seq > 0 and seq == state.last_seq + 1):
+            kind = "decode_step"
+            self.decode_steps += 1
+        else:
+            kind = "prefill"
+            self.prefill_steps += 1
+        state.last_seq = seq if seq is not None else -1
+        request_id = request_id_here()
+        ids = [request_id] if request_id is not None else self._session_ids()
+        state.handle = open_range(auto_phase_name(kind, ids))
+        state.owner = module
+        state.opened_ns = time.perf_counter_ns()
+        self.steps += 1
+        self.open_steps += 1
+        if len(self.models) < 8:
+            self.models.add(type(module).__qualname__)
+        if self._on_step is not None:
+            self._on_step(self.steps)
+
+    def _close(self, state: _ThreadState) -> None:
+        handle, state.handle, state.owner = state.handle, None, None
+        if handle is not None:
+            self.open_steps = max(0, self.open_steps - 1)
+            close_range(handle)
+            took = (time.perf_counter_ns() - state.opened_ns) / 1e9
+            self.step_s = took if self.step_s is None else 0.8 * self.step_s + 0.2 * took
+            self.next_step_share = min(1.0, STOP_LATENCY_S / max(self.step_s, 1e-6))

@@ -1,0 +1,169 @@
+"""The event budget: how many events a session has captured, estimated while it runs.
+
+A session's event count cannot be read while the profiler runs, and ``stop()``/export
+hold the GIL a few µs per event, so the count is estimated from live signals and the
+session stopped before it passes the budget:
+
+* **model steps** counted by the automatic step hooks (servprof.auto.steps), times the
+  events per step measured from earlier sessions' stored traces. Before a session has
+  measured it, a prior from the module calls seen in the first steps:
+  ``PRIOR_EVENTS_PER_MODULE_CALL`` per nested module call (transformers' Llama makes ~18-21
+  events per module call, a hand-written model ~11). While those first steps run, module
+  calls are counted live and the estimate is calls x that prior.
+  Steps scale with load (more threads or more requests step more), so a load that jumps
+  mid-session moves the estimate with it; events per step do not depend on batch size.
+* **streamed chunks** of the sampled requests (the old decode-step estimate) times the
+  events per chunk a reliable session measured.
+* **busy time** x an event rate, only where no step signal exists (automatic phases off,
+  a torch.compile'd model, or no module call at all after ``STEPLESS_GRACE_S`` of busy
+  time). The rate starts at ``Settings.assumed_events_per_s`` and is never lowered by more
+  than half per session, so a session too small to tell (the first one of a quiet server)
+  cannot talk the next one into a long capture.
+
+A rate per second or per chunk is learned only from a session that captured
+``MIN_LEARN_EVENTS`` (or a quarter of a smaller budget); events per step from any session
+with ``MIN_LEARN_STEPS`` steps.
+
+What bounds the loop's stall is ``stop()``'s time, not the event count: ``max_session_events``
+is a count of events at ``BASE_STOP_US_PER_EVENT`` each (what the default of 2000 was measured
+at: ~12 ms). Sessions measure what ``stop()`` really took per event, per capture mode, and the
+budget in events shrinks by that ratio when events cost more: ``record_shapes`` made them 1.5-7x
+dearer on the two unmarked test servers (5x is assumed until measured), a busy machine too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+PRIOR_EVENTS_PER_MODULE_CALL = 24.0
+MIN_LEARN_EVENTS = 500
+RELIABLE_SHARE = 0.25  # of the budget: a session with fewer events than this and MIN_LEARN_EVENTS teaches no rate
+MIN_LEARN_STEPS = 1.5  # events per step are a property of the model: a step or two tell them
+STEPLESS_GRACE_S = 0.25
+STOP_AT = 0.9  # the share of the budget at which the step hooks ask for the stop
+# ... and at which they switch the profiler's collection off themselves, when the capture thread
+# has not stopped it yet (on a busy machine it may wait tens of ms for a CPU): a hard bound.
+CUT_AT = 1.2
+STOP_LATENCY_S = 0.005  # how long a stop asked for by the hooks takes to land (a GIL switch interval)
+BASE_STOP_US_PER_EVENT = 6.0  # stop() per event on the demo at the default budget (2000 events: ~12 ms)
+SHAPES_COST_FACTOR = 5.0  # assumed until measured: record_shapes made stop()+export 1.5-7x dearer per event
+STACK_COST_FACTOR = 2.0  # with_stack adds a Python event per call
+MIN_COST_EVENTS = 300  # smaller sessions are dominated by stop()'s fixed costs
+
+
+@dataclass
+class LiveSignals:
+    """What the automatic instrumentation counted in the running session."""
+
+    hooks_active: bool = False  # step hooks installed (auto on, torch present, no compiled model)
+    steps: int = 0
+    open_steps: int = 0  # steps running now: each thread in one may start another before a stop lands
+    next_step_share: float = 1.0  # ... as much of one as it gets through in STOP_LATENCY_S
+    module_calls: int = 0
+    discovering: bool = False
+    calls_per_step: float | None = None
+
+
+def _mode(settings: Any) -> tuple[bool, bool]:
+    return bool(getattr(settings, "record_shapes", False)), bool(getattr(settings, "with_stack", False))
+
+
+def cost_factor(settings: Any) -> float:
+    """How much dearer an event is than the budget's nominal one, before any was measured."""
+    factor = 1.0
+    if getattr(settings, "record_shapes", False):
+        factor *= SHAPES_COST_FACTOR
+    if getattr(settings, "with_stack", False):
+        factor *= STACK_COST_FACTOR
+    return factor
+
+
+class EventBudget:
+    def __init__(self) -> None:
+        self.per_step: float | None = None  # events per model step (step hooks)
+        self.per_chunk: float | None = None  # events per streamed chunk of the busiest sampled request
+        self.per_second: float | None = None  # events per busy second
+        self.stop_us: dict[tuple[bool, bool], float] = {}  # stop() µs per event, per (shapes, stack)
+        self.history: list[dict[str, Any]] = []  # last sessions: events / budget (status)
+
+    def budget(self, settings: Any) -> float:
+        measured = self.stop_us.get(_mode(settings))
+        factor = max(1.0, measured / BASE_STOP_US_PER_EVENT) if measured else cost_factor(settings)
+        return settings.max_session_events / factor
+
+    def _per_step(self, live: LiveSignals) -> float | None:
+        if self.per_step:
+            return self.per_step
+        if live.calls_per_step:
+            return live.calls_per_step * PRIOR_EVENTS_PER_MODULE_CALL
+        return None
+
+    def step_limit(self, settings: Any, live: LiveSignals, share: float = STOP_AT) -> int | None:
+        """Steps (started, plus those running now) after which the hooks ask for the stop, or
+        (``share=CUT_AT``) cut collection (None while unknown)."""
+        per_step = self._per_step(live)
+        if not per_step:
+            return None
+        return max(1, int(self.budget(settings) * share / per_step))
+
+    def call_limit(self, settings: Any, share: float = STOP_AT) -> int | None:
+        """Module calls (counted while the step hooks discover the model) after which the
+        hooks ask for the stop (or cut collection), when no events-per-step figure is known yet."""
+        if self.per_step:
+            return None
+        return max(1, int(self.budget(settings) * share / PRIOR_EVENTS_PER_MODULE_CALL))
+
+    @staticmethod
+    def steps_ahead(live: LiveSignals) -> float:
+        """Steps counted against the budget: those started, plus one more for every thread in
+        a step now (it can start its next one while the stop waits for the GIL)."""
+        return live.steps + live.open_steps * live.next_step_share
+
+    def estimate(self, busy_s: float, chunks: int, live: LiveSignals, assumed_per_s: float) -> float:
+        terms = [0.0]
+        per_step = self._per_step(live)
+        if live.hooks_active:
+            if per_step:
+                terms.append(per_step * self.steps_ahead(live))
+            else:  # the first steps of the first session: module calls counted live, and the
+                # steps running now counted as whole ones (at the calls per step seen so far)
+                per_step_calls = live.module_calls / max(1, live.steps)
+                terms.append((live.module_calls + live.open_steps * live.next_step_share * per_step_calls)
+                             * PRIOR_EVENTS_PER_MODULE_CALL)
+        if self.per_chunk:
+            terms.append(self.per_chunk * chunks)
+        stepless = not live.hooks_active or (live.steps == 0 and live.module_calls == 0 and busy_s >= STEPLESS_GRACE_S)
+        if stepless:
+            terms.append((self.per_second or assumed_per_s) * busy_s)
+        return max(terms)
+
+    def learn(self, events: float, settings: Any, busy_s: float, steps: float, chunks: int,
+              stop_s: float | None = None) -> None:
+        budget = self.budget(settings)
+        self.history = [*self.history[-9:], {"events": round(events), "budget": round(budget),
+                                              "ratio": round(events / budget, 3) if budget else None}]
+        if events <= 0:
+            return
+        if stop_s is not None and stop_s > 0 and events >= MIN_COST_EVENTS:
+            mode = _mode(settings)
+            old = self.stop_us.get(mode)
+            # As the rates: one cheap stop does not halve the cost the next session is planned with.
+            self.stop_us[mode] = max(stop_s * 1e6 / events, (old or 0.0) / 2)
+        reliable = events >= min(MIN_LEARN_EVENTS, RELIABLE_SHARE * budget)
+        if busy_s > 0:
+            # Never below half the last rate: a quiet or tiny session cannot open the next one wide.
+            self.per_second = max(events / busy_s, (self.per_second or settings.assumed_events_per_s) / 2)
+        if steps >= MIN_LEARN_STEPS and events >= 100:
+            self.per_step = max(events / steps, (self.per_step or 0.0) / 2)
+        if not reliable:
+            return
+        if chunks >= 2:
+            self.per_chunk = max(events / chunks, (self.per_chunk or 0.0) / 2)
+
+    def status(self) -> dict[str, Any]:
+        return {"events_per_step": self.per_step, "events_per_chunk": self.per_chunk,
+                "events_per_second": self.per_second,
+                "stop_us_per_event": {("shapes" if s else "plain") + ("+stack" if k else ""): round(v, 2)
+                                      for (s, k), v in self.stop_us.items()},
+                "last_sessions": list(self.history)}

@@ -1,0 +1,270 @@
+"""Event-loop stalls: what blocked the serving loop, named by its Python frames.
+
+The serving process's watchdog (servprof.watchdog) writes the stalls it saw into the
+session trace's ``servprof`` metadata (key ``loop_stalls``, docs/CONTRACTS.md): when,
+how long, the loop thread's stacks sampled meanwhile, and the requests in flight.
+
+Each sampled stack is read from the innermost frame outwards: the first frame that is
+neither a library's (stdlib, site-packages) nor one of servprof's transparent wrappers
+(its tokenizer patches, its thread-start patch) names the blocking function; if that is
+servprof's own code the sample is servprof's, never the app's. Stalls are grouped by
+their blocking function into one finding each: ``tokenization_stall`` when the frames are
+a tokenizer's (or a tokenize phase ran on the loop thread then), else ``loop_stall``.
+
+A stall with no stack of its own is named from what the watchdog saw: the loop in its
+selector (it waited for the GIL or for a CPU: another thread ran), or no sample at all (a
+C call held the GIL the whole time: the trace's range on the loop thread covering most of
+the stall names it, when there is one). Stalls after ``stop_wall_ns`` are servprof's.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+from servprof.detect.causes import TOKENIZER_NAMES
+from servprof.detect.finding import Finding, Severity
+from servprof.trace.model import Trace
+from servprof.trace.phases import parse_phase_event_name, phase_events, split_auto
+
+KIND = "loop_stall"
+WARNING_MS = 20.0
+CRITICAL_MS = 100.0
+MAX_FRAMES_SHOWN = 12
+MIN_RANGE_COVER = 0.5  # a trace range names a frameless stall when it covers this share of it
+WAITING = "(waiting to run: another thread held the GIL or the CPUs were busy)"
+UNSAMPLED = "(no sample: a C call held the GIL, or the watchdog got no CPU)"
+_SEP = re.escape(os.sep)
+_TRANSPARENT = re.compile(rf"{_SEP}servprof{_SEP}auto{_SEP}")
+_TOKENIZER_FILES = re.compile(rf"{_SEP}(tokenizers|tiktoken|sentencepiece){_SEP}|tokenization_|"
+                              rf"{_SEP}servprof{_SEP}auto{_SEP}tokenizers\.py$")
+_IO_NAMES = re.compile(r"^(sleep|recv|recv_into|send|sendall|connect|read|readinto|readline|getaddrinfo|select|poll|"
+                       r"wait|acquire|urlopen|request|get|post|_send_output|begin)$")
+
+
+def _is_tokenizer_frame(frame: dict[str, Any]) -> bool:
+    return bool(TOKENIZER_NAMES.search(str(frame.get("function", "")))
+                or _TOKENIZER_FILES.search(str(frame.get("file", ""))))
+
+
+def classify_stack(frames: list[dict[str, Any]]) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None]:
+    """(owner "app" | "servprof" | "library", blocking frame, innermost frame) of one stack."""
+    frames = [f for f in frames if isinstance(f, dict) and not _TRANSPARENT.search(str(f.get("file", "")))]
+    innermost = frames[-1] if frames else None
+    for frame in reversed(frames):
+        origin = frame.get("origin")
+        if origin in ("app", "servprof"):
+            return str(origin), frame, innermost
+    return "library", innermost, innermost
+
+
+def _range_label(name: str) -> str:
+    parsed = parse_phase_event_name(name)
+    if parsed is None:
+        return name
+    phase, auto = split_auto(parsed[0])
+    return f"the {phase} phase ({'marked by servprof' if auto else 'marked by the server'})"
+
+
+class _Group:
+    def __init__(self, function: str, path: str, line: Any, named_by: str):
+        self.function, self.path, self.line, self.named_by = function, path, line, named_by
+        self.stalls: list[dict[str, Any]] = []
+        self.tokenizing = False
+        self.frames: list[dict[str, Any]] = []
+        self.innermost: dict[str, Any] | None = None
+        self.biggest = 0  # samples of the stack shown
+        self.functions: Counter[str] = Counter()
+        self.request_ids: list[str] = []
+        self.blocking_request_ids: list[str] = []
+
+
+def detect_loop_stalls(trace: Trace, findings: list[Finding] | None = None) -> tuple[list[Finding], dict[str, Any]]:
+    meta = trace.servprof_metadata()
+    stalls = [s for s in meta.get("loop_stalls") or [] if isinstance(s, dict)]
+    watchdog = meta.get("watchdog") if isinstance(meta.get("watchdog"), dict) else None
+    summary: dict[str, Any] = {"watched": bool(watchdog and watchdog.get("attached")), "stalls": len(stalls),
+                               "servprof_own": 0, "groups": 0}
+    if not stalls:
+        return [], summary
+    base_ns = next((m.get("baseTimeNanoseconds") for m in trace.metadata.values()
+                    if isinstance(m.get("baseTimeNanoseconds"), (int, float))), None)
+    if base_ns is None:
+        summary["problem"] = "the trace has no baseTimeNanoseconds: stalls cannot be placed in it"
+        return [], summary
+    stop_ns = meta.get("stop_wall_ns")
+    loop_tid = meta.get("event_loop_tid") or (watchdog or {}).get("loop_tid")
+    loop_tid = loop_tid if isinstance(loop_tid, int) else None
+    rows = np.flatnonzero(trace.complete() & (trace.tid == loop_tid) & (trace.stream < 0)) if loop_tid is not None \
+        else np.empty(0, dtype=np.int64)
+    starts, ends = trace.ts[rows], trace.ts[rows] + trace.dur[rows]
+    tokenize = [e for e in phase_events(trace) if e.phase == "tokenize" and e.tid == loop_tid]
+
+    groups: dict[tuple[str, str], _Group] = {}
+    for stall in stalls:
+        start_ns, end_ns = stall.get("start_wall_ns"), stall.get("end_wall_ns")
+        if not isinstance(start_ns, int) or not isinstance(end_ns, int) or end_ns <= start_ns:
+            continue
+        if isinstance(stop_ns, int) and start_ns >= stop_ns:
+            summary["servprof_own"] += 1  # the profiler's own stop(): servprof's overhead
+            continue
+        start_us, end_us = (start_ns - base_ns) / 1e3, (end_ns - base_ns) / 1e3
+        owners: Counter[str] = Counter()
+        functions: Counter[tuple[str, str, Any]] = Counter()
+        biggest: tuple[int, list[dict[str, Any]], dict[str, Any] | None] = (0, [], None)
+        tokenizer_samples: Counter[tuple[str, str, Any]] = Counter()
+        for stack in stall.get("stacks") or []:
+            frames = [f for f in (stack.get("frames") or []) if isinstance(f, dict)] if isinstance(stack, dict) else []
+            count = int(stack.get("count") or 1) if isinstance(stack, dict) else 1
+            owner, blocking, innermost = classify_stack(frames)
+            owners[owner] += count
+            if owner == "servprof" or blocking is None:
+                continue
+            key = (str(blocking.get("function")), str(blocking.get("file")), blocking.get("line"))
+            functions[key] += count
+            if any(_is_tokenizer_frame(f) for f in frames):
+                tokenizer_samples[key] += count
+            if count > biggest[0]:
+                biggest = (count, frames, innermost)
+        if owners and owners["servprof"] * 2 > sum(owners.values()):
+            summary["servprof_own"] += 1
+            continue
+        tokenizing = any(min(e.end_us, end_us) - max(e.start_us, start_us) >= MIN_RANGE_COVER * (end_us - start_us)
+                         for e in tokenize)  # a tokenize phase covers most of it
+        if functions:
+            top, top_count = functions.most_common(1)[0]
+            function, path, line = top
+            named_by = "python frames"
+            # Tokenization when the blocking function's own samples are mostly inside a tokenizer.
+            tokenizing = tokenizer_samples[top] * 2 >= top_count
+        elif int(stall.get("idle_samples") or 0) > 0:
+            function, path, line, named_by = WAITING, "", None, "the watchdog saw the loop in its selector"
+        else:
+            function, path, line, named_by = UNSAMPLED, "", None, "no sample could be taken"
+            if rows.size:
+                cover = np.minimum(ends, end_us) - np.maximum(starts, start_us)
+                best = int(np.argmax(cover))
+                if cover[best] >= MIN_RANGE_COVER * (end_us - start_us):
+                    function = _range_label(trace.name(int(rows[best])))
+                    named_by = "the trace: the range the loop thread ran then (no Python frame could be sampled)"
+        group = groups.get((function, path))
+        if group is None:
+            group = groups[(function, path)] = _Group(function, path, line, named_by)
+        group.tokenizing |= tokenizing
+        group.functions.update({name: n for (name, _p, _l), n in functions.items()})
+        if biggest[0] and (not group.frames or biggest[0] > group.biggest):
+            group.biggest = biggest[0]
+            group.frames, group.innermost = biggest[1], biggest[2]
+        group.stalls.append({"start_us": start_us, "end_us": end_us,
+                             "duration_ms": float(stall.get("duration_ms") or 0.0), "in_flight": stall.get("in_flight"),
+                             "samples": stall.get("samples", 0), "blocking_request_id": stall.get("blocking_request_id")})
+        for rid in stall.get("request_ids") or []:
+            if isinstance(rid, str) and rid not in group.request_ids:
+                group.request_ids.append(rid)
+        rid = stall.get("blocking_request_id")
+        if isinstance(rid, str) and rid not in group.blocking_request_ids:
+            group.blocking_request_ids.append(rid)
+
+    watched_ms = float((watchdog or {}).get("watched_s") or 0.0) * 1e3
+    out: list[Finding] = []
+    for group in groups.values():
+        finding = _finding(group, watched_ms)
+        if not _merge_into_tokenization(finding, findings or []):
+            out.append(finding)
+    every = [s for g in groups.values() for s in g.stalls]
+    summary.update({"groups": len(groups), "stall_ms_total": round(sum(s["duration_ms"] for s in every), 3),
+                    "stall_ms_max": round(max((s["duration_ms"] for s in every), default=0.0), 3)})
+    return out, summary
+
+
+def _finding(group: _Group, watched_ms: float) -> Finding:
+    stalls = group.stalls
+    total = sum(s["duration_ms"] for s in stalls)
+    longest = max(s["duration_ms"] for s in stalls)
+    where = f"{group.function} ({os.path.basename(group.path)}:{group.line})" if group.path else group.function
+    innermost = group.innermost or {}
+    inside = ""
+    if innermost and (innermost.get("function"), innermost.get("file")) != (group.function, group.path):
+        inside = f" in {_where(innermost)}"
+    elif innermost and innermost.get("origin") == "library":
+        # No frame of the server's own: show who called the library function.
+        callers = [f for f in group.frames if f.get("origin") == "library"][-3:-1]
+        inside = "".join(f" <- {_where(f)}" for f in reversed(callers))
+    others = [name for name, _ in group.functions.most_common(3) if name != group.function]
+    also = f" (also seen: {', '.join(others)})" if others else ""
+    in_flight = max((s["in_flight"] for s in stalls if isinstance(s["in_flight"], int)), default=None)
+    waiting = group.function == WAITING
+    severity: Severity = "info"
+    # A loop kept from running by other threads, or a stall nothing names, is context, not a cause.
+    if not waiting and group.function != UNSAMPLED:
+        if longest >= CRITICAL_MS or (watched_ms and total >= 0.25 * watched_ms):
+            severity = "critical"
+        elif longest >= WARNING_MS:
+            severity = "warning"
+    kind = "tokenization_stall" if group.tokenizing else KIND
+    times = f"{len(stalls)} time{'s' if len(stalls) != 1 else ''}"
+    delayed = f", with {in_flight} request(s) in flight" if in_flight else ""
+    subject = f"the event loop stalled {times} {WAITING}" if waiting else f"{where} blocked the event loop{inside}{also} {times}"
+    title = (f"{subject[0].upper() if waiting else subject[0]}{subject[1:]}, {total:.1f} ms in all (longest {longest:.1f} ms){delayed}"
+             + ("; it is tokenization" if kind == "tokenization_stall" else ""))
+    frames = group.frames[-MAX_FRAMES_SHOWN:]
+    blockers = group.blocking_request_ids
+    return Finding(
+        kind=kind, severity=severity, cost_ms=total,
+        start_us=min(s["start_us"] for s in stalls), end_us=max(s["end_us"] for s in stalls),
+        title=title,
+        request_ids=[*blockers, *(r for r in group.request_ids if r not in blockers)][:100],
+        evidence={"source": "event-loop watchdog", "function": group.function, "file": group.path or None,
+                  "line": group.line, "named_by": group.named_by, "functions": dict(group.functions.most_common(8)),
+                  "innermost": {k: innermost.get(k) for k in ("function", "file", "line")} if innermost else None,
+                  "stalls": len(stalls), "stall_ms_total": round(total, 3), "stall_ms_max": round(longest, 3),
+                  "in_flight_max": in_flight, "blocking_request_ids": blockers,
+                  "delayed_request_ids": group.request_ids[:100], "frames": frames,
+                  "examples": sorted(stalls, key=lambda s: -s["duration_ms"])[:10]},
+        fix=_fix(group.function, where, kind, longest),
+    )
+
+
+def _where(frame: dict[str, Any]) -> str:
+    return f"{frame.get('function')} ({os.path.basename(str(frame.get('file')))}:{frame.get('line')})"
+
+
+def _fix(function: str, where: str, kind: str, longest: float) -> str:
+    if function == WAITING:
+        return ("Other threads kept the serving loop from running: keep Python-heavy work (per-token bookkeeping, "
+                "tokenization in threads) short or in another process, and leave CPU cores for the server.")
+    if function == UNSAMPLED:
+        return ("Look at the loop thread in the trace at this time (or turn on SERVPROF_WITH_STACK for one "
+                "session): a C extension call that holds the GIL belongs in a worker thread "
+                "(`await asyncio.to_thread(...)`); if nothing ran there, the machine's CPUs were busy.")
+    if kind == "tokenization_stall":
+        return (f"Tokenize off the event loop: call it through `await asyncio.to_thread(...)` (or "
+                f"`anyio.to_thread.run_sync`), or a process pool if {where} is pure Python; every request "
+                f"in flight waits up to {longest:.0f} ms while it runs on the loop.")
+    if _IO_NAMES.match(function):
+        return (f"{where} waits on the event loop: use its async form (an async HTTP client, "
+                f"`await asyncio.sleep`, an async driver) or run it with `await asyncio.to_thread(...)`.")
+    return (f"Move {where} off the event loop: `await asyncio.to_thread(...)` for code that releases the GIL "
+            f"(I/O, NumPy, torch), a process pool for pure-Python work; every request in flight waits up to "
+            f"{longest:.0f} ms while it runs.")
+
+
+def _merge_into_tokenization(finding: Finding, findings: list[Finding]) -> bool:
+    """A tokenization stall the phase detector already reported for the same time gets the
+    frames as evidence instead of a second finding."""
+    if finding.kind != "tokenization_stall":
+        return False
+    for other in findings:
+        if other.kind != "tokenization_stall" or other.evidence.get("source") == "event-loop watchdog":
+            continue
+        overlap = min(other.end_us, finding.end_us) - max(other.start_us, finding.start_us)
+        if overlap > 0.5 * (finding.end_us - finding.start_us):
+            other.evidence["loop_stall"] = {k: finding.evidence[k] for k in
+                                            ("function", "file", "line", "functions", "stalls", "stall_ms_max",
+                                             "frames")}
+            return True
+    return False

@@ -1,0 +1,272 @@
+"""servprof.auto: model steps and tokenizer phases marked automatically, with the real profiler
+and real models and tokenizers (built locally: nothing is downloaded)."""
+
+from __future__ import annotations
+
+import io
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import torch
+from torch._C._profiler import _ExperimentalConfig
+from torch.nn.modules import module as torch_module
+from torch.profiler import ProfilerActivity, profile
+
+from servprof.auto import AutoInstrumentation, compiled_model_present
+from servprof.auto.context import install_thread_inheritance, request_id_here
+from servprof.auto.steps import _sequence_length
+from servprof.observers import RequestRecord
+from servprof.request_context import request_id_var, request_record_var
+from servprof.trace.phases import parse_phase_event_name
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self, vocab: int = 64, width: int = 16):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.body = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU())
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.embed(ids)))
+
+
+def _record(request_id: str) -> RequestRecord:
+    return RequestRecord(request_id, "POST", "/v1/completions", None, "http", None, None, 0, 0)
+
+
+def auto_phases(tmp_path: Path, work: Any, session_ids: list[str] | None = None) -> tuple[list[tuple[str, list[str]]],
+                                                                                        AutoInstrumentation]:
+    """Run ``work`` under the real profiler with the automatic phases on; the auto phases of the
+    exported trace in start order, as (phase, request ids)."""
+    auto = AutoInstrumentation()
+    prof = profile(activities=[ProfilerActivity.CPU], experimental_config=_ExperimentalConfig(profile_all_threads=True))
+    prof.start()
+    auto.start(lambda: list(session_ids or []), None)
+    try:
+        work()
+    finally:
+        auto.stop()
+        prof.stop()
+        auto.remove()
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    events = sorted((e for e in orjson.loads(path.read_bytes())["traceEvents"] if e.get("ph") == "X"),
+                    key=lambda e: e["ts"])
+    out = []
+    for event in events:
+        parsed = parse_phase_event_name(event["name"])
+        if parsed and parsed[0].startswith("auto."):
+            out.append((parsed[0][len("auto."):], parsed[1]))
+    return out, auto
+
+
+def test_sequence_length_reads_ids_embeddings_and_scalars() -> None:
+    assert _sequence_length((torch.ones(1, 7, dtype=torch.long),), None) == 7
+    assert _sequence_length((), {"input_ids": torch.ones(4, 1, dtype=torch.long)}) == 1
+    assert _sequence_length((), {"inputs_embeds": torch.ones(2, 5, 8)}) == 5
+    assert _sequence_length((torch.tensor(3),), None) == 1
+    assert _sequence_length((torch.ones(9, dtype=torch.long),), None) == 9
+    assert _sequence_length((torch.ones(4, 16),), None) is None  # [B, D] floats: no sequence to read
+    assert _sequence_length(("text",), {}) is None
+
+
+def test_hand_written_loop_with_and_without_a_cache(tmp_path: Path) -> None:
+    model = TinyLM().eval()
+    token = request_id_var.set("req-loop")
+
+    def work() -> None:
+        with torch.no_grad():
+            ids = torch.ones(1, 6, dtype=torch.long)
+            model(ids)  # prefill
+            for _ in range(5):  # cached decode: one new token a step
+                model(torch.ones(1, 1, dtype=torch.long))
+            for length in range(6, 10):  # no cache: the whole sequence again, one longer each step
+                model(torch.ones(1, length, dtype=torch.long))
+            model.head(torch.ones(1, 16))  # a lone leaf module called from the loop: not a step
+
+    try:
+        phases, auto = auto_phases(tmp_path, work)
+    finally:
+        request_id_var.reset(token)
+    steps = [p for p, _ in phases if p in ("prefill", "decode_step")]
+    # prefill, 5 cached decodes, then the first no-cache call (length 6 after 1: a new prompt) and 3 growth steps.
+    assert steps == ["prefill"] + ["decode_step"] * 5 + ["prefill"] + ["decode_step"] * 3
+    assert all(ids == ["req-loop"] for p, ids in phases if p in ("prefill", "decode_step"))
+    assert auto.summary()["models"] == ["TinyLM"]
+
+
+def test_transformers_generate_steps_and_tokenizer_phases(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    raw = Tokenizer(models.BPE(unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    raw.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>",
+                                                     unk_token="<unk>", pad_token="<pad>")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=128, pad_token_id=3)).eval()
+    token = request_id_var.set("req-hf")
+
+    def work() -> None:
+        inputs = tokenizer(["the quick fox", "a lazy dog jumps"], return_tensors="pt", padding=True)  # batched
+        tokenizer.apply_chat_template([{"role": "user", "content": "the fox"}], tokenize=True)
+        tokenizer.encode("the dog")
+        output = model.generate(**inputs, max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=3)
+        tokenizer.batch_decode(output)
+        tokenizer.decode(output[0])
+
+    try:
+        phases, _auto = auto_phases(tmp_path, work)
+    finally:
+        request_id_var.reset(token)
+    counts = Counter(p for p, _ in phases)
+    # generate(): one batched prefill, then a decode step per further token.
+    assert counts["prefill"] == 1 and counts["decode_step"] == 4, counts
+    # Outermost calls only: __call__, apply_chat_template, encode; batch_decode, decode.
+    assert counts["tokenize"] == 3 and counts["detokenize"] == 2, counts
+    assert all(ids == ["req-hf"] for _p, ids in phases)
+
+
+def test_tiktoken_and_sentencepiece_calls_are_phases(tmp_path: Path) -> None:
+    tiktoken = pytest.importorskip("tiktoken")
+    sentencepiece = pytest.importorskip("sentencepiece")
+    encoding = tiktoken.Encoding("bytes", pat_str=r"\S+|\s+", mergeable_ranks={bytes([i]): i for i in range(256)},
+                                 special_tokens={})
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(["the quick brown fox jumps over the lazy dog"] * 200),
+                                             model_writer=model, vocab_size=30, model_type="bpe")
+    processor = sentencepiece.SentencePieceProcessor(model_proto=model.getvalue())
+    token = request_id_var.set("req-tok")
+
+    def work() -> None:
+        encoding.decode(encoding.encode("hello there"))
+        processor.decode(processor.encode("the lazy fox"))
+
+    try:
+        phases, auto = auto_phases(tmp_path, work)
+    finally:
+        request_id_var.reset(token)
+    assert [p for p, _ in phases] == ["tokenize", "detokenize", "tokenize", "detokenize"]
+    assert {"tiktoken", "sentencepiece"} <= set(auto.summary()["tokenizer_libraries"])
+
+
+def test_nothing_stays_registered_or_patched_after_a_session(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    model = TinyLM().eval()
+    before = (dict(torch_module._global_forward_pre_hooks), dict(torch_module._global_forward_hooks),
+              Tokenizer.__dict__["encode"])
+
+    def work() -> None:
+        for _ in range(6):  # past discovery: the model carries its own hooks
+            model(torch.ones(1, 1, dtype=torch.long))
+
+    auto_phases(tmp_path, work)
+    after = (dict(torch_module._global_forward_pre_hooks), dict(torch_module._global_forward_hooks),
+             Tokenizer.__dict__["encode"])
+    assert after == before
+    assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+def test_a_forward_running_when_the_session_starts_does_not_make_its_parts_models(tmp_path: Path) -> None:
+    model = TinyLM().eval()
+    started, go = threading.Event(), threading.Event()
+
+    class Slow(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            started.set()
+            go.wait(10)
+            return x
+
+    model.body.insert(0, Slow())
+    thread = threading.Thread(target=lambda: model(torch.ones(1, 3, dtype=torch.long)))
+    thread.start()
+    started.wait(10)
+
+    def work() -> None:
+        go.set()
+        thread.join(10)
+        model(torch.ones(1, 1, dtype=torch.long))
+
+    phases, auto = auto_phases(tmp_path, work)
+    assert auto.summary()["models"] == ["TinyLM"]  # not the Sequential or the Linear it was inside
+    assert [p for p, _ in phases] == ["decode_step"]
+
+
+def test_threads_started_for_a_request_carry_its_id_while_it_runs() -> None:
+    install_thread_inheritance()
+    record = _record("req-thread")
+    seen: dict[str, Any] = {}
+    token = request_record_var.set(record)
+    try:
+        thread = threading.Thread(target=lambda: seen.setdefault("plain", request_id_here()))
+        thread.start()
+        thread.join()
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1) as pool:  # a pool thread serves many requests: it inherits none
+            seen["pool"] = pool.submit(request_id_here).result()
+    finally:
+        request_record_var.reset(token)
+    record.end_ns = 1  # the request ended: a thread it started no longer speaks for it
+    late = threading.Thread(target=lambda: seen.setdefault("late", request_id_here()))
+    token = request_record_var.set(record)
+    try:
+        late.start()
+    finally:
+        request_record_var.reset(token)
+    late.join()
+    assert seen == {"plain": "req-thread", "pool": None, "late": None}
+
+
+def test_steps_of_an_unknown_thread_carry_the_session_requests(tmp_path: Path) -> None:
+    model = TinyLM().eval()
+
+    def work() -> None:
+        thread = threading.Thread(target=lambda: model(torch.ones(1, 1, dtype=torch.long)))
+        thread.start()  # started outside any request: no id of its own
+        thread.join()
+
+    phases, _auto = auto_phases(tmp_path, work, session_ids=["req-a", "req-b"])
+    assert phases == [("decode_step", ["req-a", "req-b"])]
+
+
+def test_a_compiled_model_gets_no_hooks(tmp_path: Path) -> None:
+    model = TinyLM().eval()
+    compiled = torch.compile(model, backend="eager")
+    compiled(torch.ones(1, 2, dtype=torch.long))
+    assert compiled_model_present()
+
+    def work() -> None:
+        compiled(torch.ones(1, 1, dtype=torch.long))
+
+    phases, auto = auto_phases(tmp_path, work)
+    assert phases == [] and not torch_module._global_forward_pre_hooks
+    assert [m["what"] for m in auto.missing()][:1] == ["automatic model steps"]
+    assert "torch.compile" in auto.missing()[0]["message"]
+
+
+@pytest.fixture(autouse=True)
+def _no_dynamo_counts_leak() -> Iterator[None]:
+    """The compiled-model test leaves dynamo's process-wide counters set: reset them so later
+    tests (and sessions) in this process still get their hooks."""
+    yield
+    try:
+        from torch._dynamo.utils import counters
+    except Exception:  # noqa: BLE001
+        return
+    counters.clear()
+

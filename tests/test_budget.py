@@ -1,0 +1,88 @@
+"""servprof.budget: the event estimate a running session is stopped by, and what it learns."""
+
+from __future__ import annotations
+
+from servprof.budget import (
+    BASE_STOP_US_PER_EVENT,
+    PRIOR_EVENTS_PER_MODULE_CALL,
+    SHAPES_COST_FACTOR,
+    STEPLESS_GRACE_S,
+    STOP_AT,
+    EventBudget,
+    LiveSignals,
+)
+from servprof.settings import Settings
+
+SETTINGS = Settings(max_session_events=2000, assumed_events_per_s=100_000.0)
+
+
+def test_the_first_session_counts_module_calls_and_running_steps() -> None:
+    budget = EventBudget()
+    live = LiveSignals(hooks_active=True, steps=2, open_steps=1, module_calls=40, discovering=True)
+    # 40 calls in 2 steps, one more step running: 60 calls' worth of events.
+    assert budget.estimate(0.5, 0, live, 100_000.0) == 60 * PRIOR_EVENTS_PER_MODULE_CALL
+    # Time plays no part while the step signal is there: a tokenizer before the first step does
+    # not end the session (unless no module call at all comes within the step-less grace).
+    assert budget.estimate(5.0, 0, live, 100_000.0) == 60 * PRIOR_EVENTS_PER_MODULE_CALL
+    assert budget.estimate(STEPLESS_GRACE_S * 0.9, 0, LiveSignals(hooks_active=True), 100_000.0) == 0.0
+    assert budget.call_limit(SETTINGS) == int(2000 * STOP_AT / PRIOR_EVENTS_PER_MODULE_CALL)
+
+
+def test_a_server_without_modules_falls_back_to_time_after_a_grace() -> None:
+    budget = EventBudget()
+    nothing = LiveSignals(hooks_active=True)
+    assert budget.estimate(STEPLESS_GRACE_S / 2, 0, nothing, 100_000.0) == 0.0
+    assert budget.estimate(STEPLESS_GRACE_S, 0, nothing, 100_000.0) == 100_000.0 * STEPLESS_GRACE_S
+    # Automatic phases off: time x the assumed rate from the start.
+    assert budget.estimate(0.01, 0, LiveSignals(hooks_active=False), 100_000.0) == 1000.0
+
+
+def test_events_per_step_bound_the_next_session_with_running_steps_counted() -> None:
+    budget = EventBudget()
+    budget.learn(1500.0, SETTINGS, busy_s=0.4, steps=5, chunks=0)
+    assert budget.per_step == 300.0
+    live = LiveSignals(hooks_active=True, steps=3, open_steps=2)
+    assert budget.estimate(0.1, 0, live, 100_000.0) == 300.0 * 5
+    assert budget.step_limit(SETTINGS, live) == int(2000 * STOP_AT / 300.0)
+    # Long steps (20 ms against a ~5 ms stop): a running thread gets through a quarter of its next one.
+    long_steps = LiveSignals(hooks_active=True, steps=3, open_steps=2, next_step_share=0.25)
+    assert budget.estimate(0.1, 0, long_steps, 100_000.0) == 300.0 * 3.5
+    # A load ten times higher: ten times the steps, ten times the estimate (time is not used).
+    assert budget.estimate(0.1, 0, LiveSignals(hooks_active=True, steps=30, open_steps=20), 100_000.0) == 300.0 * 50
+
+
+def test_a_session_too_small_to_tell_teaches_no_rate() -> None:
+    budget = EventBudget()
+    budget.learn(21.0, SETTINGS, busy_s=0.03, steps=0, chunks=1)  # the issue's first session: 21 events
+    # Not 700 events/s: the assumed rate only halves, so the next session opens at most twice as wide.
+    assert budget.per_second == SETTINGS.assumed_events_per_s / 2
+    assert budget.per_step is None and budget.per_chunk is None
+    budget.learn(21.0, SETTINGS, busy_s=0.03, steps=0, chunks=1)
+    assert budget.per_second == SETTINGS.assumed_events_per_s / 4
+
+
+def test_rates_fade_by_half_at_most_per_session() -> None:
+    budget = EventBudget()
+    budget.learn(2000.0, SETTINGS, busy_s=0.1, steps=10, chunks=10)
+    assert budget.per_step == 200.0 and budget.per_chunk == 200.0
+    budget.learn(600.0, SETTINGS, busy_s=0.1, steps=10, chunks=10)  # a quiet session
+    assert budget.per_step == 100.0 and budget.per_chunk == 100.0
+
+
+def test_dearer_events_shrink_the_budget_in_events() -> None:
+    budget = EventBudget()
+    assert budget.budget(SETTINGS) == 2000
+    shapes = Settings(max_session_events=3000, record_shapes=True)
+    assert budget.budget(shapes) == 3000 / SHAPES_COST_FACTOR  # assumed until a stop was timed
+    assert budget.budget(Settings(max_session_events=3000, record_shapes=True, with_stack=True)) == \
+        3000 / SHAPES_COST_FACTOR / 2
+    # A timed stop(): 600 events in 18 ms is 30 µs per event, 5x the nominal 6 µs.
+    budget.learn(600.0, shapes, busy_s=0.1, steps=3, chunks=0, stop_s=0.018)
+    assert budget.budget(shapes) == 3000 / (30.0 / BASE_STOP_US_PER_EVENT)
+    assert budget.status()["stop_us_per_event"] == {"shapes": 30.0}
+    # Cheap events never raise the budget above the setting; one cheap stop only halves the cost.
+    budget.learn(600.0, shapes, busy_s=0.1, steps=3, chunks=0, stop_s=0.0006)
+    assert budget.budget(shapes) == 3000 / (15.0 / BASE_STOP_US_PER_EVENT)
+    budget.learn(2000.0, SETTINGS, busy_s=0.1, steps=3, chunks=0, stop_s=0.004)
+    assert budget.budget(SETTINGS) == 2000
+    assert budget.status()["last_sessions"][-1] == {"events": 2000, "budget": 2000, "ratio": 1.0}

@@ -1,0 +1,151 @@
+"""The event-loop watchdog and the loop_stall detector: a real asyncio loop in a thread, real
+blocking calls on it, the real profiler's trace with the stalls in its servprof metadata."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from torch._C._profiler import _ExperimentalConfig
+from torch.profiler import ProfilerActivity, profile
+
+from servprof.auto.session import metadata_safe
+from servprof.detect.loop_stall import detect_loop_stalls
+from servprof.trace import load_trace
+from servprof.watchdog import LoopWatchdog
+
+
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    loop.close()
+
+
+def on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[], Any]) -> Any:
+    async def call() -> Any:
+        return fn()
+
+    return asyncio.run_coroutine_threadsafe(call(), loop).result(30)
+
+
+def watch(loop: asyncio.AbstractEventLoop, threshold_ms: float = 10.0) -> LoopWatchdog:
+    watchdog = LoopWatchdog(threshold_ms, in_flight=lambda: 3, open_request_ids=lambda: ["req-1", "req-2"])
+    on_loop(loop, watchdog.attach)
+    return watchdog
+
+
+def blocking_report_writer(seconds: float) -> None:
+    """Pure Python work that never yields: what a synchronous helper on the loop looks like."""
+    end = time.perf_counter() + seconds
+    total = 0
+    while time.perf_counter() < end:
+        total += sum(range(100))
+
+
+def test_a_blocking_call_is_named_by_its_frames(loop: asyncio.AbstractEventLoop) -> None:
+    watchdog = watch(loop)
+    time.sleep(0.05)
+    on_loop(loop, lambda: blocking_report_writer(0.12))
+    time.sleep(0.05)
+    stalls = watchdog.stop()
+    assert len(stalls) == 1, stalls
+    stall = stalls[0]
+    assert stall["duration_ms"] >= 80 and stall["samples"] >= 1
+    functions = [f["function"] for f in stall["stacks"][0]["frames"]]
+    assert "blocking_report_writer" in functions
+    assert stall["in_flight"] == 3 and stall["request_ids"] == ["req-1", "req-2"]
+    assert stall["loop_tid"] == watchdog.loop_native_id and not stall["ongoing_at_stop"]
+
+
+def test_an_idle_or_brief_loop_has_no_stall(loop: asyncio.AbstractEventLoop) -> None:
+    watchdog = watch(loop, threshold_ms=30.0)
+    for _ in range(5):
+        on_loop(loop, lambda: blocking_report_writer(0.002))
+        time.sleep(0.02)
+    assert watchdog.stop() == []
+    assert watchdog.summary()["attached"] is True and watchdog.summary()["beats"] > 5
+
+
+def test_a_stall_still_going_at_stop_is_reported(loop: asyncio.AbstractEventLoop) -> None:
+    watchdog = watch(loop)
+    time.sleep(0.03)
+    future = asyncio.run_coroutine_threadsafe(asyncio.to_thread(lambda: None), loop)  # loop is alive
+    future.result(10)
+    asyncio.run_coroutine_threadsafe(_block_async(0.3), loop)
+    time.sleep(0.15)
+    stalls = watchdog.stop()
+    assert stalls and stalls[0]["ongoing_at_stop"] and stalls[0]["duration_ms"] >= 100
+
+
+async def _block_async(seconds: float) -> None:
+    time.sleep(seconds)  # a synchronous sleep inside a coroutine: the classic loop blocker
+
+
+def _session_trace(tmp_path: Path, loop: asyncio.AbstractEventLoop, work: Callable[[], None],
+                   extra_stall_after_stop: bool = False) -> Any:
+    """A real profiler session with the watchdog's stalls written into its servprof metadata."""
+    prof = profile(activities=[ProfilerActivity.CPU], experimental_config=_ExperimentalConfig(profile_all_threads=True))
+    prof.start()
+    watchdog = watch(loop)
+    time.sleep(0.03)
+    work()
+    time.sleep(0.03)
+    stalls = watchdog.stop()
+    stop_wall_ns = time.time_ns()
+    if extra_stall_after_stop:  # a stall stamped after the stop: servprof's own, never the app's
+        stalls.append({**stalls[0], "start_wall_ns": stop_wall_ns + 1_000_000, "end_wall_ns": stop_wall_ns + 90_000_000})
+    metadata = {"loop_stalls": metadata_safe(stalls), "watchdog": watchdog.summary(), "stop_wall_ns": stop_wall_ns,
+                "event_loop_tid": watchdog.loop_native_id}
+    prof.add_metadata_json("servprof", orjson.dumps(metadata).decode())
+    prof.stop()
+    path = tmp_path / "session.pt.trace.json"
+    prof.export_chrome_trace(str(path))
+    return load_trace(path)
+
+
+def test_detector_names_the_function_with_a_fix(tmp_path: Path, loop: asyncio.AbstractEventLoop) -> None:
+    trace = _session_trace(tmp_path, loop, lambda: on_loop(loop, lambda: blocking_report_writer(0.1)),
+                           extra_stall_after_stop=True)
+    findings, summary = detect_loop_stalls(trace)
+    assert summary["stalls"] == 2 and summary["servprof_own"] == 1
+    (finding,) = findings
+    assert finding.kind == "loop_stall" and finding.evidence["function"] == "blocking_report_writer"
+    assert "blocking_report_writer (test_loop_watchdog.py:" in finding.title
+    assert finding.fix and "asyncio.to_thread" in finding.fix
+    assert finding.request_ids == ["req-1", "req-2"] and finding.cost_ms >= 80
+    assert finding.severity in ("warning", "critical")
+    start_us = float(trace.ts.min())
+    assert start_us <= finding.start_us < finding.end_us  # placed inside the trace's time
+
+
+def test_a_tokenizer_on_the_loop_is_a_tokenization_stall(tmp_path: Path, loop: asyncio.AbstractEventLoop) -> None:
+    def tokenize_prompt() -> None:  # a user's own tokenizer helper, by its name
+        blocking_report_writer(0.1)
+
+    trace = _session_trace(tmp_path, loop, lambda: on_loop(loop, tokenize_prompt))
+    findings, _summary = detect_loop_stalls(trace)
+    assert [f.kind for f in findings] == ["tokenization_stall"]
+    assert findings[0].evidence["function"] in ("blocking_report_writer", "tokenize_prompt")
+    assert "Tokenize off the event loop" in findings[0].fix
+
+
+def test_a_sleep_on_the_loop_gets_the_async_fix(tmp_path: Path, loop: asyncio.AbstractEventLoop) -> None:
+    def work() -> None:
+        asyncio.run_coroutine_threadsafe(_block_async(0.1), loop).result(10)
+
+    trace = _session_trace(tmp_path, loop, work)
+    findings, _summary = detect_loop_stalls(trace)
+    (finding,) = findings
+    assert finding.evidence["function"] == "_block_async"
+    assert finding.evidence["innermost"]["function"] in ("_block_async", "sleep")
