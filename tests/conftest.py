@@ -1,5 +1,5 @@
 """Suite-wide guard: torch.profiler is process-wide, and two profilers at once can crash
-the process (see ../shared/facts). A test that leaves servprof's capture controller warming
+the process (docs/middleware.md). A test that leaves servprof's capture controller warming
 up or in a session could collide with the next test's own profiler, so after every test
 the controller, when one was made, is given time to become idle."""
 
@@ -33,3 +33,20 @@ def _servprof_capture_settles() -> Iterator[None]:
     while ((controller.warmup_wanted and not controller.warm) or controller.session is not None) \
             and time.monotonic() < deadline:
         time.sleep(0.02)
+
+
+@pytest.fixture(autouse=True)
+def _forget_torch_compile() -> Iterator[None]:
+    """servprof's automatic step hooks stay off in a process where torch.compile has compiled a
+    frame (servprof.auto.compiled_model_present): a test that compiles must not turn them off for
+    every later test in this one pytest process."""
+    yield
+    if "torch._dynamo" not in sys.modules:
+        return
+    from torch._dynamo.utils import counters
+
+    if counters.get("frames", {}).get("ok"):
+        import torch._dynamo
+
+        torch._dynamo.reset()
+        counters.clear()

@@ -168,7 +168,7 @@ def test_model_steps_found_and_prefill_told_from_decode(observed: dict[str, Any]
         assert abs(len(steps) - tokens[rid]) <= 1, (rid, len(steps), tokens[rid])
         assert steps[0] == "prefill" and steps.count("prefill") == 1, steps
     detect = result["summary"]["detect"]
-    assert detect["steps"]["count"] > 0 and "servprof" in detect["steps"]["source"]
+    assert detect["steps"]["count"] > 0 and detect["steps"]["source"] == ["servprof_auto"]  # no markers: automatic
 
 
 def test_tokenization_found_on_the_loop_with_its_time(observed: dict[str, Any]) -> None:
