@@ -38,15 +38,18 @@ def _servprof_capture_settles() -> Iterator[None]:
 @pytest.fixture(autouse=True)
 def _forget_torch_compile() -> Iterator[None]:
     """servprof's automatic step hooks stay off in a process where torch.compile has compiled a
-    frame (servprof.auto.compiled_model_present): a test that compiles must not turn them off for
-    every later test in this one pytest process."""
+    frame (servprof.auto.compiled_model_present), and the compile probe reports every compile
+    torch recorded since the process's first model request: a test that compiles must leave
+    neither behind for the later tests of this one pytest process (in a server, one process is
+    one server, and both are right)."""
     yield
     if "torch._dynamo" not in sys.modules:
         return
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import clear_compilation_metrics, counters, get_compilation_metrics
 
-    if counters.get("frames", {}).get("ok"):
+    if counters.get("frames", {}).get("ok") or get_compilation_metrics():
         import torch._dynamo
 
         torch._dynamo.reset()
         counters.clear()
+        clear_compilation_metrics()
