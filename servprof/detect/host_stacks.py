@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from servprof.detect.nesting import depths, extended_ends, nearest, parents, segments
 from servprof.detect.step_forms import is_step_annotation
 from servprof.trace.model import RUNTIME_CATEGORIES, Trace
 from servprof.trace.phases import PHASE_PREFIX
@@ -152,12 +153,16 @@ class ThreadStack:
         if hi <= lo:
             return []
         clip = np.minimum(self.end[lo:hi], b) - np.maximum(self.start[lo:hi], a)
-        totals: dict[tuple[int, int], float] = {}
-        for name, cls, us in zip(self.name[lo:hi].tolist(), self.cls[lo:hi].tolist(), clip.tolist(), strict=True):
-            if us > 0:
-                totals[(name, cls)] = totals.get((name, cls), 0.0) + us
-        ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:limit]
-        return [{"name": names[n], "class": CLASSES[c], "self_us": round(us, 1)} for (n, c), us in ranked]
+        spent = clip > 0
+        key = self.name[lo:hi][spent] * len(CLASSES) + self.cls[lo:hi][spent]
+        if key.size == 0:
+            return []
+        # Self time per (frame, class), summed in time order; the most first, ties in order of appearance.
+        keys, first, which = np.unique(key, return_index=True, return_inverse=True)
+        totals = np.bincount(which, weights=clip[spent])
+        ranked = np.lexsort((first, -totals))[:limit]
+        return [{"name": names[int(k) // len(CLASSES)], "class": CLASSES[int(k) % len(CLASSES)],
+                 "self_us": round(float(us), 1)} for k, us in zip(keys[ranked], totals[ranked], strict=True)]
 
 
 class HostStacks:
@@ -186,68 +191,27 @@ class HostStacks:
         return self._stacks[tid]
 
     def _sweep(self, tid: int, rows: np.ndarray) -> ThreadStack:
+        """The thread's self-time segments: at every instant, the innermost event open (nesting.py)."""
         trace, nc = self.trace, self.classes
+        rows = rows[np.lexsort((-trace.dur[rows], trace.ts[rows]))]
         start = trace.ts[rows]
-        order = np.lexsort((-trace.dur[rows], start))
-        rows = rows[order]
-        starts = trace.ts[rows].tolist()
-        ends = (trace.ts[rows] + trace.dur[rows]).tolist()
+        parent = parents(start, start + trace.dur[rows])
+        seg_start, seg_end, seg_event = segments(start, extended_ends(start + trace.dur[rows], parent,
+                                                                      depths(parent)), parent)
         name_ids = trace.name_id[rows]
         specific = nc.specific[name_ids].astype(np.int64)
         specific[np.isin(rows, self._d2h)] = SYNC  # a copy to the host blocks until the device is done
+        # What an event inherits from the events around it: the innermost specific class (a sync,
+        # tokenization, ...), the innermost frame that is not a generic wrapper, a compiled region.
+        spec = specific[nearest(parent, specific >= 0)]
+        named = name_ids[nearest(parent, ~nc.generic[name_ids])].astype(np.int64)
+        region = nc.compiled_region[name_ids]
+        region = region[nearest(parent, region)]
         base = _base_classes(trace, rows, nc)
-        generic = nc.generic[name_ids].tolist()
-        region = nc.compiled_region[name_ids].tolist()
-        is_compile = nc.compile
-        names = name_ids.tolist()
-        specific_l, base_l = specific.tolist(), base.tolist()
-        n = len(rows)
-        ctx_spec, ctx_name, ctx_region, cls = [0] * n, [0] * n, [False] * n, [0] * n
-        seg_s: list[float] = []
-        seg_e: list[float] = []
-        seg_k: list[int] = []
-        stack: list[int] = []
-        cursor = 0.0
-        for k in range(n + 1):  # the last turn only closes what is still open
-            s = starts[k] if k < n else np.inf
-            while stack and ends[stack[-1]] <= s:
-                top = stack.pop()
-                if ends[top] > cursor:
-                    seg_s.append(cursor)
-                    seg_e.append(ends[top])
-                    seg_k.append(top)
-                    cursor = ends[top]
-            if k == n:
-                break
-            if stack:
-                parent = stack[-1]
-                if s > cursor:
-                    seg_s.append(cursor)
-                    seg_e.append(s)
-                    seg_k.append(parent)
-                # A child that outlives its parent (µs rounding, or ranges that do not nest): the
-                # ones below it last as long, so that at every instant the innermost event open is on top.
-                depth = len(stack) - 1
-                while depth >= 0 and ends[stack[depth]] < ends[k]:
-                    ends[stack[depth]] = ends[k]
-                    depth -= 1
-                ctx_spec[k] = specific_l[k] if specific_l[k] >= 0 else ctx_spec[parent]
-                ctx_name[k] = ctx_name[parent] if generic[k] else names[k]
-                ctx_region[k] = region[k] or ctx_region[parent]
-            else:
-                ctx_spec[k], ctx_name[k], ctx_region[k] = specific_l[k], names[k], region[k]
-            if ctx_spec[k] >= 0:
-                cls[k] = ctx_spec[k]
-            elif base_l[k] in (PYTHON, OP) and (is_compile[names[k]] or is_compile[ctx_name[k]]):
-                cls[k] = COMPILE
-            else:
-                cls[k] = base_l[k]
-            cursor = s
-            stack.append(k)
-        k_arr = np.array(seg_k, dtype=np.int64)
-        return ThreadStack(tid, np.array(seg_s, dtype=float), np.array(seg_e, dtype=float),
-                           np.array(cls, dtype=np.int8)[k_arr], np.array(ctx_name, dtype=np.int64)[k_arr],
-                           np.array(ctx_region, dtype=bool)[k_arr])
+        compile_named = (nc.compile[name_ids] | nc.compile[named]) & ((base == PYTHON) | (base == OP))
+        cls = np.where(spec >= 0, spec, np.where(compile_named, COMPILE, base))
+        return ThreadStack(tid, seg_start, seg_end, cls[seg_event].astype(np.int8), named[seg_event],
+                           region[seg_event])
 
 
 def _base_classes(trace: Trace, rows: np.ndarray, nc: NameClasses) -> np.ndarray:

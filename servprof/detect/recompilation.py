@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from servprof.detect.finding import Finding, severity_for
+from servprof.detect.intervals import merge
 from servprof.detect.steps import Step, step_index
 from servprof.trace.model import Trace
 from servprof.trace.phases import request_phases
@@ -81,18 +82,13 @@ def compile_stalls(trace: Trace) -> list[dict[str, Any]]:
         on_thread = (trace.rank == key[0]) & (trace.pid == key[1]) & (trace.tid == key[2])
         mine = rows[on_thread[rows]]
         mine = mine[np.argsort(trace.ts[mine], kind="stable")]
-        intervals: list[list[float]] = []
-        for row in mine:
-            start, end = float(trace.ts[row]), float(trace.end[row])
-            if intervals and start <= intervals[-1][1]:
-                intervals[-1][1] = max(intervals[-1][1], end)
-            else:
-                intervals.append([start, end])
-        for row in weak[on_thread[weak]]:  # "dynamo" wraps a compile: widen the stretch it contains
-            start, end = float(trace.ts[row]), float(trace.end[row])
-            for interval in intervals:
-                if start <= interval[0] and interval[1] <= end:
-                    interval[0], interval[1] = start, end
+        first, last = merge(trace.ts[mine], trace.ts[mine] + trace.dur[mine])  # overlapping or touching: one
+        wrappers = weak[on_thread[weak]]
+        for start, end in zip(trace.ts[wrappers].tolist(), (trace.ts[wrappers] + trace.dur[wrappers]).tolist(),
+                              strict=True):  # "dynamo" wraps a compile: widen the stretch it contains
+            wrapped = (start <= first) & (last <= end)
+            first[wrapped], last[wrapped] = start, end
+        intervals = zip(first.tolist(), last.tolist(), strict=True)
         thread_ids = id_rows[on_thread[id_rows]]
         for start, end in intervals:
             inside = thread_ids[(trace.ts[thread_ids] >= start) & (trace.ts[thread_ids] <= end)]
@@ -299,8 +295,8 @@ def _regions_per_step(trace: Trace, steps: list[Step], frames: dict[str, Any]) -
         counts.append(len(mine))
         known = [frames.get(f) for f in frame_ids]
         breaks.append(sum(1 for f in known if f and f.get("resume")) if all(known) else None)
-        covered = _union_us([(float(trace.ts[r]), float(trace.end[r])) for r in mine])
-        eager_us += max(float(trace.end[mine[-1]] - trace.ts[mine[0]]) - covered, 0.0)
+        covered = _union_us([(float(trace.ts[r]), float(trace.ts[r] + trace.dur[r])) for r in mine])
+        eager_us += max(float(trace.ts[mine[-1]] + trace.dur[mine[-1]] - trace.ts[mine[0]]) - covered, 0.0)
         step_us += steps[index].dur_us
     known_breaks = [b for b in breaks if b is not None]
     summary: dict[str, Any] = {

@@ -167,9 +167,10 @@ def sglang_steps(trace: Trace) -> list[Step]:
 def _enclosing(trace: Trace, candidates: np.ndarray, row: int) -> int | None:
     """The last-starting of the (time-sorted) candidate ranges that contains ``row`` on its thread."""
     pos = int(np.searchsorted(trace.ts[candidates], trace.ts[row], side="right")) - 1
+    row_end = trace.ts[row] + trace.dur[row]
     while pos >= 0:
         c = int(candidates[pos])
-        if trace.end[c] >= trace.end[row] and trace.tid[c] == trace.tid[row] and trace.rank[c] == trace.rank[row]:
+        if trace.ts[c] + trace.dur[c] >= row_end and trace.tid[c] == trace.tid[row] and trace.rank[c] == trace.rank[row]:
             return c
         if trace.ts[row] - trace.ts[c] > 60e6:  # a minute back: no step range is that long
             return None
@@ -178,16 +179,25 @@ def _enclosing(trace: Trace, candidates: np.ndarray, row: int) -> int | None:
 
 
 def outermost(trace: Trace, rows: np.ndarray) -> np.ndarray:
-    """The rows (time-sorted) not nested inside another of them on the same rank and thread."""
-    keep = []
-    covered_until: dict[tuple[int, int], float] = {}
-    for row in rows.tolist():
-        key = (int(trace.rank[row]), int(trace.tid[row]))
-        if trace.ts[row] < covered_until.get(key, -np.inf):
-            continue
-        covered_until[key] = float(trace.end[row])
-        keep.append(row)
-    return np.array(keep, dtype=np.int64)
+    """The rows (time-sorted) not nested inside another of them on the same rank and thread: on
+    each thread, the first row, then the first to start at or after the end of the last one kept."""
+    if rows.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    rows = np.asarray(rows, dtype=np.int64)
+    by_thread = np.lexsort((trace.tid[rows], trace.rank[rows]))  # stable: time order within a thread
+    thread = np.stack([trace.rank[rows[by_thread]].astype(np.int64), trace.tid[rows[by_thread]]])
+    bounds = np.flatnonzero(np.any(thread[:, 1:] != thread[:, :-1], axis=0)) + 1
+    keep: list[int] = []
+    for mine in np.split(by_thread, bounds):
+        start = trace.ts[rows[mine]]
+        # The next row kept after row i (a Python step per row kept, not per row).
+        following = np.maximum(np.searchsorted(start, start + trace.dur[rows[mine]], side="left"),
+                               np.arange(1, mine.size + 1)).tolist()
+        i = 0
+        while i < mine.size:
+            keep.append(int(mine[i]))
+            i = following[i]
+    return rows[np.sort(np.array(keep, dtype=np.int64))]
 
 
 def vllm_frame_steps(trace: Trace) -> list[Step]:

@@ -125,7 +125,8 @@ def _attach_device_spans(trace: Trace, steps: list[Step]) -> None:
     start, end = trace.ts[dev], trace.ts[dev] + trace.dur[dev]
     cutoffs = stop_cutoffs(trace)
     if cutoffs:
-        limit = np.array([cutoffs.get(int(r), np.inf) for r in trace.rank[dev].tolist()])
+        ranks, which = np.unique(trace.rank[dev], return_inverse=True)
+        limit = np.array([cutoffs.get(int(r), np.inf) for r in ranks.tolist()], dtype=float)[which]
         keep = start < limit
         owner, start, end = owner[keep], start[keep], np.minimum(end[keep], limit[keep])
     first = np.full(len(steps), np.inf)
