@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from servprof.detect.nesting import depths, extended_ends, nearest, parents, segments
+from servprof.detect.nesting import depths, extend_ends, nearest, parents, segments
 from servprof.detect.step_forms import is_step_annotation
 from servprof.trace.model import RUNTIME_CATEGORIES, Trace
 from servprof.trace.phases import PHASE_PREFIX
@@ -98,38 +98,46 @@ class NameClasses:
 
 @dataclass
 class ThreadStack:
-    """Disjoint self-time segments of one thread, each with a class and a name id."""
+    """One thread's time cut into disjoint segments at ``bounds``, each in one event (its self
+    time) with a class and a name id, or in none (a hole: name -1, class untraced)."""
 
     tid: int
-    start: np.ndarray
-    end: np.ndarray
+    bounds: np.ndarray  # segment i is [bounds[i], bounds[i + 1])
     cls: np.ndarray
-    name: np.ndarray
+    name: np.ndarray  # int32 id of the innermost frame that is not a generic wrapper; -1: a hole
     compiled: np.ndarray
 
     def __post_init__(self) -> None:
-        self._by_class = []
-        for c in range(len(CLASSES)):
-            sel = self.cls == c
-            s, e = self.start[sel], self.end[sel]
-            self._by_class.append((s, e, np.concatenate([[0.0], np.cumsum(e - s)])))
+        self.start, self.end = self.bounds[:-1], self.bounds[1:]  # (views)
+        # Per class: its segments (indices, in time order) and the time they cover before each.
+        # Indices into the thread's arrays rather than copies of them: a thread of millions of
+        # events has about two segments per event.
+        self._by_class = [(np.zeros(0, dtype=np.int32), np.zeros(1))]  # untraced: what the others leave
+        for c in range(1, len(CLASSES)):
+            mine = np.flatnonzero(self.cls == c).astype(np.int32)
+            self._by_class.append((mine, np.concatenate([[0.0], np.cumsum(self.end[mine] - self.start[mine])])))
 
-    def _covered_before(self, c: int, t: np.ndarray) -> np.ndarray:
-        s, e, cum = self._by_class[c]
-        if s.size == 0:
+    def _covered_before(self, c: int, t: np.ndarray, segments_started: np.ndarray) -> np.ndarray:
+        """Time class c covers before each t; ``segments_started``: how many of all the thread's
+        segments start at or before t (so many of class c's come first: a binary search)."""
+        mine, cum = self._by_class[c]
+        if mine.size == 0:
             return np.zeros(t.shape)
-        i = np.searchsorted(s, t, side="right") - 1
+        i = np.searchsorted(mine, segments_started) - 1
         ok = i >= 0
-        j = np.maximum(i, 0)
-        partial = np.clip(t - s[j], 0.0, e[j] - s[j])
-        return np.where(ok, cum[j] + partial, 0.0)
+        i = np.maximum(i, 0)
+        j = mine[i]
+        partial = np.clip(t - self.start[j], 0.0, self.end[j] - self.start[j])
+        return np.where(ok, cum[i] + partial, 0.0)
 
     def class_times(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """[len(a), len(CLASSES)]: self time of each class inside each window [a, b];
         "untraced" is the rest of the window (nothing recorded on the thread)."""
         out = np.zeros((a.size, len(CLASSES)))
+        started_a = np.searchsorted(self.start, a, side="right")
+        started_b = np.searchsorted(self.start, b, side="right")
         for c in range(1, len(CLASSES)):
-            out[:, c] = self._covered_before(c, b) - self._covered_before(c, a)
+            out[:, c] = self._covered_before(c, b, started_b) - self._covered_before(c, a, started_a)
         out[:, UNTRACED] = np.maximum((b - a) - out[:, 1:].sum(axis=1), 0.0)
         return out
 
@@ -144,6 +152,7 @@ class ThreadStack:
             return np.zeros(t.shape, dtype=bool)
         i = np.searchsorted(self.start, t, side="right") - 1
         j = np.maximum(i, 0)
+        j -= self.name[j] < 0  # in a hole: the segment before it (it counts up to its end)
         return (i >= 0) & (t <= self.end[j]) & self.compiled[j]
 
     def top(self, a: float, b: float, names: list[str], limit: int = 5) -> list[dict[str, object]]:
@@ -153,8 +162,8 @@ class ThreadStack:
         if hi <= lo:
             return []
         clip = np.minimum(self.end[lo:hi], b) - np.maximum(self.start[lo:hi], a)
-        spent = clip > 0
-        key = self.name[lo:hi][spent] * len(CLASSES) + self.cls[lo:hi][spent]
+        spent = (clip > 0) & (self.name[lo:hi] >= 0)
+        key = self.name[lo:hi][spent].astype(np.int64) * len(CLASSES) + self.cls[lo:hi][spent]
         if key.size == 0:
             return []
         # Self time per (frame, class), summed in time order; the most first, ties in order of appearance.
@@ -195,23 +204,31 @@ class HostStacks:
         trace, nc = self.trace, self.classes
         rows = rows[np.lexsort((-trace.dur[rows], trace.ts[rows]))]
         start = trace.ts[rows]
-        parent = parents(start, start + trace.dur[rows])
-        seg_start, seg_end, seg_event = segments(start, extended_ends(start + trace.dur[rows], parent,
-                                                                      depths(parent)), parent)
+        end = start + trace.dur[rows]
+        parent = parents(start, end)
+        depth = depths(parent)
+        extend_ends(end, parent, depth)
+        bounds, seg_event = segments(start, end, parent, depth)
+        hole = seg_event < 0
+        seg_event[hole] = 0
+        del start, end, depth
         name_ids = trace.name_id[rows]
-        specific = nc.specific[name_ids].astype(np.int64)
+        specific = nc.specific[name_ids]
         specific[np.isin(rows, self._d2h)] = SYNC  # a copy to the host blocks until the device is done
         # What an event inherits from the events around it: the innermost specific class (a sync,
         # tokenization, ...), the innermost frame that is not a generic wrapper, a compiled region.
         spec = specific[nearest(parent, specific >= 0)]
-        named = name_ids[nearest(parent, ~nc.generic[name_ids])].astype(np.int64)
+        named = name_ids[nearest(parent, ~nc.generic[name_ids])]
         region = nc.compiled_region[name_ids]
-        region = region[nearest(parent, region)]
+        region = region[nearest(parent, region)][seg_event]
+        region[hole] = False
         base = _base_classes(trace, rows, nc)
         compile_named = (nc.compile[name_ids] | nc.compile[named]) & ((base == PYTHON) | (base == OP))
-        cls = np.where(spec >= 0, spec, np.where(compile_named, COMPILE, base))
-        return ThreadStack(tid, seg_start, seg_end, cls[seg_event].astype(np.int8), named[seg_event],
-                           region[seg_event])
+        cls = np.where(spec >= 0, spec, np.where(compile_named, COMPILE, base)).astype(np.int8)[seg_event]
+        named = named[seg_event]
+        del parent, name_ids, specific, spec, base, compile_named, seg_event
+        cls[hole], named[hole] = UNTRACED, -1
+        return ThreadStack(tid, bounds, cls, named, region)
 
 
 def _base_classes(trace: Trace, rows: np.ndarray, nc: NameClasses) -> np.ndarray:

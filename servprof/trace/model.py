@@ -7,7 +7,7 @@ vector operations over ids rather than string compares per event.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +64,20 @@ class Trace:
         value = self.raw_args[int(row)]
         # A fresh dict for rows without args: the loader shares one empty dict between them.
         return value if isinstance(value, dict) and value else {}
+
+    def args_once(self, row: int) -> dict[str, Any]:
+        """args(row), decoded without keeping it: for a pass that reads each of many rows once."""
+        read = getattr(self.raw_args, "read", None)
+        value = read(int(row)) if read is not None else self.raw_args[int(row)]
+        return value if isinstance(value, dict) and value else {}
+
+    def args_each(self, rows: np.ndarray, chunk: int = 4096) -> Iterator[dict[str, Any]]:
+        """args(row) of each row in turn, decoded a chunk of rows at a time and not kept."""
+        read_many = getattr(self.raw_args, "read_many", None)
+        for first in range(0, len(rows), chunk):
+            part = rows[first:first + chunk]
+            values = read_many(part) if read_many is not None else [self.raw_args[int(r)] for r in part]
+            yield from (v if isinstance(v, dict) and v else {} for v in values)
 
     def string_id(self, text: str) -> int:
         """The interned id of ``text``, or -1 when no event uses it."""
