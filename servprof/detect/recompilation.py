@@ -84,6 +84,11 @@ def compile_stalls(trace: Trace) -> list[dict[str, Any]]:
         mine = mine[np.argsort(trace.ts[mine], kind="stable")]
         first, last = merge(trace.ts[mine], trace.ts[mine] + trace.dur[mine])  # overlapping or touching: one
         wrappers = weak[on_thread[weak]]
+        # Only a wrapper around one of the stretches can widen any (each it widens contains one).
+        first_after = np.searchsorted(first, trace.ts[wrappers], side="left")
+        around = first_after < first.size
+        around[around] = last[first_after[around]] <= (trace.ts[wrappers] + trace.dur[wrappers])[around]
+        wrappers = wrappers[around]
         for start, end in zip(trace.ts[wrappers].tolist(), (trace.ts[wrappers] + trace.dur[wrappers]).tolist(),
                               strict=True):  # "dynamo" wraps a compile: widen the stretch it contains
             wrapped = (start <= first) & (last <= end)
@@ -98,10 +103,24 @@ def compile_stalls(trace: Trace) -> list[dict[str, Any]]:
                            "compile_id": f"{match.group(1)}/{match.group(2)}" if match else None})
     # Inductor compiles files on worker threads while the compiling thread waits: a stretch that
     # lies within a longer one on another thread of the rank is part of that compile.
-    return [s for s in stalls if not any(
-        o is not s and o["rank"] == s["rank"] and o["tid"] != s["tid"] and o["start_us"] <= s["start_us"]
-        and s["end_us"] <= o["end_us"] and (o["end_us"] - o["start_us"]) > (s["end_us"] - s["start_us"])
-        for o in stalls)]
+    return [s for s, inside in zip(stalls, _within_longer_elsewhere(stalls), strict=True) if not inside]
+
+
+def _within_longer_elsewhere(stalls: list[dict[str, Any]], block: int = 512) -> list[bool]:
+    """Per stall: does a longer one on another thread of its rank contain it (pairs compared a
+    block at a time)?"""
+    rank = np.array([s["rank"] for s in stalls], dtype=np.int64)
+    tid = np.array([s["tid"] for s in stalls], dtype=np.int64)
+    start = np.array([s["start_us"] for s in stalls], dtype=float)
+    end = np.array([s["end_us"] for s in stalls], dtype=float)
+    length = end - start
+    out: list[bool] = []
+    for first in range(0, len(stalls), block):
+        part = slice(first, first + block)
+        contained = ((rank[part, None] == rank) & (tid[part, None] != tid) & (start <= start[part, None])
+                     & (end[part, None] <= end) & (length > length[part, None]))
+        out.extend(contained.any(axis=1).tolist())
+    return out
 
 
 def _records(trace: Trace) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
