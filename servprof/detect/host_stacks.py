@@ -19,6 +19,7 @@ import numpy as np
 
 from servprof.detect.nesting import depths, extend_ends, nearest, parents, segments
 from servprof.detect.step_forms import is_step_annotation
+from servprof.trace.columns import give_back_freed_memory
 from servprof.trace.model import RUNTIME_CATEGORIES, Trace
 from servprof.trace.phases import PHASE_PREFIX
 
@@ -27,6 +28,7 @@ CLASSES = ("untraced", "python", "op", "launch", "runtime", "sync", "tokenize", 
            "collective", "compile")
 (UNTRACED, PYTHON, OP, LAUNCH, RUNTIME, SYNC, TOKENIZE, DETOKENIZE, WAIT, COLLECTIVE, COMPILE) = range(len(CLASSES))
 BUSY_CLASSES = (PYTHON, OP, LAUNCH, RUNTIME, SYNC, TOKENIZE, DETOKENIZE, COLLECTIVE, COMPILE)
+TRIM_ROWS = 256 * 1024  # a thread with this many events gives its freed temporaries back as it is swept
 
 # Host calls that block until the device is done: explicit syncs, blocking copies, reads of a
 # device value on the host (.item(), .tolist(), .cpu(), nonzero's output size).
@@ -182,36 +184,37 @@ class HostStacks:
         self.classes = classes or NameClasses(trace)
         mask = (trace.complete() & (trace.rank == rank) & (trace.stream < 0) & (trace.dur > 0)
                 & trace.mask_category(*HOST_CATEGORIES))
-        rows = np.flatnonzero(mask)
-        self.rows_by_tid: dict[int, np.ndarray] = {}
+        rows = np.flatnonzero(mask).astype(np.int32 if len(trace) < 2**31 else np.int64)
         tids = trace.tid[rows]
-        for tid in np.unique(tids).tolist():
-            self.rows_by_tid[int(tid)] = rows[tids == tid]
+        self.tids: list[int] = np.unique(tids).tolist()
+        self._rows = {tid: rows[tids == tid] for tid in self.tids}  # a thread's rows, until it is swept
         self._d2h = _device_to_host_launches(trace)
         self._stacks: dict[int, ThreadStack] = {}
 
-    @property
-    def tids(self) -> list[int]:
-        return list(self.rows_by_tid)
-
     def thread(self, tid: int) -> ThreadStack:
         if tid not in self._stacks:
-            self._stacks[tid] = self._sweep(tid, self.rows_by_tid.get(tid, np.zeros(0, dtype=np.int64)))
+            self._stacks[tid] = self._sweep(tid, self._rows.pop(tid, np.zeros(0, dtype=np.int64)))
         return self._stacks[tid]
 
     def _sweep(self, tid: int, rows: np.ndarray) -> ThreadStack:
         """The thread's self-time segments: at every instant, the innermost event open (nesting.py)."""
         trace, nc = self.trace, self.classes
+        # A thread of millions of events: freed temporaries go back to the OS between the steps
+        # (glibc keeps them in its heap otherwise, and the peak would count them again).
+        trim = give_back_freed_memory if rows.size >= TRIM_ROWS else _nothing
         rows = rows[np.lexsort((-trace.dur[rows], trace.ts[rows]))]
         start = trace.ts[rows]
         end = start + trace.dur[rows]
+        trim()
         parent = parents(start, end)
         depth = depths(parent)
         extend_ends(end, parent, depth)
+        trim()
         bounds, seg_event = segments(start, end, parent, depth)
+        del start, end, depth
+        trim()
         hole = seg_event < 0
         seg_event[hole] = 0
-        del start, end, depth
         name_ids = trace.name_id[rows]
         specific = nc.specific[name_ids]
         specific[np.isin(rows, self._d2h)] = SYNC  # a copy to the host blocks until the device is done
@@ -228,7 +231,15 @@ class HostStacks:
         named = named[seg_event]
         del parent, name_ids, specific, spec, base, compile_named, seg_event
         cls[hole], named[hole] = UNTRACED, -1
-        return ThreadStack(tid, bounds, cls, named, region)
+        del rows, hole
+        trim()
+        stack = ThreadStack(tid, bounds, cls, named, region)
+        trim()
+        return stack
+
+
+def _nothing() -> None:
+    return None
 
 
 def _base_classes(trace: Trace, rows: np.ndarray, nc: NameClasses) -> np.ndarray:
