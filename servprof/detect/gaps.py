@@ -168,7 +168,8 @@ def _device_gaps(trace: Any, rank: int, steps: list[Step], index: dict[int, int]
     held_back = hole_b - launch_end
     starved = ~has_launch | ((launch_end > hole_a) & (held_back < np.maximum(GPU_MIN_GAP_US, launch_end - hole_a)))
     tid = np.where(has_launch, trace.tid[lrow], np.array([on_device[p].tid for p in step_pos]))
-    graph = has_launch & np.isin(trace.name_id[lrow], trace.ids_matching(lambda s: GRAPH_LAUNCH.search(s) is not None))
+    graph = has_launch & np.isin(trace.name_id[lrow], trace.ids_matching(lambda s: GRAPH_LAUNCH.search(s) is not None,
+                                                                         trace.host_names()))  # (launches)
     waited, wait_rows = _stream_waits(trace, rank, rows, dev_start, hole_a, hole_b, launch_ts)
     explained = explainer.explain(hole_a, hole_b, tid, starved, small, graph, launch_end, waited)
     out: list[Gap] = []
@@ -234,7 +235,7 @@ def _stream_waits(trace: Any, rank: int, rows: np.ndarray, dev_start: np.ndarray
     """Per hole: was a stream-wait-event enqueued between the launch of the last work before the
     hole and the launch of the work after it (the row of that call, -1 when none)?"""
     waits = np.flatnonzero(trace.complete() & (trace.rank == rank) & (trace.stream < 0)
-                           & trace.mask_name(lambda s: STREAM_WAIT.search(s) is not None))
+                           & trace.mask_name(lambda s: STREAM_WAIT.search(s) is not None, trace.host_names()))
     found = np.full(hole_a.size, -1, dtype=np.int64)
     if waits.size == 0:
         return found >= 0, found
@@ -255,7 +256,8 @@ def _stragglers(trace: Any, rank: int, steps: list[Step], index: dict[int, int],
     waiting for a slower rank (busy on the timeline, but not work)."""
     if rows.size == 0 or not steps:
         return []
-    collective = np.isin(trace.name_id[rows], trace.ids_matching(lambda s: COLLECTIVE_KERNEL.search(s) is not None))
+    collective = np.isin(trace.name_id[rows], trace.ids_matching(lambda s: COLLECTIVE_KERNEL.search(s) is not None,
+                                                                 np.unique(trace.name_id[rows])))
     out: list[Gap] = []
     spans = [(s.device_start_us or 0.0, s.device_end_us or 0.0) for s in steps]
     for name_id in np.unique(trace.name_id[rows[collective]]).tolist():

@@ -48,7 +48,7 @@ def _labels(trace: Trace, rows: np.ndarray) -> list[tuple[str, int]]:
 def read_rows(trace: Trace) -> np.ndarray:
     """Outermost host reads of device values, in time order."""
     base = trace.complete() & (trace.stream < 0)
-    named = np.flatnonzero(base & trace.mask_name(lambda s: READ_OPS.search(s) is not None))
+    named = np.flatnonzero(base & trace.mask_name(lambda s: READ_OPS.search(s) is not None, trace.host_names()))
     d2h = _device_to_host_launches(trace)
     tolist = _top_level(trace, np.flatnonzero(base & (trace.name_id == trace.string_id(TOLIST_SIGNATURE))))
     rows = np.unique(np.concatenate([named, d2h, tolist]).astype(np.int64))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -60,6 +61,7 @@ COMPILED_REGION = re.compile(r"^Torch-Compiled Region|CompiledFxGraph|torch/_ind
                              r"|^(cuda|hip|cu)GraphLaunch")
 GRAPH_LAUNCH = re.compile(r"^(cuda|hip|cu)GraphLaunch")
 LAUNCH_NAMES = re.compile(r"Launch|Memcpy\w*Async|Memset")
+DEVICE_TO_HOST = re.compile(r"DtoH|D2H|DeviceToHost")
 GENERIC_FRAMES = re.compile(
     r"torch/nn/modules/module\.py\(\d+\): _(wrapped_)?call_impl$|torch/utils/_contextlib\.py\(\d+\): decorate_context$"
     r"|\): __call__$|\): (wrapper|inner|wrapped|decorated|_fn)$|torch/_ops\.py|torch/utils/_device\.py"
@@ -86,16 +88,26 @@ def _class_of_name(name: str) -> int:
 
 
 class NameClasses:
-    """Per interned string: its class and flags (one pass over the distinct names of a trace)."""
+    """Per interned string: its class and flags (one pass over the distinct names of a trace's
+    host events; the kernels' names, often the longest, never say what a host thread did)."""
 
     def __init__(self, trace: Trace):
-        names = trace.names
-        self.specific = np.array([_class_of_name(n) for n in names], dtype=np.int8)
-        self.generic = np.array([bool(GENERIC_FRAMES.search(n)) for n in names])
-        self.compile = np.array([bool(COMPILE_NAMES.search(n)) for n in names])
-        self.compiled_region = np.array([bool(COMPILED_REGION.search(n)) for n in names])
-        self.launch = np.array([bool(LAUNCH_NAMES.search(n)) for n in names])
-        self.annotation = np.array([n.startswith(PHASE_PREFIX) or is_step_annotation(n) for n in names])
+        host = trace.host_names()
+        names = [trace.names[i] for i in host.tolist()]
+        size = len(trace.names)
+        self.specific = _per_name(size, host, [_class_of_name(n) for n in names], -1, np.int8)
+        self.generic = _per_name(size, host, [bool(GENERIC_FRAMES.search(n)) for n in names], False, bool)
+        self.compile = _per_name(size, host, [bool(COMPILE_NAMES.search(n)) for n in names], False, bool)
+        self.compiled_region = _per_name(size, host, [bool(COMPILED_REGION.search(n)) for n in names], False, bool)
+        self.launch = _per_name(size, host, [bool(LAUNCH_NAMES.search(n)) for n in names], False, bool)
+        self.annotation = _per_name(size, host, [n.startswith(PHASE_PREFIX) or is_step_annotation(n) for n in names],
+                                    False, bool)
+
+
+def _per_name(size: int, ids: np.ndarray, values: list[Any], default: Any, dtype: Any) -> np.ndarray:
+    out = np.full(size, default, dtype=dtype)
+    out[ids] = values
+    return out
 
 
 @dataclass
@@ -258,8 +270,9 @@ def _base_classes(trace: Trace, rows: np.ndarray, nc: NameClasses) -> np.ndarray
 def _device_to_host_launches(trace: Trace) -> np.ndarray:
     """Rows of runtime calls whose copy went device -> host into pageable memory: the host waits
     for the device (a copy into pinned memory with non_blocking=True does not)."""
-    copies = np.flatnonzero(trace.device_mask() & trace.mask_category("gpu_memcpy", "Memcpy")
-                            & trace.mask_name(lambda s: bool(re.search(r"DtoH|D2H|DeviceToHost", s))
-                                              and "Pinned" not in s))
+    copies = np.flatnonzero(trace.device_mask() & trace.mask_category("gpu_memcpy", "Memcpy"))
+    to_host = trace.ids_matching(lambda s: bool(DEVICE_TO_HOST.search(s)) and "Pinned" not in s,
+                                 np.unique(trace.name_id[copies]))
+    copies = copies[trace.has_id(trace.name_id[copies], to_host)]
     launches = trace.launch_row_for(copies)
     return launches[launches >= 0]

@@ -63,7 +63,7 @@ GRAPH_BREAK_FIX = ("torch._dynamo.explain(fn)(*inputs) lists each break and its 
 
 def _compile_rows(trace: Trace) -> np.ndarray:
     strong = trace.ids_matching(lambda s: s in STRONG_COMPILE_NAMES or s.endswith(DYNAMO_TIMED)
-                                or PY_COMPILE_FRAME.search(s) is not None)
+                                or PY_COMPILE_FRAME.search(s) is not None, trace.host_names())
     return np.flatnonzero(np.isin(trace.name_id, strong) & trace.complete() & (trace.stream < 0))
 
 

@@ -119,7 +119,8 @@ def servprof_steps(trace: Trace) -> list[Step]:
 
 def host_rows(trace: Trace, pattern: re.Pattern[str], category: str | None = None) -> np.ndarray:
     """Host duration events whose name matches, in time order."""
-    mask = trace.mask_name(lambda s: pattern.search(s) is not None) & trace.complete() & (trace.stream < 0)
+    mask = (trace.mask_name(lambda s: pattern.search(s) is not None, trace.host_names()) & trace.complete()
+            & (trace.stream < 0))
     if category is not None:
         mask &= trace.mask_category(category)
     rows = np.flatnonzero(mask)

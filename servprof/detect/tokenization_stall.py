@@ -73,7 +73,8 @@ def _tokenize_spans(trace: Trace) -> list[tuple[str | None, float, float, int, i
     if spans:
         return spans
     # Foreign traces: outermost tokenizer-named ranges (python frames or ops).
-    rows = np.flatnonzero(trace.mask_name(lambda s: TOKENIZER_NAMES.search(s) is not None) & trace.complete()
+    rows = np.flatnonzero(trace.mask_name(lambda s: TOKENIZER_NAMES.search(s) is not None, trace.host_names())
+                          & trace.complete()
                           & (trace.stream < 0))
     rows = rows[np.argsort(trace.ts[rows], kind="stable")]
     ranks, rank_of = np.unique(trace.rank[rows], return_inverse=True)
