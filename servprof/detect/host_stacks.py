@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from servprof.detect.nesting import depths, extend_ends, nearest, parents, segments
+from servprof.detect.nesting import depths, extend_ends, levels, nearest, parents, segments
 from servprof.detect.step_forms import is_step_annotation
 from servprof.trace.columns import give_back_freed_memory
 from servprof.trace.model import RUNTIME_CATEGORIES, Trace
@@ -220,7 +220,8 @@ class HostStacks:
         trim()
         parent = parents(start, end)
         depth = depths(parent)
-        extend_ends(end, parent, depth)
+        by_depth = levels(depth)
+        extend_ends(end, parent, by_depth)
         trim()
         bounds, seg_event = segments(start, end, parent, depth)
         del start, end, depth
@@ -232,16 +233,16 @@ class HostStacks:
         specific[np.isin(rows, self._d2h)] = SYNC  # a copy to the host blocks until the device is done
         # What an event inherits from the events around it: the innermost specific class (a sync,
         # tokenization, ...), the innermost frame that is not a generic wrapper, a compiled region.
-        spec = specific[nearest(parent, specific >= 0)]
-        named = name_ids[nearest(parent, ~nc.generic[name_ids])]
+        spec = specific[nearest(parent, specific >= 0, by_depth)]
+        named = name_ids[nearest(parent, ~nc.generic[name_ids], by_depth)]
         region = nc.compiled_region[name_ids]
-        region = region[nearest(parent, region)][seg_event]
+        region = region[nearest(parent, region, by_depth)][seg_event]
         region[hole] = False
         base = _base_classes(trace, rows, nc)
         compile_named = (nc.compile[name_ids] | nc.compile[named]) & ((base == PYTHON) | (base == OP))
         cls = np.where(spec >= 0, spec, np.where(compile_named, COMPILE, base)).astype(np.int8)[seg_event]
         named = named[seg_event]
-        del parent, name_ids, specific, spec, base, compile_named, seg_event
+        del parent, by_depth, name_ids, specific, spec, base, compile_named, seg_event
         cls[hole], named[hole] = UNTRACED, -1
         del rows, hole
         trim()

@@ -72,24 +72,32 @@ def depths(parent: np.ndarray) -> np.ndarray:
     return depth
 
 
-def extend_ends(end: np.ndarray, parent: np.ndarray, depth: np.ndarray) -> None:
+Levels = tuple[np.ndarray, list[int]]  # events by depth, and where each depth begins (levels())
+
+
+def levels(depth: np.ndarray) -> Levels:
+    """The events ordered by depth (in index order within one): ``order[bounds[d]:bounds[d + 1]]``
+    are those at depth d."""
+    return np.argsort(depth, kind="stable").astype(INDEX), [0, *np.cumsum(np.bincount(depth)).tolist()]
+
+
+def extend_ends(end: np.ndarray, parent: np.ndarray, by_depth: Levels) -> None:
     """Make each event's end the latest end in its subtree (children first, one depth level at
     a time), in place."""
-    order = np.argsort(depth, kind="stable").astype(INDEX)
-    bounds = np.cumsum(np.bincount(depth)).tolist()  # order[bounds[d-1]:bounds[d]]: depth d
-    for level in range(len(bounds) - 1, 0, -1):
-        children = order[bounds[level - 1]:bounds[level]]
+    order, bounds = by_depth
+    for level in range(len(bounds) - 2, 0, -1):
+        children = order[bounds[level]:bounds[level + 1]]
         np.maximum.at(end, parent[children], end[children])
 
 
-def nearest(parent: np.ndarray, stop: np.ndarray) -> np.ndarray:
+def nearest(parent: np.ndarray, stop: np.ndarray, by_depth: Levels) -> np.ndarray:
     """Per event: the nearest event, itself or an ancestor, where ``stop`` holds (the root of its
-    tree when none does), by pointer doubling."""
-    pointer = np.where(stop | (parent < 0), np.arange(parent.size, dtype=INDEX), parent)
-    climbing = np.flatnonzero(pointer != np.arange(parent.size)).astype(INDEX)
-    while climbing.size:
-        pointer[climbing] = pointer[pointer[climbing]]
-        climbing = climbing[pointer[climbing] != pointer[pointer[climbing]]]
+    tree when none does), parents first, one depth level at a time."""
+    order, bounds = by_depth
+    pointer = np.arange(parent.size, dtype=INDEX)
+    for level in range(1, len(bounds) - 1):
+        children = order[bounds[level]:bounds[level + 1]]
+        pointer[children] = np.where(stop[children], children, pointer[parent[children]])
     return pointer
 
 

@@ -50,6 +50,7 @@ class Trace:
         self.thread_names = {} if thread_names is None else thread_names  # (rank, pid, tid) -> name
         self._name_lookup = {} if _name_lookup is None else _name_lookup
         self._host_names: np.ndarray | None = None
+        self._derived: dict[str, Any] = {}  # what several detectors ask for, worked out once
 
     def __repr__(self) -> str:
         return f"Trace({self.source!r}, {len(self)} events, ranks {self.ranks})"
@@ -131,10 +132,15 @@ class Trace:
         return self.ph == ord("X")
 
     def device_mask(self) -> np.ndarray:
-        return self.complete() & self.mask_category(*DEVICE_CATEGORIES) & (self.stream >= 0)
+        if "device" not in self._derived:
+            self._derived["device"] = self.complete() & self.mask_category(*DEVICE_CATEGORIES) & (self.stream >= 0)
+        return self._derived["device"].copy()  # (a copy: callers combine masks in place)
 
     def launch_mask(self) -> np.ndarray:
-        return self.complete() & self.mask_category(*RUNTIME_CATEGORIES) & (self.correlation >= 0)
+        if "launch" not in self._derived:
+            self._derived["launch"] = (self.complete() & self.mask_category(*RUNTIME_CATEGORIES)
+                                       & (self.correlation >= 0))
+        return self._derived["launch"].copy()
 
     def launch_row_for(self, device_rows: np.ndarray) -> np.ndarray:
         """Row of the host launch that enqueued each device event (-1 when not in the trace).
@@ -142,18 +148,20 @@ class Trace:
         Joined on (rank, correlation). A CUDA/HIP graph replay is one launch whose
         correlation is shared by every kernel of the graph, so many rows may map to one.
         """
-        launches = np.flatnonzero(self.launch_mask())
+        if "launches" not in self._derived:
+            launches = np.flatnonzero(self.launch_mask())
+            # One key per (rank, correlation): rank in the high bits.
+            launch_keys = (self.rank[launches].astype(np.int64) << 40) | self.correlation[launches]
+            order = np.argsort(launch_keys, kind="stable")
+            self._derived["launches"] = (launches[order], launch_keys[order])
+        launches, sorted_keys = self._derived["launches"]
         if launches.size == 0 or device_rows.size == 0:
             return np.full(device_rows.shape, -1, dtype=np.int64)
-        # One key per (rank, correlation): rank in the high bits.
-        launch_keys = (self.rank[launches].astype(np.int64) << 40) | self.correlation[launches]
-        order = np.argsort(launch_keys, kind="stable")
-        sorted_keys = launch_keys[order]
         wanted = (self.rank[device_rows].astype(np.int64) << 40) | self.correlation[device_rows]
         pos = np.searchsorted(sorted_keys, wanted)
         pos_clipped = np.minimum(pos, sorted_keys.size - 1)
         found = (sorted_keys[pos_clipped] == wanted) & (self.correlation[device_rows] >= 0)
-        return np.where(found, launches[order[pos_clipped]], -1)
+        return np.where(found, launches[pos_clipped], -1)
 
     def servprof_metadata(self) -> dict[str, Any]:
         """servprof's session metadata (top-level key ``servprof``), {} when absent; its known
