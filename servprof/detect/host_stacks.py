@@ -127,9 +127,15 @@ class ThreadStack:
         # Indices into the thread's arrays rather than copies of them: a thread of millions of
         # events has about two segments per event.
         self._by_class = [(np.zeros(0, dtype=np.int32), np.zeros(1))]  # untraced: what the others leave
+        positions = np.arange(self.cls.size, dtype=np.int32)
         for c in range(1, len(CLASSES)):
-            mine = np.flatnonzero(self.cls == c).astype(np.int32)
-            self._by_class.append((mine, np.concatenate([[0.0], np.cumsum(self.end[mine] - self.start[mine])])))
+            mine = positions[self.cls == c]
+            length = self.end[mine]
+            length -= self.start[mine]
+            cum = np.empty(mine.size + 1)
+            cum[0] = 0.0
+            np.cumsum(length, out=cum[1:])
+            self._by_class.append((mine, cum))
 
     def _covered_before(self, c: int, t: np.ndarray, segments_started: np.ndarray) -> np.ndarray:
         """Time class c covers before each t; ``segments_started``: how many of all the thread's
@@ -219,7 +225,9 @@ class HostStacks:
         end = start + trace.dur[rows]
         trim()
         parent = parents(start, end)
+        trim()
         depth = depths(parent)
+        trim()
         by_depth = levels(depth)
         extend_ends(end, parent, by_depth)
         trim()
@@ -233,18 +241,20 @@ class HostStacks:
         specific[np.isin(rows, self._d2h)] = SYNC  # a copy to the host blocks until the device is done
         # What an event inherits from the events around it: the innermost specific class (a sync,
         # tokenization, ...), the innermost frame that is not a generic wrapper, a compiled region.
-        spec = specific[nearest(parent, specific >= 0, by_depth)]
+        specific = specific[nearest(parent, specific >= 0, by_depth)]
         named = name_ids[nearest(parent, ~nc.generic[name_ids], by_depth)]
         region = nc.compiled_region[name_ids]
-        region = region[nearest(parent, region, by_depth)][seg_event]
-        region[hole] = False
-        base = _base_classes(trace, rows, nc)
-        compile_named = (nc.compile[name_ids] | nc.compile[named]) & ((base == PYTHON) | (base == OP))
-        cls = np.where(spec >= 0, spec, np.where(compile_named, COMPILE, base)).astype(np.int8)[seg_event]
-        named = named[seg_event]
-        del parent, by_depth, name_ids, specific, spec, base, compile_named, seg_event
-        cls[hole], named[hole] = UNTRACED, -1
-        del rows, hole
+        region = region[nearest(parent, region, by_depth)]
+        del parent, by_depth
+        cls = _base_classes(trace, rows, name_ids, nc)
+        cls[(nc.compile[name_ids] | nc.compile[named]) & ((cls == PYTHON) | (cls == OP))] = COMPILE
+        inherited = specific >= 0
+        cls[inherited] = specific[inherited]
+        del rows, name_ids, specific, inherited
+        cls, named, region = cls[seg_event], named[seg_event], region[seg_event]
+        del seg_event
+        cls[hole], named[hole], region[hole] = UNTRACED, -1, False
+        del hole
         trim()
         stack = ThreadStack(tid, bounds, cls, named, region)
         trim()
@@ -255,16 +265,16 @@ def _nothing() -> None:
     return None
 
 
-def _base_classes(trace: Trace, rows: np.ndarray, nc: NameClasses) -> np.ndarray:
+def _base_classes(trace: Trace, rows: np.ndarray, name_ids: np.ndarray, nc: NameClasses) -> np.ndarray:
     """Class of an event by its own kind: a Python frame, an op, a launch or other runtime call;
     annotations (step ranges, servprof phases) record no work of their own: untraced."""
-    out = np.full(rows.shape, OP, dtype=np.int64)
+    out = np.full(rows.shape, OP, dtype=np.int8)
     out[trace.mask_category("python_function")[rows]] = PYTHON
     runtime = trace.mask_category(*RUNTIME_CATEGORIES)[rows]
-    launch = nc.launch[trace.name_id[rows]]
+    launch = nc.launch[name_ids]
     out[runtime & launch] = LAUNCH
     out[runtime & ~launch] = RUNTIME
-    out[trace.mask_category("user_annotation")[rows] | nc.annotation[trace.name_id[rows]]] = UNTRACED
+    out[trace.mask_category("user_annotation")[rows] | nc.annotation[name_ids]] = UNTRACED
     return out
 
 

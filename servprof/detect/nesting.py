@@ -63,7 +63,7 @@ def depths(parent: np.ndarray) -> np.ndarray:
     """Per event: how many events it is inside (Wyllie's list ranking up the parents)."""
     depth = (parent >= 0).astype(INDEX)
     up = parent.copy()
-    climbing = np.flatnonzero(up >= 0).astype(INDEX)
+    climbing = np.arange(parent.size, dtype=INDEX)[up >= 0]
     while climbing.size:
         above = up[climbing]
         depth[climbing] += depth[above]
