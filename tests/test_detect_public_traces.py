@@ -191,6 +191,7 @@ def test_hta_event_sync_names_the_blocking_read():
 def test_a_trace_without_any_step_marker_says_what_to_add():
     analysis = analyse(load_trace(public_trace("torch_compile_triton_mi300x.json.gz")))
     assert analysis.steps == []
+    # (and no memory readings: the trace has no allocator events)
     assert [m["what"] for m in analysis.summary["missing"]] == ["model steps", "tokenization", "memory"]
 
 
@@ -199,5 +200,5 @@ def test_training_steps_are_not_called_decode():
     assert {s.kind for s in analysis.steps} == {"train"}
     assert all("decode" not in f.title for f in analysis.findings if f.kind == "decode_gap")
     # No tokenization is expected of a training run: nothing "missing" about it (the trace has no
-    # record_shapes, and saying the bandwidth cannot be judged without them is true).
+    # record_shapes, and saying the bandwidth cannot be judged without them is true; nor memory readings).
     assert [m["what"] for m in analysis.summary["missing"]] == ["op shapes", "memory"]

@@ -110,6 +110,25 @@ def test_odd_values_take_the_tolerant_path(tmp_path: Path, small_batches: None) 
     assert_same(write(tmp_path / "odd.json", {"traceEvents": events}))
 
 
+def test_args_columns_where_few_rows_name_them(tmp_path: Path) -> None:
+    """Mostly Python frames (whose args name no stream, correlation or External id), so only the
+    rows whose text names one are decoded: nested keys, keys inside strings, odd values, args that
+    are not objects and an escaped key still give the orjson loader's columns."""
+    frames = [{"ph": "X", "cat": "python_function", "name": f"f.py({i}): g", "pid": 1, "tid": 1, "ts": 10.0 * i,
+               "dur": 5.0, "args": {"Python id": i, "Python parent id": i - 1}} for i in range(3000)]
+    odd = [kernel(1), kernel(2, note='"stream": 9'), {**kernel(3), "args": {"nested": {"correlation": 4}}},
+           {**kernel(4), "args": {"stream": "7", "correlation": 5.0}}, {**kernel(5), "args": [1, "stream"]},
+           {**kernel(6), "name": '"External id"'}, {**kernel(7), "args": {"External id": True, "stream": 3}}]
+    for i, event in enumerate(odd):
+        frames[400 * i + 7] = event
+    assert_same(write(tmp_path / "sparse.json", {"traceEvents": frames}))
+    escaped = orjson.dumps({"traceEvents": frames}).replace(b'"stream":7', b'"\\u0073tream":7', 1)
+    assert escaped.count(b"\\u0073") == 1
+    (tmp_path / "escaped.json").write_bytes(escaped)
+    assert_same(tmp_path / "escaped.json")
+    assert (load_trace(tmp_path / "escaped.json").stream >= 0).sum() == (load_trace(tmp_path / "sparse.json").stream >= 0).sum()
+
+
 def test_deep_nesting_loads_to_orjsons_limit(tmp_path: Path, small_batches: None) -> None:
     events = [kernel(i) for i in range(50)]
     text = orjson.dumps({"traceEvents": events}).replace(b'"correlation":20', b'"correlation":20,"x":'

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from servprof.detect.finding import KINDS, Finding, severity_for
 from servprof.trace.model import Trace
 
+if TYPE_CHECKING:
+    from servprof.detect.finding import KINDS, Finding, severity_for
+
 __all__ = ["Finding", "KINDS", "run_detectors", "severity_for"]
+
+
+def __getattr__(name: str) -> Any:
+    """Finding and friends, imported when first asked for (loading a trace in a fresh process
+    imports this package for one detector: it need not pay for dataclasses)."""
+    if name in ("Finding", "KINDS", "severity_for"):
+        from servprof.detect import finding
+
+        return getattr(finding, name)
+    raise AttributeError(f"module 'servprof.detect' has no attribute {name!r}")
 
 
 def run_detectors(trace: Trace, requests: list[dict[str, Any]] | None = None, device: str | None = None) -> list[Finding]:

@@ -26,7 +26,9 @@ class Analysis:
     summary: dict[str, Any]
     steps: list[Step] = field(default_factory=list)
     gaps: list[Any] = field(default_factory=list)
-    kernels: list[dict[str, Any]] = field(default_factory=list)  # roofline points
+    # Roofline points, one per modelled op: the first 10,000, and the first 2,000 that can be plotted (the
+    # summary and findings count every op; bandwidth_points.py).
+    kernels: list[dict[str, Any]] = field(default_factory=list)
 
 
 def analyse(trace: Trace, requests: list[dict[str, Any]] | None = None, device: str | None = None) -> Analysis:

@@ -17,13 +17,14 @@ than identified or measured.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import orjson
 
 from servprof.detect.bandwidth_fix import fix_text
-from servprof.detect.byte_models import MODELLED, op_cost, op_family
+from servprof.detect.bandwidth_points import PointTally
+from servprof.detect.byte_models import MODELLED, op_cost
 from servprof.detect.devices import (
     BASIS_ASSUMED,
     MIN_GPU_RIDGE,
@@ -63,45 +64,58 @@ def detect_bandwidth_bound(trace: Trace, steps: list[Step], device: str | None
         taken, step_of = taken[inside], step_of[inside]
         costs = [c for c, keep in zip(costs, inside.tolist(), strict=True) if keep]
     times = _device_time(trace, taken) if on_device else trace.dur[taken].astype(np.float64)
-    points: list[dict[str, Any]] = []
+    points = PointTally()
     step_bytes: dict[int, float] = {}
     for row, cost, time_us, step in zip(taken.tolist(), costs, times.tolist(), step_of.tolist(), strict=True):
         if time_us >= 1e-3:  # no kernel (NaN), or under 1 ns: no rate to compute
-            points.append(_point(trace, row, cost, time_us, spec))
-            step_bytes[step] = step_bytes.get(step, 0.0) + cost[1]
-    judged = [p for p in points if not p["above_peak"]]
+            points.add(_point(trace, row, cost, time_us, spec))
+            step_bytes[step] = step_bytes.get(step, 0.0) + cost.bytes
     time_judged = _time_judged(trace, decode_steps, on_device)  # no decode steps: the whole trace's span
-    summary, grouped = _summarise(points, judged, spec, scope, trace, warnings)
+    summary, grouped = _summarise(points, spec, scope, trace, warnings)
     summary["time_judged_ms"] = round(time_judged / 1000, 3)
     # Every byte the ops of one step move, re-reads included: more than the data it touches.
     working_set = max(step_bytes.values(), default=0.0)
     summary["bytes_per_step_max"] = working_set
     findings = _findings(grouped, spec, scope, decode_steps, time_judged, working_set)
-    return findings, summary, points
+    return findings, summary, points.kept
 
 
-def _outermost_modelled(trace: Trace, rows: np.ndarray) -> tuple[np.ndarray, list[tuple[float, float]]]:
+class OpCost(NamedTuple):
+    """What one modelled op moves and computes, and the shapes it was modelled from (shared by the
+    ops of one shape: decode repeats the same shapes every step)."""
+
+    flops: float
+    bytes: float
+    shapes: Any
+    types: Any
+
+
+def _outermost_modelled(trace: Trace, rows: np.ndarray) -> tuple[np.ndarray, list[OpCost]]:
     """The modelled ops to count, each once: per thread, an op inside one already counted is part of
     it (addmm's bias copy_, to -> _to_copy -> copy_); an op that cannot be modelled leaves its
     children to be counted instead."""
     order = np.lexsort((-trace.dur[rows], trace.ts[rows], trace.tid[rows], trace.pid[rows], trace.rank[rows]))
     rows = rows[order]
-    cache: dict[bytes, tuple[float, float] | None] = {}  # decode repeats the same shapes every step
+    cache: dict[bytes, OpCost | None] = {}
     taken: list[int] = []
-    costs: list[tuple[float, float]] = []
+    costs: list[OpCost] = []
     ends = (trace.ts[rows] + trace.dur[rows]).tolist()
     keys = zip(trace.rank[rows].tolist(), trace.pid[rows].tolist(), trace.tid[rows].tolist(), strict=True)
+    names = trace.name_id[rows].tolist()
     covered: dict[tuple[int, int, int], float] = {}
-    for row, start, end, thread in zip(rows.tolist(), trace.ts[rows].tolist(), ends, keys, strict=True):
+    for row, name_id, start, end, thread in zip(rows.tolist(), names, trace.ts[rows].tolist(), ends, keys,
+                                                strict=True):
         if start < covered.get(thread, -np.inf):
             continue
-        args = trace.args(row)
-        name = trace.name(row)
+        args = trace.args_once(row)  # (read once per op: kept, every op's args would stay in memory)
+        name = trace.names[name_id]
         shape_key = orjson.dumps([name, args.get("Input Dims"), args.get("Input type"), args.get("Concrete Inputs"),
                                   args.get("Input Strides")], default=str)
         if shape_key not in cache:
-            cache[shape_key] = op_cost(name, args.get("Input Dims"), args.get("Input type"),
-                                       args.get("Concrete Inputs"), args.get("Input Strides"))
+            modelled = op_cost(name, args.get("Input Dims"), args.get("Input type"), args.get("Concrete Inputs"),
+                               args.get("Input Strides"))
+            cache[shape_key] = None if modelled is None else OpCost(*modelled, args.get("Input Dims"),
+                                                                    args.get("Input type"))
         cost = cache[shape_key]
         if cost is not None:
             taken.append(row)
@@ -119,13 +133,11 @@ def _device_time(trace: Trace, ops: np.ndarray) -> np.ndarray:
     dev, launch = dev[linked], launch[linked]
     if not ops.size or not dev.size:
         return out
-    threads: dict[tuple[int, int, int], list[int]] = {}
-    for i, key in enumerate(zip(trace.rank[ops].tolist(), trace.pid[ops].tolist(), trace.tid[ops].tolist(),
-                                strict=True)):
-        threads.setdefault(key, []).append(i)
+    op_threads = np.stack([trace.rank[ops].astype(np.int64), trace.pid[ops], trace.tid[ops]], axis=1)
+    threads, thread_of = np.unique(op_threads, axis=0, return_inverse=True)
     launch_threads = np.stack([trace.rank[launch], trace.pid[launch], trace.tid[launch]], axis=1)
-    for key, members in threads.items():
-        mine = np.array(members, dtype=np.int64)
+    for number, key in enumerate(threads.tolist()):
+        mine = np.flatnonzero(thread_of.ravel() == number)
         mine = mine[np.argsort(trace.ts[ops[mine]], kind="stable")]  # counted ops of one thread never overlap
         starts, ends = trace.ts[ops[mine]], trace.ts[ops[mine]] + trace.dur[ops[mine]]
         here = np.flatnonzero((launch_threads == np.array(key)).all(axis=1))
@@ -142,14 +154,13 @@ def _device_time(trace: Trace, ops: np.ndarray) -> np.ndarray:
     return out
 
 
-def _point(trace: Trace, row: int, cost: tuple[float, float], time_us: float, spec: DeviceSpec) -> dict[str, Any]:
-    flops, nbytes = cost
-    args = trace.args(row)
+def _point(trace: Trace, row: int, cost: OpCost, time_us: float, spec: DeviceSpec) -> dict[str, Any]:
+    flops, nbytes = cost.flops, cost.bytes
     achieved_gbs = nbytes / (time_us * 1e-6) / 1e9
     intensity = flops / nbytes
     share = achieved_gbs / spec.memory_bandwidth_gbs if spec.memory_bandwidth_gbs else None
     return {
-        "op": trace.name(row), "shapes": args.get("Input Dims"), "types": args.get("Input type"),
+        "op": trace.name(row), "shapes": cost.shapes, "types": cost.types,
         "flops": flops, "bytes": nbytes, "time_us": time_us, "intensity": intensity, "achieved_gbs": achieved_gbs,
         "achieved_tflops": flops / (time_us * 1e-6) / 1e12, "bandwidth_share": share,
         "bound": _bound(intensity, spec), "roofline_us": _roofline_us(flops, nbytes, spec),
@@ -185,9 +196,8 @@ def _time_judged(trace: Trace, steps: list[Step], on_device: bool) -> float:
     return total
 
 
-def _above_peak_summary(points: list[dict[str, Any]], spec: DeviceSpec) -> dict[str, Any] | None:
-    above = [p for p in points if p["above_peak"]]
-    if not above:
+def _above_peak_summary(points: PointTally, spec: DeviceSpec) -> dict[str, Any] | None:
+    if not points.above_count:
         return None
     if not spec.identified:
         error, why = "device", (f"the peak used ({spec.memory_bandwidth_gbs:g} GB/s, {spec.basis}) is not this "
@@ -198,26 +208,16 @@ def _above_peak_summary(points: list[dict[str, Any]], spec: DeviceSpec) -> dict[
     else:
         error, why = "model", ("servprof's byte model, or the time it gave these ops, is wrong for them (or their "
                                "data was already in the device's cache); please report the op and shapes")
-    worst = sorted(above, key=lambda p: -p["bandwidth_share"])[:5]
-    return {"ops": len(above), "error": error, "why": why,
+    return {"ops": points.above_count, "error": error, "why": why,
             "examples": [{"op": p["op"], "shapes": p["shapes"], "types": p["types"], "bytes": p["bytes"],
                           "time_us": round(p["time_us"], 3), "achieved_gbs": round(p["achieved_gbs"], 1)}
-                         for p in worst],
+                         for p in points.worst_above()],
             "note": "left out of every finding: no op moves bytes faster than the device's peak"}
 
 
-def _summarise(points: list[dict[str, Any]], judged: list[dict[str, Any]], spec: DeviceSpec, scope: str,
-               trace: Trace, warnings: list[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    groups: dict[str, dict[str, Any]] = {}
-    for p in judged:
-        key = orjson.dumps([p["op"], p["shapes"], p["types"]], default=str).decode()
-        g = groups.setdefault(key, {"op": p["op"], "family": op_family(p["op"]), "shapes": p["shapes"],
-                                    "types": p["types"], "calls": 0,
-                                    "time_us": 0.0, "bytes": 0.0, "flops": 0.0, "roofline_us": 0.0})
-        g["calls"] += 1
-        for k in ("time_us", "bytes", "flops"):
-            g[k] += p[k]
-        g["roofline_us"] += p["roofline_us"] or 0.0
+def _summarise(points: PointTally, spec: DeviceSpec, scope: str, trace: Trace, warnings: list[str]
+               ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    groups = points.groups  # the judged points (those not above peak) by op, shapes and types
     grouped = []
     for g in groups.values():
         g["achieved_gbs"] = g["bytes"] / (g["time_us"] * 1e-6) / 1e9
@@ -226,17 +226,16 @@ def _summarise(points: list[dict[str, Any]], judged: list[dict[str, Any]], spec:
         g["bound"] = _bound(g["intensity"], spec)
         g["left_on_table_us"] = max(0.0, g["time_us"] - g["roofline_us"]) if spec.memory_bandwidth_gbs else 0.0
         grouped.append(g)
-    floor_us = _op_floor_us(judged)
+    floor_us = _op_floor_us(points.judged_times)
     for g in grouped:
         g["overhead_bound"] = g["roofline_us"] / g["calls"] < floor_us
     grouped.sort(key=lambda g: -g["time_us"])
-    total = sum(p["time_us"] for p in judged)
-    memory_time = sum(p["time_us"] for p in judged if p["bound"] == "memory")
+    total = points.time_us
     summary: dict[str, Any] = {
-        "device": spec.to_dict(), "scope": scope, "ops_modelled": len(points),
+        "device": spec.to_dict(), "scope": scope, "ops_modelled": points.count,
         "op_time_ms": round(total / 1000, 3),
-        "memory_bound_share": round(memory_time / total, 4) if total else None,
-        "achieved_gbs": round(sum(p["bytes"] for p in judged) / (total * 1e-6) / 1e9, 3) if total else None,
+        "memory_bound_share": round(points.memory_time_us / total, 4) if total else None,
+        "achieved_gbs": round(points.bytes / (total * 1e-6) / 1e9, 3) if total else None,
         "op_floor_us": round(floor_us, 3),
     }
     if warnings:
@@ -257,22 +256,22 @@ def _summarise(points: list[dict[str, Any]], judged: list[dict[str, Any]], spec:
         summary["graph_replay"] = {**replay, "note": (
             "kernels replayed from a CUDA/HIP graph carry no shapes (one launch, many kernels), so their "
             "bytes and FLOPs cannot be modelled from this trace; their time is listed instead")}
-    elif not points and "note" not in summary:
+    elif not points.count and "note" not in summary:
         summary["note"] = ("no op in scope carries record_shapes args servprof can model, so bytes and FLOPs "
                            "cannot be computed (profile with record_shapes=True, SERVPROF_RECORD_SHAPES=1)")
     summary["missing"] = _missing(points, spec, bool(replay["kernels"]))
     return summary, grouped
 
 
-def _missing(points: list[dict[str, Any]], spec: DeviceSpec, replayed: bool) -> list[dict[str, str]]:
+def _missing(points: PointTally, spec: DeviceSpec, replayed: bool) -> list[dict[str, str]]:
     """What this trace could not show about bandwidth, and how to get it (summary["missing"])."""
-    if not points and not replayed:
+    if not points.count and not replayed:
         return [{"what": "op shapes", "message": (
             "No op in scope carries record_shapes args, so the bytes each op moves and its bandwidth cannot be "
             "computed: profile with record_shapes=True (servprof sessions: SERVPROF_RECORD_SHAPES=1).")}]
     if not spec.memory_bandwidth_gbs:
         return [{"what": "device peak", "message": f"No op was judged against a peak: {spec.source}."}]
-    if spec.basis == BASIS_ASSUMED and points:
+    if spec.basis == BASIS_ASSUMED and points.count:
         return [{"what": "device peak", "message": (
             f"Ops were judged against an assumed peak ({spec.name}, {spec.memory_bandwidth_gbs:g} GB/s), so "
             "bandwidth findings are at most info: run `servprof calibrate` on the machine that ran the trace "
@@ -280,11 +279,10 @@ def _missing(points: list[dict[str, Any]], spec: DeviceSpec, replayed: bool) -> 
     return []
 
 
-def _op_floor_us(points: list[dict[str, Any]]) -> float:
+def _op_floor_us(times: Any) -> float:
     """What the shortest ops of this trace take at all (5th percentile of the modelled ops' times):
     the device's fixed cost per op here (launch, dispatch, the profiler's own per-op cost). Too few
     ops to tell (under MIN_OPS_FOR_FLOOR): 0, and no op counts as overhead-bound."""
-    times = [p["time_us"] for p in points]
     return float(np.percentile(times, 5)) if len(times) >= MIN_OPS_FOR_FLOOR else 0.0
 
 
@@ -293,10 +291,10 @@ def _graph_replay_kernels(trace: Trace) -> dict[str, Any]:
     launch = trace.launch_row_for(dev)
     graph_ids = trace.ids_matching(lambda s: "GraphLaunch" in s)
     replayed = dev[(launch >= 0) & np.isin(trace.name_id[np.maximum(launch, 0)], graph_ids)]
-    per_name: dict[str, float] = {}
-    for row in replayed:
-        per_name[trace.name(row)] = per_name.get(trace.name(row), 0.0) + float(trace.dur[row])
-    top = sorted(per_name.items(), key=lambda kv: -kv[1])[:8]
+    # Time per kernel name, summed in order; the most first, ties in order of appearance.
+    names, first, which = np.unique(trace.name_id[replayed], return_index=True, return_inverse=True)
+    totals = np.bincount(which, weights=trace.dur[replayed], minlength=names.size)
+    top = [(trace.names[int(names[i])], float(totals[i])) for i in np.lexsort((first, -totals))[:8]]
     return {"kernels": int(replayed.size), "kernel_ms": round(float(trace.dur[replayed].sum()) / 1000, 3),
             "launches": int(np.unique(launch[np.isin(dev, replayed)]).size),
             "top_kernels": [{"name": n[:160], "us": round(us, 1)} for n, us in top]}

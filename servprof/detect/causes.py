@@ -11,6 +11,7 @@ cause of the whole gap: it emptied the device's queue.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,6 +136,11 @@ class Explained:
     class_us: np.ndarray  # [gaps, classes] on the launching thread
     other_us: np.ndarray  # [gaps, classes] on other_tid
 
+    def subset(self, gaps: np.ndarray) -> Explained:
+        """These gaps only (a copy: the whole set's arrays can then be freed)."""
+        return Explained([self.cause[i] for i in gaps.tolist()], self.tid[gaps], self.other_tid[gaps],
+                         self.class_us[gaps], self.other_us[gaps])
+
 
 class GapExplainer:
     """Causes of many gaps on one rank at once (vectorised per thread)."""
@@ -241,6 +247,13 @@ class GapExplainer:
                 totals[key] = totals.get(key, 0.0) + float(frame["self_us"])  # type: ignore[arg-type]
         ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:limit]
         return [{"name": n, "class": c, "self_us": round(us, 1)} for (n, c), us in ranked]
+
+    def described_later(self, explained: Explained, i: int, a: float, b: float
+                        ) -> Callable[[], tuple[str, dict[str, Any]]]:
+        """describe(), when the gap's explanation is first read (a copy of its row: the rest of the
+        gaps' arrays can be freed)."""
+        own = explained.subset(np.array([i]))
+        return lambda: self.describe(own, 0, a, b)
 
     def describe(self, explained: Explained, i: int, a: float, b: float) -> tuple[str, dict[str, Any]]:
         """One gap's explanation (a sentence) and its evidence: self time by class on the thread it

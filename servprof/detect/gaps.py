@@ -15,12 +15,13 @@ unusually slow decode step in which that thread recorded no work. Causes: causes
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from servprof.detect.causes import CAUSES, GapExplainer
+from servprof.detect.causes import CAUSES, Explained, GapExplainer
 from servprof.detect.host_stacks import BUSY_CLASSES, CLASSES, GRAPH_LAUNCH, TOKENIZE, HostStacks, NameClasses
 from servprof.detect.intervals import merge
 from servprof.detect.overhead import stop_cutoffs
@@ -41,6 +42,9 @@ STREAM_WAIT = re.compile(r"^(cuda|hip|cu)StreamWaitEvent")
 CONTINUING_KINDS = ("decode", "mixed", "step", "train")  # a gap before one of these is the engine's own
 
 
+Description = tuple[str, dict[str, Any]]  # (explanation, evidence)
+
+
 @dataclass
 class Gap:
     rank: int
@@ -49,11 +53,25 @@ class Gap:
     idle_us: float
     where: str  # "between_steps" | "inside_step"
     cause: str
-    explanation: str
+    # (explanation, evidence), or what makes them when first read: a trace of a million steps has
+    # as many gaps, and the reports show a few per cause (reading the frames is most of the work).
+    description: Description | Callable[[], Description]
     request_ids: list[str] = field(default_factory=list)
-    evidence: dict[str, Any] = field(default_factory=dict)
     count: int = 1  # > 1: short gaps of one step and cause, summed (start/end: the step's span)
     step: int = -1  # index in the steps list of the step it belongs to (between: the step after it)
+
+    @property
+    def explanation(self) -> str:
+        return self._described()[0]
+
+    @property
+    def evidence(self) -> dict[str, Any]:
+        return self._described()[1]
+
+    def _described(self) -> Description:
+        if callable(self.description):
+            self.description = self.description()
+        return self.description
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -150,7 +168,8 @@ def _device_gaps(trace: Any, rank: int, steps: list[Step], index: dict[int, int]
     held_back = hole_b - launch_end
     starved = ~has_launch | ((launch_end > hole_a) & (held_back < np.maximum(GPU_MIN_GAP_US, launch_end - hole_a)))
     tid = np.where(has_launch, trace.tid[lrow], np.array([on_device[p].tid for p in step_pos]))
-    graph = has_launch & np.isin(trace.name_id[lrow], trace.ids_matching(lambda s: GRAPH_LAUNCH.search(s) is not None))
+    graph = has_launch & np.isin(trace.name_id[lrow], trace.ids_matching(lambda s: GRAPH_LAUNCH.search(s) is not None,
+                                                                         trace.host_names()))  # (launches)
     waited, wait_rows = _stream_waits(trace, rank, rows, dev_start, hole_a, hole_b, launch_ts)
     explained = explainer.explain(hole_a, hole_b, tid, starved, small, graph, launch_end, waited)
     out: list[Gap] = []
@@ -167,18 +186,14 @@ def _device_gaps(trace: Any, rank: int, steps: list[Step], index: dict[int, int]
         for k, members in zip(keys.tolist(), np.split(short[order], first[1:]), strict=True):
             pos_inside, code = divmod(k, len(cause_names))
             summed[(pos_inside // 2, bool(pos_inside % 2), str(cause_names[code]))] = members
-    for i in np.flatnonzero(counted & ~small).tolist():
+    listed = np.flatnonzero(counted & ~small)
+    described = explained.subset(listed)
+    for j, i in enumerate(listed.tolist()):
         step = on_device[int(step_pos[i])]
         where = "inside_step" if inside[i] else "between_steps"
         a, b = float(hole_a[i]), float(hole_b[i])
-        text, evidence = explainer.describe(explained, i, a, b)
-        if explained.cause[i] == "stream_wait" and wait_rows[i] >= 0:
-            w = int(wait_rows[i])
-            evidence["stream_wait"] = {"call": trace.name(w), "thread": int(trace.tid[w]), "ts": float(trace.ts[w])}
-            lead = (a - float(trace.ts[w])) / 1000
-            text += f" ({trace.name(w)} on thread {int(trace.tid[w])}, {abs(lead):.3f} ms " \
-                    f"{'before' if lead >= 0 else 'after'} the device went idle)"
-        out.append(Gap(rank, a, b, b - a, where, explained.cause[i], text, list(step.request_ids), evidence,
+        later = _describe_device_gap(trace, explainer, described, j, a, b, int(wait_rows[i]))
+        out.append(Gap(rank, a, b, b - a, where, explained.cause[i], later, list(step.request_ids),
                        step=index[id(step)]))
     # Frames are named for the largest sums only (those a finding shows): one search per member gap.
     named = sorted(summed, key=lambda key: -float((hole_b[summed[key]] - hole_a[summed[key]]).sum()))[:MAX_NAMED_SUMS]
@@ -194,10 +209,25 @@ def _device_gaps(trace: Any, rank: int, steps: list[Step], index: dict[int, int]
                     "top_frames": explainer.top_frames(explained, idx[np.argsort(hole_a[idx] - hole_b[idx])[:20]],
                                                        hole_a, hole_b) if (pos, is_inside, cause) in named else []}
         out.append(Gap(rank, float(hole_a[idx].min()), float(hole_b[idx].max()), idle,
-                       "inside_step" if is_inside else "between_steps", cause, text, list(step.request_ids),
-                       evidence, count=int(idx.size), step=index[id(step)]))
+                       "inside_step" if is_inside else "between_steps", cause, (text, evidence),
+                       list(step.request_ids), count=int(idx.size), step=index[id(step)]))
     out.extend(_stragglers(trace, rank, on_device, index, rows, dev_start, dev_end))
     return out
+
+
+def _describe_device_gap(trace: Any, explainer: GapExplainer, explained: Explained, i: int, a: float, b: float,
+                         wait_row: int) -> Callable[[], Description]:
+    """What describes a listed device gap when it is first read (its frames, the stream wait)."""
+    def describe() -> Description:
+        text, evidence = explainer.describe(explained, i, a, b)
+        if explained.cause[i] == "stream_wait" and wait_row >= 0:
+            w = wait_row
+            evidence["stream_wait"] = {"call": trace.name(w), "thread": int(trace.tid[w]), "ts": float(trace.ts[w])}
+            lead = (a - float(trace.ts[w])) / 1000
+            text += f" ({trace.name(w)} on thread {int(trace.tid[w])}, {abs(lead):.3f} ms " \
+                    f"{'before' if lead >= 0 else 'after'} the device went idle)"
+        return text, evidence
+    return describe
 
 
 def _stream_waits(trace: Any, rank: int, rows: np.ndarray, dev_start: np.ndarray, hole_a: np.ndarray,
@@ -205,7 +235,7 @@ def _stream_waits(trace: Any, rank: int, rows: np.ndarray, dev_start: np.ndarray
     """Per hole: was a stream-wait-event enqueued between the launch of the last work before the
     hole and the launch of the work after it (the row of that call, -1 when none)?"""
     waits = np.flatnonzero(trace.complete() & (trace.rank == rank) & (trace.stream < 0)
-                           & trace.mask_name(lambda s: STREAM_WAIT.search(s) is not None))
+                           & trace.mask_name(lambda s: STREAM_WAIT.search(s) is not None, trace.host_names()))
     found = np.full(hole_a.size, -1, dtype=np.int64)
     if waits.size == 0:
         return found >= 0, found
@@ -226,7 +256,8 @@ def _stragglers(trace: Any, rank: int, steps: list[Step], index: dict[int, int],
     waiting for a slower rank (busy on the timeline, but not work)."""
     if rows.size == 0 or not steps:
         return []
-    collective = np.isin(trace.name_id[rows], trace.ids_matching(lambda s: COLLECTIVE_KERNEL.search(s) is not None))
+    collective = np.isin(trace.name_id[rows], trace.ids_matching(lambda s: COLLECTIVE_KERNEL.search(s) is not None,
+                                                                 np.unique(trace.name_id[rows])))
     out: list[Gap] = []
     spans = [(s.device_start_us or 0.0, s.device_end_us or 0.0) for s in steps]
     for name_id in np.unique(trace.name_id[rows[collective]]).tolist():
@@ -243,10 +274,10 @@ def _stragglers(trace: Any, rank: int, steps: list[Step], index: dict[int, int],
             name = trace.names[name_id]
             text = (f"{CAUSES['collective_straggler'][0]}: {name[:80]} ran {(end[j] - start[j]) / 1000:.2f} ms "
                     f"against a median of {median / 1000:.3f} ms over {sel.size} calls")
+            evidence = {"collective": name, "duration_us": round(float(end[j] - start[j]), 1),
+                        "median_us": round(median, 1), "calls": int(sel.size)}
             out.append(Gap(rank, float(start[j] + median), float(end[j]), excess, "inside_step", "collective_straggler",
-                           text, list(steps[pos].request_ids),
-                           {"collective": name, "duration_us": round(float(end[j] - start[j]), 1),
-                            "median_us": round(median, 1), "calls": int(sel.size)}, step=index[id(steps[pos])]))
+                           (text, evidence), list(steps[pos].request_ids), step=index[id(steps[pos])]))
     return out
 
 
@@ -270,12 +301,9 @@ def _host_gaps(steps: list[Step], index: dict[int, int], explainer: GapExplainer
     tid = np.array([n.tid for _, n in pairs], dtype=np.int64)
     ones = np.ones(a.size, dtype=bool)
     explained = explainer.explain(a, b, tid, ones, ~ones, ~ones)
-    out = []
-    for i, (_, nxt) in enumerate(pairs):
-        text, evidence = explainer.describe(explained, i, float(a[i]), float(b[i]))
-        out.append(Gap(nxt.rank, float(a[i]), float(b[i]), float(b[i] - a[i]), "between_steps", explained.cause[i],
-                       text, list(nxt.request_ids), evidence, step=index[id(nxt)]))
-    return out
+    return [Gap(nxt.rank, float(a[i]), float(b[i]), float(b[i] - a[i]), "between_steps", explained.cause[i],
+                explainer.described_later(explained, i, float(a[i]), float(b[i])), list(nxt.request_ids),
+                step=index[id(nxt)]) for i, (_, nxt) in enumerate(pairs)]
 
 
 def _stalled_steps(steps: list[Step], index: dict[int, int], explainer: GapExplainer, stacks: HostStacks
@@ -312,7 +340,7 @@ def _stalled_steps(steps: list[Step], index: dict[int, int], explainer: GapExpla
                 cause = "untraced_host_time"
                 explained.other_tid[i] = -1
             explained.cause[i] = cause
-            text, evidence = explainer.describe(explained, i, float(a[i]), float(b[i]))
-            out.append(Gap(step.rank, float(a[i]), float(b[i]), float(stalled[i]), "inside_step", cause, text,
-                           list(step.request_ids), evidence, step=index[id(step)]))
+            out.append(Gap(step.rank, float(a[i]), float(b[i]), float(stalled[i]), "inside_step", cause,
+                           explainer.described_later(explained, i, float(a[i]), float(b[i])),
+                           list(step.request_ids), step=index[id(step)]))
     return out

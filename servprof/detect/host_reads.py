@@ -39,10 +39,16 @@ def _label(name: str) -> str:
     return "device-to-host copy"
 
 
+def _labels(trace: Trace, rows: np.ndarray) -> list[tuple[str, int]]:
+    """(label, calls) per name read, in order of each name's first read."""
+    names, first, calls = np.unique(trace.name_id[rows], return_index=True, return_counts=True)
+    return [(_label(trace.names[int(names[i])]), int(calls[i])) for i in np.argsort(first)]
+
+
 def read_rows(trace: Trace) -> np.ndarray:
     """Outermost host reads of device values, in time order."""
     base = trace.complete() & (trace.stream < 0)
-    named = np.flatnonzero(base & trace.mask_name(lambda s: READ_OPS.search(s) is not None))
+    named = np.flatnonzero(base & trace.mask_name(lambda s: READ_OPS.search(s) is not None, trace.host_names()))
     d2h = _device_to_host_launches(trace)
     tolist = _top_level(trace, np.flatnonzero(base & (trace.name_id == trace.string_id(TOLIST_SIGNATURE))))
     rows = np.unique(np.concatenate([named, d2h, tolist]).astype(np.int64))
@@ -58,14 +64,14 @@ def _top_level(trace: Trace, rows: np.ndarray) -> np.ndarray:
                          & ~trace.mask_name(lambda s: s.startswith("servprof:")))
     keep = []
     for key in {(int(r), int(t)) for r, t in zip(trace.rank[rows].tolist(), trace.tid[rows].tolist(), strict=True)}:
-        mine = ops[(trace.rank[ops] == key[0]) & (trace.tid[ops] == key[1])]
+        wanted = rows[(trace.rank[rows] == key[0]) & (trace.tid[rows] == key[1])]
+        mine = np.union1d(ops[(trace.rank[ops] == key[0]) & (trace.tid[ops] == key[1])], wanted)
         mine = mine[np.lexsort((-trace.dur[mine], trace.ts[mine]))]
-        prior_end = np.concatenate([[-np.inf], np.maximum.accumulate(trace.end[mine])[:-1]])
-        position = {int(r): p for p, r in enumerate(mine.tolist())}
-        for row in rows[(trace.rank[rows] == key[0]) & (trace.tid[rows] == key[1])].tolist():
-            if prior_end[position[row]] < trace.end[row]:
-                keep.append(row)
-    return np.array(keep, dtype=np.int64)
+        prior_end = np.concatenate([[-np.inf], np.maximum.accumulate(trace.ts[mine] + trace.dur[mine])[:-1]])
+        by_row = np.argsort(mine)
+        position = by_row[np.searchsorted(mine[by_row], wanted)]
+        keep.append(wanted[prior_end[position] < trace.ts[wanted] + trace.dur[wanted]])
+    return np.concatenate(keep).astype(np.int64)
 
 
 def detect_host_reads(trace: Trace, steps: list[Step], span_us: float) -> tuple[Finding | None, dict[str, Any]]:
@@ -87,11 +93,11 @@ def detect_host_reads(trace: Trace, steps: list[Step], span_us: float) -> tuple[
         sel = rows[(trace.tid[rows] == tid) & (trace.rank[rows] == decode[mine[0]].rank)]
         pos = np.searchsorted(starts, trace.ts[sel], side="right") - 1
         ok = (pos >= 0) & (trace.ts[sel] < ends[np.maximum(pos, 0)])
-        for row, p in zip(sel[ok].tolist(), pos[ok].tolist(), strict=True):
-            counts[mine[p]] += 1
-            spent[mine[p]] += float(trace.dur[row])
-            label = _label(trace.name(row))
-            labels[label] = labels.get(label, 0) + 1
+        step_of = np.array(mine, dtype=np.int64)[pos[ok]]
+        np.add.at(counts, step_of, 1)
+        np.add.at(spent, step_of, trace.dur[sel[ok]])  # (in time order, as the reads happened)
+        for label, calls in _labels(trace, sel[ok]):
+            labels[label] = labels.get(label, 0) + calls
     reading = int((counts > 0).sum())
     summary = {"steps": len(decode), "steps_with_reads": reading, "reads": int(counts.sum()),
                "reads_per_step": round(float(counts.mean()), 3), "calls": labels,

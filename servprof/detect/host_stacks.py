@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from servprof.detect.nesting import depths, extend_ends, levels, nearest, parents, segments
 from servprof.detect.step_forms import is_step_annotation
+from servprof.trace.columns import give_back_freed_memory
 from servprof.trace.model import RUNTIME_CATEGORIES, Trace
 from servprof.trace.phases import PHASE_PREFIX
 
@@ -26,6 +29,7 @@ CLASSES = ("untraced", "python", "op", "launch", "runtime", "sync", "tokenize", 
            "collective", "compile")
 (UNTRACED, PYTHON, OP, LAUNCH, RUNTIME, SYNC, TOKENIZE, DETOKENIZE, WAIT, COLLECTIVE, COMPILE) = range(len(CLASSES))
 BUSY_CLASSES = (PYTHON, OP, LAUNCH, RUNTIME, SYNC, TOKENIZE, DETOKENIZE, COLLECTIVE, COMPILE)
+TRIM_ROWS = 256 * 1024  # a thread with this many events gives its freed temporaries back as it is swept
 
 # Host calls that block until the device is done: explicit syncs, blocking copies, reads of a
 # device value on the host (.item(), .tolist(), .cpu(), nonzero's output size).
@@ -57,6 +61,7 @@ COMPILED_REGION = re.compile(r"^Torch-Compiled Region|CompiledFxGraph|torch/_ind
                              r"|^(cuda|hip|cu)GraphLaunch")
 GRAPH_LAUNCH = re.compile(r"^(cuda|hip|cu)GraphLaunch")
 LAUNCH_NAMES = re.compile(r"Launch|Memcpy\w*Async|Memset")
+DEVICE_TO_HOST = re.compile(r"DtoH|D2H|DeviceToHost")
 GENERIC_FRAMES = re.compile(
     r"torch/nn/modules/module\.py\(\d+\): _(wrapped_)?call_impl$|torch/utils/_contextlib\.py\(\d+\): decorate_context$"
     r"|\): __call__$|\): (wrapper|inner|wrapped|decorated|_fn)$|torch/_ops\.py|torch/utils/_device\.py"
@@ -83,52 +88,76 @@ def _class_of_name(name: str) -> int:
 
 
 class NameClasses:
-    """Per interned string: its class and flags (one pass over the distinct names of a trace)."""
+    """Per interned string: its class and flags (one pass over the distinct names of a trace's
+    host events; the kernels' names, often the longest, never say what a host thread did)."""
 
     def __init__(self, trace: Trace):
-        names = trace.names
-        self.specific = np.array([_class_of_name(n) for n in names], dtype=np.int8)
-        self.generic = np.array([bool(GENERIC_FRAMES.search(n)) for n in names])
-        self.compile = np.array([bool(COMPILE_NAMES.search(n)) for n in names])
-        self.compiled_region = np.array([bool(COMPILED_REGION.search(n)) for n in names])
-        self.launch = np.array([bool(LAUNCH_NAMES.search(n)) for n in names])
-        self.annotation = np.array([n.startswith(PHASE_PREFIX) or is_step_annotation(n) for n in names])
+        host = trace.host_names()
+        names = [trace.names[i] for i in host.tolist()]
+        size = len(trace.names)
+        self.specific = _per_name(size, host, [_class_of_name(n) for n in names], -1, np.int8)
+        self.generic = _per_name(size, host, [bool(GENERIC_FRAMES.search(n)) for n in names], False, bool)
+        self.compile = _per_name(size, host, [bool(COMPILE_NAMES.search(n)) for n in names], False, bool)
+        self.compiled_region = _per_name(size, host, [bool(COMPILED_REGION.search(n)) for n in names], False, bool)
+        self.launch = _per_name(size, host, [bool(LAUNCH_NAMES.search(n)) for n in names], False, bool)
+        self.annotation = _per_name(size, host, [n.startswith(PHASE_PREFIX) or is_step_annotation(n) for n in names],
+                                    False, bool)
+
+
+def _per_name(size: int, ids: np.ndarray, values: list[Any], default: Any, dtype: Any) -> np.ndarray:
+    out = np.full(size, default, dtype=dtype)
+    out[ids] = values
+    return out
 
 
 @dataclass
 class ThreadStack:
-    """Disjoint self-time segments of one thread, each with a class and a name id."""
+    """One thread's time cut into disjoint segments at ``bounds``, each in one event (its self
+    time) with a class and a name id, or in none (a hole: name -1, class untraced)."""
 
     tid: int
-    start: np.ndarray
-    end: np.ndarray
+    bounds: np.ndarray  # segment i is [bounds[i], bounds[i + 1])
     cls: np.ndarray
-    name: np.ndarray
+    name: np.ndarray  # int32 id of the innermost frame that is not a generic wrapper; -1: a hole
     compiled: np.ndarray
 
     def __post_init__(self) -> None:
-        self._by_class = []
-        for c in range(len(CLASSES)):
-            sel = self.cls == c
-            s, e = self.start[sel], self.end[sel]
-            self._by_class.append((s, e, np.concatenate([[0.0], np.cumsum(e - s)])))
+        self.start, self.end = self.bounds[:-1], self.bounds[1:]  # (views)
+        # Per class: its segments (indices, in time order) and the time they cover before each.
+        # Indices into the thread's arrays rather than copies of them: a thread of millions of
+        # events has about two segments per event.
+        self._by_class = [(np.zeros(0, dtype=np.int32), np.zeros(1))]  # untraced: what the others leave
+        positions = np.arange(self.cls.size, dtype=np.int32)
+        for c in range(1, len(CLASSES)):
+            mine = positions[self.cls == c]
+            length = self.end[mine]
+            length -= self.start[mine]
+            cum = np.empty(mine.size + 1)
+            cum[0] = 0.0
+            np.cumsum(length, out=cum[1:])
+            self._by_class.append((mine, cum))
 
-    def _covered_before(self, c: int, t: np.ndarray) -> np.ndarray:
-        s, e, cum = self._by_class[c]
-        if s.size == 0:
+    def _covered_before(self, c: int, t: np.ndarray, segments_started: np.ndarray) -> np.ndarray:
+        """Time class c covers before each t; ``segments_started``: how many of all the thread's
+        segments start at or before t (so many of class c's come first: a binary search)."""
+        mine, cum = self._by_class[c]
+        if mine.size == 0:
             return np.zeros(t.shape)
-        i = np.searchsorted(s, t, side="right") - 1
+        i = np.searchsorted(mine, segments_started) - 1
         ok = i >= 0
-        j = np.maximum(i, 0)
-        partial = np.clip(t - s[j], 0.0, e[j] - s[j])
-        return np.where(ok, cum[j] + partial, 0.0)
+        i = np.maximum(i, 0)
+        j = mine[i]
+        partial = np.clip(t - self.start[j], 0.0, self.end[j] - self.start[j])
+        return np.where(ok, cum[i] + partial, 0.0)
 
     def class_times(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """[len(a), len(CLASSES)]: self time of each class inside each window [a, b];
         "untraced" is the rest of the window (nothing recorded on the thread)."""
         out = np.zeros((a.size, len(CLASSES)))
+        started_a = np.searchsorted(self.start, a, side="right")
+        started_b = np.searchsorted(self.start, b, side="right")
         for c in range(1, len(CLASSES)):
-            out[:, c] = self._covered_before(c, b) - self._covered_before(c, a)
+            out[:, c] = self._covered_before(c, b, started_b) - self._covered_before(c, a, started_a)
         out[:, UNTRACED] = np.maximum((b - a) - out[:, 1:].sum(axis=1), 0.0)
         return out
 
@@ -143,6 +172,7 @@ class ThreadStack:
             return np.zeros(t.shape, dtype=bool)
         i = np.searchsorted(self.start, t, side="right") - 1
         j = np.maximum(i, 0)
+        j -= self.name[j] < 0  # in a hole: the segment before it (it counts up to its end)
         return (i >= 0) & (t <= self.end[j]) & self.compiled[j]
 
     def top(self, a: float, b: float, names: list[str], limit: int = 5) -> list[dict[str, object]]:
@@ -152,12 +182,16 @@ class ThreadStack:
         if hi <= lo:
             return []
         clip = np.minimum(self.end[lo:hi], b) - np.maximum(self.start[lo:hi], a)
-        totals: dict[tuple[int, int], float] = {}
-        for name, cls, us in zip(self.name[lo:hi].tolist(), self.cls[lo:hi].tolist(), clip.tolist(), strict=True):
-            if us > 0:
-                totals[(name, cls)] = totals.get((name, cls), 0.0) + us
-        ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:limit]
-        return [{"name": names[n], "class": CLASSES[c], "self_us": round(us, 1)} for (n, c), us in ranked]
+        spent = (clip > 0) & (self.name[lo:hi] >= 0)
+        key = self.name[lo:hi][spent].astype(np.int64) * len(CLASSES) + self.cls[lo:hi][spent]
+        if key.size == 0:
+            return []
+        # Self time per (frame, class), summed in time order; the most first, ties in order of appearance.
+        keys, first, which = np.unique(key, return_index=True, return_inverse=True)
+        totals = np.bincount(which, weights=clip[spent])
+        ranked = np.lexsort((first, -totals))[:limit]
+        return [{"name": names[int(k) // len(CLASSES)], "class": CLASSES[int(k) % len(CLASSES)],
+                 "self_us": round(float(us), 1)} for k, us in zip(keys[ranked], totals[ranked], strict=True)]
 
 
 class HostStacks:
@@ -168,106 +202,88 @@ class HostStacks:
         self.classes = classes or NameClasses(trace)
         mask = (trace.complete() & (trace.rank == rank) & (trace.stream < 0) & (trace.dur > 0)
                 & trace.mask_category(*HOST_CATEGORIES))
-        rows = np.flatnonzero(mask)
-        self.rows_by_tid: dict[int, np.ndarray] = {}
+        rows = np.flatnonzero(mask).astype(np.int32 if len(trace) < 2**31 else np.int64)
         tids = trace.tid[rows]
-        for tid in np.unique(tids).tolist():
-            self.rows_by_tid[int(tid)] = rows[tids == tid]
+        self.tids: list[int] = np.unique(tids).tolist()
+        self._rows = {tid: rows[tids == tid] for tid in self.tids}  # a thread's rows, until it is swept
         self._d2h = _device_to_host_launches(trace)
         self._stacks: dict[int, ThreadStack] = {}
 
-    @property
-    def tids(self) -> list[int]:
-        return list(self.rows_by_tid)
-
     def thread(self, tid: int) -> ThreadStack:
         if tid not in self._stacks:
-            self._stacks[tid] = self._sweep(tid, self.rows_by_tid.get(tid, np.zeros(0, dtype=np.int64)))
+            self._stacks[tid] = self._sweep(tid, self._rows.pop(tid, np.zeros(0, dtype=np.int64)))
         return self._stacks[tid]
 
     def _sweep(self, tid: int, rows: np.ndarray) -> ThreadStack:
+        """The thread's self-time segments: at every instant, the innermost event open (nesting.py)."""
         trace, nc = self.trace, self.classes
+        # A thread of millions of events: freed temporaries go back to the OS between the steps
+        # (glibc keeps them in its heap otherwise, and the peak would count them again).
+        trim = give_back_freed_memory if rows.size >= TRIM_ROWS else _nothing
+        rows = rows[np.lexsort((-trace.dur[rows], trace.ts[rows]))]
         start = trace.ts[rows]
-        order = np.lexsort((-trace.dur[rows], start))
-        rows = rows[order]
-        starts = trace.ts[rows].tolist()
-        ends = (trace.ts[rows] + trace.dur[rows]).tolist()
+        end = start + trace.dur[rows]
+        trim()
+        parent = parents(start, end)
+        trim()
+        depth = depths(parent)
+        trim()
+        by_depth = levels(depth)
+        extend_ends(end, parent, by_depth)
+        trim()
+        bounds, seg_event = segments(start, end, parent, depth)
+        del start, end, depth
+        trim()
+        hole = seg_event < 0
+        seg_event[hole] = 0
         name_ids = trace.name_id[rows]
-        specific = nc.specific[name_ids].astype(np.int64)
+        specific = nc.specific[name_ids]
         specific[np.isin(rows, self._d2h)] = SYNC  # a copy to the host blocks until the device is done
-        base = _base_classes(trace, rows, nc)
-        generic = nc.generic[name_ids].tolist()
-        region = nc.compiled_region[name_ids].tolist()
-        is_compile = nc.compile
-        names = name_ids.tolist()
-        specific_l, base_l = specific.tolist(), base.tolist()
-        n = len(rows)
-        ctx_spec, ctx_name, ctx_region, cls = [0] * n, [0] * n, [False] * n, [0] * n
-        seg_s: list[float] = []
-        seg_e: list[float] = []
-        seg_k: list[int] = []
-        stack: list[int] = []
-        cursor = 0.0
-        for k in range(n + 1):  # the last turn only closes what is still open
-            s = starts[k] if k < n else np.inf
-            while stack and ends[stack[-1]] <= s:
-                top = stack.pop()
-                if ends[top] > cursor:
-                    seg_s.append(cursor)
-                    seg_e.append(ends[top])
-                    seg_k.append(top)
-                    cursor = ends[top]
-            if k == n:
-                break
-            if stack:
-                parent = stack[-1]
-                if s > cursor:
-                    seg_s.append(cursor)
-                    seg_e.append(s)
-                    seg_k.append(parent)
-                # A child that outlives its parent (µs rounding, or ranges that do not nest): the
-                # ones below it last as long, so that at every instant the innermost event open is on top.
-                depth = len(stack) - 1
-                while depth >= 0 and ends[stack[depth]] < ends[k]:
-                    ends[stack[depth]] = ends[k]
-                    depth -= 1
-                ctx_spec[k] = specific_l[k] if specific_l[k] >= 0 else ctx_spec[parent]
-                ctx_name[k] = ctx_name[parent] if generic[k] else names[k]
-                ctx_region[k] = region[k] or ctx_region[parent]
-            else:
-                ctx_spec[k], ctx_name[k], ctx_region[k] = specific_l[k], names[k], region[k]
-            if ctx_spec[k] >= 0:
-                cls[k] = ctx_spec[k]
-            elif base_l[k] in (PYTHON, OP) and (is_compile[names[k]] or is_compile[ctx_name[k]]):
-                cls[k] = COMPILE
-            else:
-                cls[k] = base_l[k]
-            cursor = s
-            stack.append(k)
-        k_arr = np.array(seg_k, dtype=np.int64)
-        return ThreadStack(tid, np.array(seg_s, dtype=float), np.array(seg_e, dtype=float),
-                           np.array(cls, dtype=np.int8)[k_arr], np.array(ctx_name, dtype=np.int64)[k_arr],
-                           np.array(ctx_region, dtype=bool)[k_arr])
+        # What an event inherits from the events around it: the innermost specific class (a sync,
+        # tokenization, ...), the innermost frame that is not a generic wrapper, a compiled region.
+        specific = specific[nearest(parent, specific >= 0, by_depth)]
+        named = name_ids[nearest(parent, ~nc.generic[name_ids], by_depth)]
+        region = nc.compiled_region[name_ids]
+        region = region[nearest(parent, region, by_depth)]
+        del parent, by_depth
+        cls = _base_classes(trace, rows, name_ids, nc)
+        cls[(nc.compile[name_ids] | nc.compile[named]) & ((cls == PYTHON) | (cls == OP))] = COMPILE
+        inherited = specific >= 0
+        cls[inherited] = specific[inherited]
+        del rows, name_ids, specific, inherited
+        cls, named, region = cls[seg_event], named[seg_event], region[seg_event]
+        del seg_event
+        cls[hole], named[hole], region[hole] = UNTRACED, -1, False
+        del hole
+        trim()
+        stack = ThreadStack(tid, bounds, cls, named, region)
+        trim()
+        return stack
 
 
-def _base_classes(trace: Trace, rows: np.ndarray, nc: NameClasses) -> np.ndarray:
+def _nothing() -> None:
+    return None
+
+
+def _base_classes(trace: Trace, rows: np.ndarray, name_ids: np.ndarray, nc: NameClasses) -> np.ndarray:
     """Class of an event by its own kind: a Python frame, an op, a launch or other runtime call;
     annotations (step ranges, servprof phases) record no work of their own: untraced."""
-    out = np.full(rows.shape, OP, dtype=np.int64)
+    out = np.full(rows.shape, OP, dtype=np.int8)
     out[trace.mask_category("python_function")[rows]] = PYTHON
     runtime = trace.mask_category(*RUNTIME_CATEGORIES)[rows]
-    launch = nc.launch[trace.name_id[rows]]
+    launch = nc.launch[name_ids]
     out[runtime & launch] = LAUNCH
     out[runtime & ~launch] = RUNTIME
-    out[trace.mask_category("user_annotation")[rows] | nc.annotation[trace.name_id[rows]]] = UNTRACED
+    out[trace.mask_category("user_annotation")[rows] | nc.annotation[name_ids]] = UNTRACED
     return out
 
 
 def _device_to_host_launches(trace: Trace) -> np.ndarray:
     """Rows of runtime calls whose copy went device -> host into pageable memory: the host waits
     for the device (a copy into pinned memory with non_blocking=True does not)."""
-    copies = np.flatnonzero(trace.device_mask() & trace.mask_category("gpu_memcpy", "Memcpy")
-                            & trace.mask_name(lambda s: bool(re.search(r"DtoH|D2H|DeviceToHost", s))
-                                              and "Pinned" not in s))
+    copies = np.flatnonzero(trace.device_mask() & trace.mask_category("gpu_memcpy", "Memcpy"))
+    to_host = trace.ids_matching(lambda s: bool(DEVICE_TO_HOST.search(s)) and "Pinned" not in s,
+                                 np.unique(trace.name_id[copies]))
+    copies = copies[trace.has_id(trace.name_id[copies], to_host)]
     launches = trace.launch_row_for(copies)
     return launches[launches >= 0]

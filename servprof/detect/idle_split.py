@@ -14,7 +14,7 @@ HTA's on the same trace. Also like HTA, when the trace has two or more
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -23,8 +23,7 @@ from servprof.trace.model import Trace
 HTA_CONSECUTIVE_KERNEL_DELAY_US = 30.0
 
 
-@dataclass
-class StreamIdle:
+class StreamIdle(NamedTuple):
     rank: int
     stream: int
     host_wait_us: float
@@ -35,7 +34,7 @@ class StreamIdle:
     other_gaps: int
 
     def to_dict(self) -> dict[str, float | int]:
-        return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+        return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in self._asdict().items()}
 
 
 def idle_split(

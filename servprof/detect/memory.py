@@ -22,8 +22,9 @@ from typing import Any
 import numpy as np
 
 from servprof.detect.finding import Finding
+from servprof.detect.memory_attribution import attribution
 from servprof.detect.memory_series import MemorySeries, memory_series
-from servprof.detect.steps import Step, step_index
+from servprof.detect.steps import Step
 from servprof.trace.model import Trace
 
 MIB = 1024**2
@@ -36,7 +37,6 @@ GROWTH_LATE_SHARE = 0.25  # of the growth, at least this much in the later half 
 FRAGMENTATION_SHARE = 0.25
 FRAGMENTATION_MIN_BYTES = 512 * MIB
 NEAR_LIMIT_WARNING, NEAR_LIMIT_CRITICAL = 0.90, 0.97
-TOP = 5
 
 GROWTH_FIX = ("Find what keeps a reference per request or per step: a list or dict of tensors, a cache "
               "without a size bound (prefix/KV/session caches), tensors kept in logs or results. Bound "
@@ -121,67 +121,8 @@ def describe(trace: Trace, series: MemorySeries, steps: list[Step]) -> dict[str,
     elif series.source == "profiler_events" and series.device == "cpu":
         info["note"] = "CPU allocator totals count only what was allocated while memory profiling was on"
     if series.rows is not None and series.delta is not None:
-        info.update(_attribution(trace, series, steps))
+        info.update(attribution(trace, series, steps))
     return info
-
-
-def _attribution(trace: Trace, series: MemorySeries, steps: list[Step]) -> dict[str, Any]:
-    """Ops, phases and requests behind the allocator events: bytes allocated (sum of +Bytes)
-    and bytes kept (signed sum) by each."""
-    assert series.rows is not None and series.delta is not None
-    rows, delta = series.rows, series.delta
-    ops = _enclosing_ops(trace, rows)
-    allocated_by_op: dict[str, float] = {}
-    for op, size in zip(ops, delta.tolist(), strict=True):
-        if size > 0:
-            allocated_by_op[op] = allocated_by_op.get(op, 0.0) + size
-    mine = [s for s in steps if s.rank == series.rank]
-    where = step_index(mine, trace.rank[rows], trace.ts[rows]) if mine else np.full(rows.shape, -1)
-    by_phase: dict[str, dict[str, float]] = {}
-    by_request: dict[str, float] = {}
-    for index, size in zip(where.tolist(), delta.tolist(), strict=True):
-        phase = mine[index].kind if index >= 0 else "outside_steps"
-        entry = by_phase.setdefault(phase, {"allocated_bytes": 0.0, "kept_bytes": 0.0})
-        entry["allocated_bytes"] += max(size, 0.0)
-        entry["kept_bytes"] += size
-        if index >= 0 and size > 0 and mine[index].request_ids:
-            share = size / len(mine[index].request_ids)
-            for rid in mine[index].request_ids:
-                by_request[rid] = by_request.get(rid, 0.0) + share
-    top_ops = sorted(allocated_by_op.items(), key=lambda kv: -kv[1])[:TOP]
-    top_requests = sorted(by_request.items(), key=lambda kv: -kv[1])[:TOP]
-    return {"top_ops": [{"op": op, "allocated_bytes": int(b)} for op, b in top_ops],
-            "by_phase": {k: {n: int(v) for n, v in d.items()} for k, d in sorted(by_phase.items())},
-            "top_requests": [{"request_id": r, "allocated_bytes": int(b)} for r, b in top_requests]}
-
-
-def _enclosing_ops(trace: Trace, rows: np.ndarray) -> list[str]:
-    """The innermost op running on the event's thread at each allocator event ("(no op)" when none)."""
-    names = ["(no op)"] * len(rows)
-    ops_mask = trace.complete() & trace.mask_category("cpu_op", "user_annotation") & (trace.stream < 0)
-    keys = np.stack([trace.rank[rows].astype(np.int64), trace.pid[rows], trace.tid[rows]], axis=1)
-    for key in {tuple(k) for k in keys.tolist()}:
-        on_thread = np.flatnonzero(ops_mask & (trace.rank == key[0]) & (trace.pid == key[1]) & (trace.tid == key[2]))
-        if on_thread.size == 0:
-            continue
-        on_thread = on_thread[np.lexsort((-trace.dur[on_thread], trace.ts[on_thread]))]
-        starts, ends = trace.ts[on_thread], trace.end[on_thread]
-        wanted = [i for i, k in enumerate(keys.tolist()) if tuple(k) == key]
-        wanted.sort(key=lambda i: trace.ts[rows[i]])
-        stack: list[int] = []
-        next_op = 0
-        for i in wanted:
-            t = trace.ts[rows[i]]
-            while next_op < on_thread.size and starts[next_op] <= t:
-                while stack and ends[stack[-1]] < starts[next_op]:
-                    stack.pop()
-                stack.append(next_op)
-                next_op += 1
-            while stack and ends[stack[-1]] < t:
-                stack.pop()
-            if stack:
-                names[i] = trace.name(int(on_thread[stack[-1]]))
-    return names
 
 
 # --- findings --------------------------------------------------------------------------------

@@ -76,6 +76,21 @@ def _number(value: Any) -> float:
     return math.nan
 
 
+def _numbers(trace: Trace, rows: np.ndarray, keys: tuple[str, ...], chunk: int = 4096) -> list[np.ndarray]:
+    """Per key, the number each row's args hold there (_number), read a chunk of rows at a time
+    (an event per allocation and free: their args are never all decoded at once, nor kept)."""
+    out = [np.empty(rows.size) for _ in keys]
+    for first in range(0, rows.size, chunk):
+        args = list(trace.args_each(rows[first:first + chunk], chunk))
+        for column, key in zip(out, keys, strict=True):
+            values = [a.get(key) for a in args]
+            if set(map(type, values)) <= {int, float}:  # all numbers, no bool: as _number reads them
+                column[first:first + len(args)] = values
+            else:
+                column[first:first + len(args)] = [_number(v) for v in values]
+    return out
+
+
 def _from_events(trace: Trace) -> list[MemorySeries]:
     name_id = trace.string_id(MEMORY_EVENT)
     if name_id < 0:
@@ -84,12 +99,8 @@ def _from_events(trace: Trace) -> list[MemorySeries]:
     if rows.size == 0:
         return []
     rows = rows[np.argsort(trace.ts[rows], kind="stable")]
-    args = [trace.args(int(r)) for r in rows]
-    kinds = np.array([_number(a.get("Device Type")) for a in args])
-    indices = np.array([_number(a.get("Device Id")) for a in args])
-    allocated = np.array([_number(a.get("Total Allocated")) for a in args])
-    reserved = np.array([_number(a.get("Total Reserved")) for a in args])
-    delta = np.array([_number(a.get("Bytes")) for a in args])
+    kinds, indices, allocated, reserved, delta = _numbers(
+        trace, rows, ("Device Type", "Device Id", "Total Allocated", "Total Reserved", "Bytes"))
     ranks = trace.rank[rows]
     out = []
     usable = np.isfinite(allocated) & np.isfinite(delta)

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from servprof.detect.finding import Finding, severity_for
+from servprof.detect.intervals import merge
 from servprof.detect.steps import Step, step_index
 from servprof.trace.model import Trace
 from servprof.trace.phases import request_phases
@@ -62,7 +63,7 @@ GRAPH_BREAK_FIX = ("torch._dynamo.explain(fn)(*inputs) lists each break and its 
 
 def _compile_rows(trace: Trace) -> np.ndarray:
     strong = trace.ids_matching(lambda s: s in STRONG_COMPILE_NAMES or s.endswith(DYNAMO_TIMED)
-                                or PY_COMPILE_FRAME.search(s) is not None)
+                                or PY_COMPILE_FRAME.search(s) is not None, trace.host_names())
     return np.flatnonzero(np.isin(trace.name_id, strong) & trace.complete() & (trace.stream < 0))
 
 
@@ -81,18 +82,18 @@ def compile_stalls(trace: Trace) -> list[dict[str, Any]]:
         on_thread = (trace.rank == key[0]) & (trace.pid == key[1]) & (trace.tid == key[2])
         mine = rows[on_thread[rows]]
         mine = mine[np.argsort(trace.ts[mine], kind="stable")]
-        intervals: list[list[float]] = []
-        for row in mine:
-            start, end = float(trace.ts[row]), float(trace.end[row])
-            if intervals and start <= intervals[-1][1]:
-                intervals[-1][1] = max(intervals[-1][1], end)
-            else:
-                intervals.append([start, end])
-        for row in weak[on_thread[weak]]:  # "dynamo" wraps a compile: widen the stretch it contains
-            start, end = float(trace.ts[row]), float(trace.end[row])
-            for interval in intervals:
-                if start <= interval[0] and interval[1] <= end:
-                    interval[0], interval[1] = start, end
+        first, last = merge(trace.ts[mine], trace.ts[mine] + trace.dur[mine])  # overlapping or touching: one
+        wrappers = weak[on_thread[weak]]
+        # Only a wrapper around one of the stretches can widen any (each it widens contains one).
+        first_after = np.searchsorted(first, trace.ts[wrappers], side="left")
+        around = first_after < first.size
+        around[around] = last[first_after[around]] <= (trace.ts[wrappers] + trace.dur[wrappers])[around]
+        wrappers = wrappers[around]
+        for start, end in zip(trace.ts[wrappers].tolist(), (trace.ts[wrappers] + trace.dur[wrappers]).tolist(),
+                              strict=True):  # "dynamo" wraps a compile: widen the stretch it contains
+            wrapped = (start <= first) & (last <= end)
+            first[wrapped], last[wrapped] = start, end
+        intervals = zip(first.tolist(), last.tolist(), strict=True)
         thread_ids = id_rows[on_thread[id_rows]]
         for start, end in intervals:
             inside = thread_ids[(trace.ts[thread_ids] >= start) & (trace.ts[thread_ids] <= end)]
@@ -102,10 +103,24 @@ def compile_stalls(trace: Trace) -> list[dict[str, Any]]:
                            "compile_id": f"{match.group(1)}/{match.group(2)}" if match else None})
     # Inductor compiles files on worker threads while the compiling thread waits: a stretch that
     # lies within a longer one on another thread of the rank is part of that compile.
-    return [s for s in stalls if not any(
-        o is not s and o["rank"] == s["rank"] and o["tid"] != s["tid"] and o["start_us"] <= s["start_us"]
-        and s["end_us"] <= o["end_us"] and (o["end_us"] - o["start_us"]) > (s["end_us"] - s["start_us"])
-        for o in stalls)]
+    return [s for s, inside in zip(stalls, _within_longer_elsewhere(stalls), strict=True) if not inside]
+
+
+def _within_longer_elsewhere(stalls: list[dict[str, Any]], block: int = 512) -> list[bool]:
+    """Per stall: does a longer one on another thread of its rank contain it (pairs compared a
+    block at a time)?"""
+    rank = np.array([s["rank"] for s in stalls], dtype=np.int64)
+    tid = np.array([s["tid"] for s in stalls], dtype=np.int64)
+    start = np.array([s["start_us"] for s in stalls], dtype=float)
+    end = np.array([s["end_us"] for s in stalls], dtype=float)
+    length = end - start
+    out: list[bool] = []
+    for first in range(0, len(stalls), block):
+        part = slice(first, first + block)
+        contained = ((rank[part, None] == rank) & (tid[part, None] != tid) & (start <= start[part, None])
+                     & (end[part, None] <= end) & (length > length[part, None]))
+        out.extend(contained.any(axis=1).tolist())
+    return out
 
 
 def _records(trace: Trace) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
@@ -299,8 +314,8 @@ def _regions_per_step(trace: Trace, steps: list[Step], frames: dict[str, Any]) -
         counts.append(len(mine))
         known = [frames.get(f) for f in frame_ids]
         breaks.append(sum(1 for f in known if f and f.get("resume")) if all(known) else None)
-        covered = _union_us([(float(trace.ts[r]), float(trace.end[r])) for r in mine])
-        eager_us += max(float(trace.end[mine[-1]] - trace.ts[mine[0]]) - covered, 0.0)
+        covered = _union_us([(float(trace.ts[r]), float(trace.ts[r] + trace.dur[r])) for r in mine])
+        eager_us += max(float(trace.ts[mine[-1]] + trace.dur[mine[-1]] - trace.ts[mine[0]]) - covered, 0.0)
         step_us += steps[index].dur_us
     known_breaks = [b for b in breaks if b is not None]
     summary: dict[str, Any] = {

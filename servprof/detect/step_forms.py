@@ -98,13 +98,14 @@ def servprof_steps(trace: Trace) -> list[Step]:
     """One step per batch: servers that mark decode_step once per request get their
     overlapping markers on one thread merged, with the union of the request ids."""
     steps: list[Step] = []
+    last: dict[tuple[int, int, str], Step] = {}  # the latest step of each thread and kind
     for event in phase_events(trace):
         if event.phase not in ("decode_step", "prefill"):
             continue
         kind = "decode" if event.phase == "decode_step" else "prefill"
         rank = int(trace.rank[event.row])
         source = "servprof_auto" if event.auto else "servprof"
-        same = next((s for s in reversed(steps) if s.rank == rank and s.tid == event.tid and s.kind == kind), None)
+        same = last.get((rank, event.tid, kind))
         if same is not None and event.start_us < same.end_us:
             same.end_us = max(same.end_us, event.end_us)
             same.request_ids.extend(r for r in event.request_ids if r not in same.request_ids)
@@ -112,12 +113,14 @@ def servprof_steps(trace: Trace) -> list[Step]:
             continue
         steps.append(Step(event.row, rank, event.tid, event.start_us, event.end_us, kind, source, event.phase,
                           list(event.request_ids), len(event.request_ids) or None))
+        last[(rank, event.tid, kind)] = steps[-1]
     return steps
 
 
 def host_rows(trace: Trace, pattern: re.Pattern[str], category: str | None = None) -> np.ndarray:
     """Host duration events whose name matches, in time order."""
-    mask = trace.mask_name(lambda s: pattern.search(s) is not None) & trace.complete() & (trace.stream < 0)
+    mask = (trace.mask_name(lambda s: pattern.search(s) is not None, trace.host_names()) & trace.complete()
+            & (trace.stream < 0))
     if category is not None:
         mask &= trace.mask_category(category)
     rows = np.flatnonzero(mask)
@@ -167,9 +170,10 @@ def sglang_steps(trace: Trace) -> list[Step]:
 def _enclosing(trace: Trace, candidates: np.ndarray, row: int) -> int | None:
     """The last-starting of the (time-sorted) candidate ranges that contains ``row`` on its thread."""
     pos = int(np.searchsorted(trace.ts[candidates], trace.ts[row], side="right")) - 1
+    row_end = trace.ts[row] + trace.dur[row]
     while pos >= 0:
         c = int(candidates[pos])
-        if trace.end[c] >= trace.end[row] and trace.tid[c] == trace.tid[row] and trace.rank[c] == trace.rank[row]:
+        if trace.ts[c] + trace.dur[c] >= row_end and trace.tid[c] == trace.tid[row] and trace.rank[c] == trace.rank[row]:
             return c
         if trace.ts[row] - trace.ts[c] > 60e6:  # a minute back: no step range is that long
             return None
@@ -177,17 +181,27 @@ def _enclosing(trace: Trace, candidates: np.ndarray, row: int) -> int | None:
     return None
 
 
-def outermost(trace: Trace, rows: np.ndarray) -> np.ndarray:
-    """The rows (time-sorted) not nested inside another of them on the same rank and thread."""
-    keep = []
-    covered_until: dict[tuple[int, int], float] = {}
-    for row in rows.tolist():
-        key = (int(trace.rank[row]), int(trace.tid[row]))
-        if trace.ts[row] < covered_until.get(key, -np.inf):
-            continue
-        covered_until[key] = float(trace.end[row])
-        keep.append(row)
-    return np.array(keep, dtype=np.int64)
+def outermost(trace: Trace, rows: np.ndarray, ends: np.ndarray | None = None) -> np.ndarray:
+    """The rows (time-sorted) not nested inside another of them on the same rank and thread: on
+    each thread, the first row, then the first to start at or after the end of the last one kept
+    (``ends``: each row's end, when not its own)."""
+    if rows.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    rows = np.asarray(rows, dtype=np.int64)
+    ends = trace.ts[rows] + trace.dur[rows] if ends is None else ends
+    by_thread = np.lexsort((trace.tid[rows], trace.rank[rows]))  # stable: time order within a thread
+    thread = np.stack([trace.rank[rows[by_thread]].astype(np.int64), trace.tid[rows[by_thread]]])
+    bounds = np.flatnonzero(np.any(thread[:, 1:] != thread[:, :-1], axis=0)) + 1
+    keep: list[int] = []
+    for mine in np.split(by_thread, bounds):
+        start = trace.ts[rows[mine]]
+        # The next row kept after row i (a Python step per row kept, not per row).
+        following = np.maximum(np.searchsorted(start, ends[mine], side="left"), np.arange(1, mine.size + 1)).tolist()
+        i = 0
+        while i < mine.size:
+            keep.append(int(mine[i]))
+            i = following[i]
+    return rows[np.sort(np.array(keep, dtype=np.int64))]
 
 
 def vllm_frame_steps(trace: Trace) -> list[Step]:

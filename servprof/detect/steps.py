@@ -87,8 +87,9 @@ def _profiler_or_forward(profiler: list[Step], forwards: list[Step]) -> list[Ste
         return profiler
     if not profiler:
         return forwards
-    starts = np.array([f.start_us for f in forwards])
-    inside = [int(((starts >= p.start_us) & (starts < p.end_us)).sum()) for p in profiler]
+    starts = np.sort(np.array([f.start_us for f in forwards]))
+    inside = (np.searchsorted(starts, [p.end_us for p in profiler], side="left")
+              - np.searchsorted(starts, [p.start_us for p in profiler], side="left"))  # forwards starting in each
     return forwards if np.mean(inside) > 1.5 else profiler
 
 
@@ -125,7 +126,8 @@ def _attach_device_spans(trace: Trace, steps: list[Step]) -> None:
     start, end = trace.ts[dev], trace.ts[dev] + trace.dur[dev]
     cutoffs = stop_cutoffs(trace)
     if cutoffs:
-        limit = np.array([cutoffs.get(int(r), np.inf) for r in trace.rank[dev].tolist()])
+        ranks, which = np.unique(trace.rank[dev], return_inverse=True)
+        limit = np.array([cutoffs.get(int(r), np.inf) for r in ranks.tolist()], dtype=float)[which]
         keep = start < limit
         owner, start, end = owner[keep], start[keep], np.minimum(end[keep], limit[keep])
     first = np.full(len(steps), np.inf)

@@ -19,6 +19,7 @@ from servprof.detect.finding import Finding
 from servprof.detect.gaps import Gap
 from servprof.detect.host_stacks import TOKENIZER_NAMES
 from servprof.detect.overhead import stop_cutoffs
+from servprof.detect.step_forms import outermost
 from servprof.detect.steps import Step
 from servprof.trace.model import Trace
 from servprof.trace.phases import phase_events
@@ -72,18 +73,49 @@ def _tokenize_spans(trace: Trace) -> list[tuple[str | None, float, float, int, i
     if spans:
         return spans
     # Foreign traces: outermost tokenizer-named ranges (python frames or ops).
-    rows = np.flatnonzero(trace.mask_name(lambda s: TOKENIZER_NAMES.search(s) is not None) & trace.complete()
+    rows = np.flatnonzero(trace.mask_name(lambda s: TOKENIZER_NAMES.search(s) is not None, trace.host_names())
+                          & trace.complete()
                           & (trace.stream < 0))
     rows = rows[np.argsort(trace.ts[rows], kind="stable")]
-    covered_until: dict[tuple[int, int], float] = {}
-    for row in rows:
-        key = (int(trace.rank[row]), int(trace.tid[row]))
-        start, end = float(trace.ts[row]), min(float(trace.ts[row] + trace.dur[row]), cutoffs.get(key[0], np.inf))
-        if end <= start or start < covered_until.get(key, -np.inf):
-            continue  # nested inside the previous tokenizer range
-        covered_until[key] = end
-        spans.append((None, start, end, key[0], key[1]))
-    return spans
+    ranks, rank_of = np.unique(trace.rank[rows], return_inverse=True)
+    cutoff = np.array([cutoffs.get(int(r), np.inf) for r in ranks.tolist()], dtype=float)[rank_of]
+    ends = np.minimum(trace.ts[rows] + trace.dur[rows], cutoff)
+    lasting = ends > trace.ts[rows]
+    kept = np.isin(rows, outermost(trace, rows[lasting], ends[lasting]))  # not nested in the previous one
+    return [(None, start, end, rank, tid) for start, end, rank, tid in zip(
+        trace.ts[rows[kept]].tolist(), ends[kept].tolist(), trace.rank[rows[kept]].tolist(),
+        trace.tid[rows[kept]].tolist(), strict=True)]
+
+
+def _step_starts_by_request(steps: list[Step]) -> dict[tuple[int, str], np.ndarray]:
+    """(rank, request id) -> the sorted starts of the steps that name the request."""
+    starts: dict[tuple[int, str], list[float]] = {}
+    for step in steps:
+        for rid in step.request_ids:
+            starts.setdefault((step.rank, rid), []).append(step.start_us)
+    return {key: np.sort(np.array(values)) for key, values in starts.items()}
+
+
+class _Near:
+    """Intervals (rank, start, end) found by a binary search on their starts: those that
+    overlap a window, in their own order."""
+
+    def __init__(self, rank: np.ndarray, start: np.ndarray, end: np.ndarray) -> None:
+        self.rank, self.start, self.end = rank, start, end
+        self.by_start = np.lexsort((start, rank))
+        self.keys = (rank[self.by_start], start[self.by_start])
+        self.longest = float((end - start).max()) if start.size else 0.0
+
+    def overlapping(self, rank: int, start: float, end: float, touching: bool = False) -> np.ndarray:
+        """Indices of the intervals on ``rank`` with start < end and end > start (any that might
+        touch the window when ``touching``: the caller measures the overlap), in index order."""
+        ranks, starts = self.keys
+        lo_rank, hi_rank = np.searchsorted(ranks, rank, side="left"), np.searchsorted(ranks, rank, side="right")
+        reach = 2 * self.longest + 1.0  # (wider than any interval: rounding never leaves one out)
+        lo = lo_rank + np.searchsorted(starts[lo_rank:hi_rank], start - reach, side="left")
+        hi = lo_rank + np.searchsorted(starts[lo_rank:hi_rank], end, side="right" if touching else "left")
+        near = np.sort(self.by_start[lo:hi])
+        return near if touching else near[self.end[near] > start]
 
 
 def detect_tokenization_stalls(trace: Trace, steps: list[Step], gaps: list[Gap]) -> tuple[list[Finding], dict[str, Any]]:
@@ -102,10 +134,14 @@ def detect_tokenization_stalls(trace: Trace, steps: list[Step], gaps: list[Gap])
     loop_tid = trace.servprof_metadata().get("event_loop_tid")
     per_request: dict[str, dict[str, Any]] = {}
     findings: list[Finding] = []
+    first_steps = _step_starts_by_request(steps)
+    slow_near = _Near(slow_rank, slow_start, slow_end)
+    gaps_near = _Near(gap_rank, gap_start, gap_end)
     for index, (rid, start, end, rank, tid) in enumerate(spans):
         key = rid or f"unattributed-{index}"
-        mine = [s for s in steps if s.rank == rank and rid is not None and rid in s.request_ids and s.start_us >= start]
-        first_model = min((s.start_us for s in mine), default=None)
+        starts = first_steps.get((rank, rid)) if rid is not None else None
+        at = int(np.searchsorted(starts, start, side="left")) if starts is not None else 0
+        first_model = float(starts[at]) if starts is not None and at < starts.size else None
         entry = per_request.setdefault(key, {
             "request_id": rid, "tokenize_ms": 0.0, "start_us": start, "end_us": end, "thread": tid,
             "to_first_model_step_ms": None, "delayed_steps": 0, "delayed_step_ms": 0.0,
@@ -117,7 +153,7 @@ def detect_tokenization_stalls(trace: Trace, steps: list[Step], gaps: list[Gap])
             entry["to_first_model_step_ms"] = round((first_model - entry["start_us"]) / 1000.0, 3)
         # Other requests' decode steps that ran meanwhile and were slower than a typical one.
         if slow_steps.size:
-            hit = slow_steps[(slow_rank == rank) & (slow_end > start) & (slow_start < end)]
+            hit = slow_steps[slow_near.overlapping(rank, start, end)]
             for index in hit.tolist():
                 step = decode_steps[index]
                 if rid and rid in step.request_ids:
@@ -128,8 +164,9 @@ def detect_tokenization_stalls(trace: Trace, steps: list[Step], gaps: list[Gap])
                 entry["delayed_step_ms"] += (step.dur_us - typical_step) * overlap / step.dur_us / 1000.0
                 entry["delayed_request_ids"].update(step.request_ids)
         if gap_start.size:
-            overlap = np.minimum(gap_end, end) - np.maximum(gap_start, start)
-            entry["overlapping_gap_ms"] += float(overlap[(gap_rank == rank) & (overlap > 0)].sum()) / 1000.0
+            near = gaps_near.overlapping(rank, start, end, touching=True)
+            overlap = np.minimum(gap_end[near], end) - np.maximum(gap_start[near], start)
+            entry["overlapping_gap_ms"] += float(overlap[overlap > 0].sum()) / 1000.0
     for entry in per_request.values():
         entry["delayed_request_ids"] = sorted(entry["delayed_request_ids"])
         entry["tokenize_ms"] = round(entry["tokenize_ms"], 4)

@@ -18,7 +18,6 @@ from typing import Any
 
 import orjson
 from rich.console import Console
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from servprof.detect.analysis import Analysis, analyse
 from servprof.detect.devices import DEVICES, UnknownDevice
@@ -92,8 +91,7 @@ def run(args: argparse.Namespace) -> int:
         runs = plan_runs(source)
         files = trace_files(source)
         show = sum(f.stat().st_size for f in files) >= PROGRESS_MIN_BYTES
-        progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                            console=err, transient=True) if show else None
+        progress = _progress(err) if show else None
         with progress or nullcontext():
             # Three stages per file (read, parse, columns), then the detectors once per run.
             task = progress.add_task("reading", total=3 * len(files) + len(runs)) if progress else None
@@ -137,6 +135,15 @@ def run(args: argparse.Namespace) -> int:
     for item in runs:
         print_analysis(item.analysis, console, session=item.label if len(runs) > 1 else None)
     return 0
+
+
+def _progress(console: Console) -> Any:
+    """The progress display for a big input (imported only then: rich.progress is a tenth of the
+    imports of a small trace's whole analysis)."""
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                    console=console, transient=True)
 
 
 def _tokenize_spans(trace: Trace | None) -> list[tuple[float, float, str]]:

@@ -10,13 +10,14 @@ from typing import Any
 import numpy as np
 
 from servprof.detect.analysis import Analysis
+from servprof.detect.bandwidth_points import ROOFLINE_POINTS
 from servprof.report.memory_compile import html_section as memory_compile_section
 from servprof.report.utilisation import utilisation_html
 
 WIDTH, LANE = 960, 18
 MAX_TIMELINE_STEPS = 3000
 MAX_TIMELINE_GAPS = 5000
-MAX_ROOFLINE_POINTS = 2000
+MAX_ROOFLINE_POINTS = ROOFLINE_POINTS  # (Analysis.kernels keeps the first this many that can be plotted)
 COLORS = {"decode": "#4c78a8", "prefill": "#72b7b2", "mixed": "#54a24b", "step": "#9d755d", "tokenize": "#f58518"}
 
 

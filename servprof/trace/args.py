@@ -50,24 +50,71 @@ class RawArgs(Sequence[Any]):
         return self._rows
 
     def __getitem__(self, row: int) -> Any:  # type: ignore[override]
+        row = self._row(row)
+        if row in self._decoded:
+            return self._decoded[row]
+        value, decoded = self._value(row)
+        if decoded:
+            self._decoded[row] = value
+        return value
+
+    def read(self, row: int) -> Any:
+        """Row's args, decoded without keeping them (for one pass over many rows: kept, a trace's
+        decoded args would grow with it)."""
+        row = self._row(row)
+        return self._decoded[row] if row in self._decoded else self._value(row)[0]
+
+    def read_many(self, rows: np.ndarray) -> list[Any]:
+        """read() of each row, the text of one segment decoded in one call."""
+        rows = np.asarray(rows, dtype=np.int64) % max(self._rows, 1)
+        out: list[Any] = [None] * rows.size
+        segment_of = np.searchsorted(np.asarray(self._first_rows, dtype=np.int64), rows, side="right") - 1
+        order = np.argsort(segment_of, kind="stable")
+        bounds = np.flatnonzero(np.diff(segment_of[order])) + 1
+        for members in np.split(order, bounds) if rows.size else []:
+            index = int(segment_of[members[0]])
+            segment, offsets = self._segments[index], rows[members] - self._first_rows[index]
+            if isinstance(segment, list):
+                values = [segment[o] for o in offsets.tolist()]
+            else:
+                values = self._decode_many(segment, offsets)
+            for i, row, value in zip(members.tolist(), rows[members].tolist(), values, strict=True):
+                out[i] = self._decoded.get(row, value)
+        return out
+
+    @staticmethod
+    def _decode_many(segment: tuple[bytes, np.ndarray, np.ndarray], offsets: np.ndarray) -> list[Any]:
+        text, starts, ends = segment
+        view = memoryview(text)
+        pieces = [view[a:b] for a, b in zip(starts[offsets].tolist(), ends[offsets].tolist(), strict=True)]
+        try:
+            return orjson.loads(b"".join((b"[", b",".join(pieces), b"]")))  # type: ignore[no-any-return]
+        except orjson.JSONDecodeError:  # one row's text is not JSON (not UTF-8, too deep): each on its own
+            return [_loads_or_none(piece) for piece in pieces]
+
+    def _value(self, row: int) -> tuple[Any, bool]:
+        """(the row's args, whether they were decoded from text)."""
+        index = bisect_right(self._first_rows, row) - 1
+        segment, offset = self._segments[index], row - self._first_rows[index]
+        if isinstance(segment, list):
+            return segment[offset], False
+        text, starts, ends = segment
+        return _loads_or_none(memoryview(text)[int(starts[offset]):int(ends[offset])]), True
+
+    def _row(self, row: int) -> int:
         row = int(row)
         if row < 0:
             row += self._rows
         if not 0 <= row < self._rows:
             raise IndexError(row)
-        if row in self._decoded:
-            return self._decoded[row]
-        index = bisect_right(self._first_rows, row) - 1
-        segment, offset = self._segments[index], row - self._first_rows[index]
-        if isinstance(segment, list):
-            return segment[offset]
-        text, starts, ends = segment
-        try:
-            value = orjson.loads(memoryview(text)[int(starts[offset]):int(ends[offset])])
-        except orjson.JSONDecodeError:  # text the event decoder let through unchecked (not UTF-8)
-            value = None
-        self._decoded[row] = value
-        return value
+        return row
 
     def __iter__(self) -> Iterator[Any]:
         return (self[row] for row in range(self._rows))
+
+
+def _loads_or_none(text: Any) -> Any:
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:  # text the event decoder let through unchecked (not UTF-8)
+        return None

@@ -196,18 +196,65 @@ def give_back_freed_memory() -> None:
 _malloc_trim: Any = None
 
 
+_ARG_KEYS = (b'"stream"', b'"correlation"', b'"External id"')
+SAMPLE_BYTES = 64 * 1024
+SPARSE_SHARE = 0.25  # fewer rows than this (in a sample) naming an arg column: only those are decoded
+
+
 def _arg_columns_of_text(text: bytes, starts: np.ndarray, ends: np.ndarray) -> dict[str, np.ndarray]:
-    """stream, correlation and External id of each event, from its args' JSON text."""
+    """stream, correlation and External id of each event, from its args' JSON text. Where few
+    rows name them (Python frames' args never do), only the rows whose text does are decoded:
+    found by searching the text, which is much faster than decoding it."""
+    sampled = int(np.searchsorted(starts, SAMPLE_BYTES))
+    if sampled >= 32 and b"\\u" not in text:  # (a key written with escapes would not be found)
+        mentions = sum(text.count(key, 0, SAMPLE_BYTES) for key in _ARG_KEYS)
+        if mentions < SPARSE_SHARE * sampled:
+            sparse = _sparse_arg_columns(text, starts, ends)
+            if sparse is not None:
+                return sparse
+    return _all_arg_columns(text, starts, ends)
+
+
+def _sparse_arg_columns(text: bytes, starts: np.ndarray, ends: np.ndarray) -> dict[str, np.ndarray] | None:
+    """The arg columns, decoding only the rows whose text names one (None: decode them all)."""
+    positions: list[int] = []
+    for key in _ARG_KEYS:
+        find, at = text.find, text.find(key)
+        while at >= 0:
+            positions.append(at)
+            at = find(key, at + 1)
+    rows = np.unique(np.searchsorted(starts, np.array(positions, dtype=np.int64), side="right") - 1)
+    columns = {key: np.full(starts.size, -1, dtype=np.int64) for key in ("stream", "correlation", "external_id")}
+    if rows.size == 0:
+        return columns
+    view = memoryview(text)
+    pieces = [view[a:b] for a, b in zip(starts[rows].tolist(), ends[rows].tolist(), strict=True)]
+    found = _arg_columns_of(b"".join((b"[", b",".join(pieces), b"]")))
+    if found is None:
+        return None
+    for key, values in found.items():
+        columns[key][rows] = values
+    return columns
+
+
+def _arg_columns_of(array_text: bytes) -> dict[str, np.ndarray] | None:
+    """The arg columns of a JSON array of args objects, when each is an object of integers."""
     try:
-        fields = _ARG_FIELDS.decode(b"".join((b"[", text, b"]")))
-        n = len(fields)
-        return {"stream": np.fromiter([a.stream for a in fields], dtype=np.int64, count=n),
-                "correlation": np.fromiter([a.correlation for a in fields], dtype=np.int64, count=n),
-                "external_id": np.fromiter([a.external_id for a in fields], dtype=np.int64, count=n)}
+        fields = _ARG_FIELDS.decode(array_text)
     except (msgspec.DecodeError, RecursionError, UnicodeDecodeError, OverflowError):
-        # Not all integers (or args that are not objects): converted as from orjson's values.
-        return arg_columns([_decoded(text[s:e]) or NO_ARGS for s, e in zip(starts.tolist(), ends.tolist(),
-                                                                          strict=True)])
+        return None
+    n = len(fields)
+    return {"stream": np.fromiter([a.stream for a in fields], dtype=np.int64, count=n),
+            "correlation": np.fromiter([a.correlation for a in fields], dtype=np.int64, count=n),
+            "external_id": np.fromiter([a.external_id for a in fields], dtype=np.int64, count=n)}
+
+
+def _all_arg_columns(text: bytes, starts: np.ndarray, ends: np.ndarray) -> dict[str, np.ndarray]:
+    columns = _arg_columns_of(b"".join((b"[", text, b"]")))
+    if columns is not None:
+        return columns
+    # Not all integers (or args that are not objects): converted as from orjson's values.
+    return arg_columns([_decoded(text[s:e]) or NO_ARGS for s, e in zip(starts.tolist(), ends.tolist(), strict=True)])
 
 
 def _decoded(text: Any) -> Any:

@@ -7,8 +7,7 @@ vector operations over ids rather than string compares per event.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,29 +18,42 @@ DEVICE_CATEGORIES = ("kernel", "Kernel", "gpu_memcpy", "Memcpy", "gpu_memset", "
 RUNTIME_CATEGORIES = ("cuda_runtime", "cuda_driver", "Runtime", "hip_runtime", "privateuse1_runtime")
 
 
-@dataclass
 class Trace:
-    """Events of one or more ranks; row i of every column is the same event."""
+    """Events of one or more ranks; row i of every column is the same event.
 
-    source: str
-    names: list[str]  # id -> string, shared by name_id and cat_id
-    name_id: np.ndarray  # int32
-    cat_id: np.ndarray  # int32
-    ph: np.ndarray  # uint8: ord of the chrome-trace phase letter
-    pid: np.ndarray  # int64 (non-integer pids are interned: -(id+2))
-    tid: np.ndarray  # int64 (same rule)
-    ts: np.ndarray  # float64, µs as written by Kineto
-    dur: np.ndarray  # float64, µs, never negative
-    stream: np.ndarray  # int64, -1 where absent
-    correlation: np.ndarray  # int64, -1 where absent
-    external_id: np.ndarray  # int64, -1 where absent
-    flow_id: np.ndarray  # int64, id of ph "s"/"f" flow events, -1 otherwise
-    rank: np.ndarray  # int32, distributedInfo.rank of the file the event came from
-    # args per row, read through args(): the loader keeps them as JSON text, decoded on first read.
-    raw_args: Sequence[Any]
-    metadata: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> top-level keys
-    thread_names: dict[tuple[int, int, int], str] = field(default_factory=dict)  # (rank, pid, tid)
-    _name_lookup: dict[str, int] = field(default_factory=dict, repr=False)
+    (A plain class rather than a dataclass: loading a trace in a fresh process then needs no
+    `dataclasses` import, which with `inspect` is a tenth of that process's imports.)"""
+
+    def __init__(self, source: str, names: list[str], name_id: np.ndarray, cat_id: np.ndarray, ph: np.ndarray,
+                 pid: np.ndarray, tid: np.ndarray, ts: np.ndarray, dur: np.ndarray, stream: np.ndarray,
+                 correlation: np.ndarray, external_id: np.ndarray, flow_id: np.ndarray, rank: np.ndarray,
+                 raw_args: Sequence[Any], metadata: dict[int, dict[str, Any]] | None = None,
+                 thread_names: dict[tuple[int, int, int], str] | None = None,
+                 _name_lookup: dict[str, int] | None = None) -> None:
+        self.source = source
+        self.names = names  # id -> string, shared by name_id and cat_id
+        self.name_id = name_id  # int32
+        self.cat_id = cat_id  # int32
+        self.ph = ph  # uint8: ord of the chrome-trace phase letter
+        self.pid = pid  # int64 (non-integer pids are interned: -(id+2))
+        self.tid = tid  # int64 (same rule)
+        self.ts = ts  # float64, µs as written by Kineto
+        self.dur = dur  # float64, µs, never negative
+        self.stream = stream  # int64, -1 where absent
+        self.correlation = correlation  # int64, -1 where absent
+        self.external_id = external_id  # int64, -1 where absent
+        self.flow_id = flow_id  # int64, id of ph "s"/"f" flow events, -1 otherwise
+        self.rank = rank  # int32, distributedInfo.rank of the file the event came from
+        # args per row, read through args(): the loader keeps them as JSON text, decoded on first read.
+        self.raw_args = raw_args
+        self.metadata = {} if metadata is None else metadata  # rank -> top-level keys
+        self.thread_names = {} if thread_names is None else thread_names  # (rank, pid, tid) -> name
+        self._name_lookup = {} if _name_lookup is None else _name_lookup
+        self._host_names: np.ndarray | None = None
+        self._derived: dict[str, Any] = {}  # what several detectors ask for, worked out once
+
+    def __repr__(self) -> str:
+        return f"Trace({self.source!r}, {len(self)} events, ranks {self.ranks})"
 
     def __len__(self) -> int:
         return int(self.ts.shape[0])
@@ -65,20 +77,47 @@ class Trace:
         # A fresh dict for rows without args: the loader shares one empty dict between them.
         return value if isinstance(value, dict) and value else {}
 
+    def args_once(self, row: int) -> dict[str, Any]:
+        """args(row), decoded without keeping it: for a pass that reads each of many rows once."""
+        read = getattr(self.raw_args, "read", None)
+        value = read(int(row)) if read is not None else self.raw_args[int(row)]
+        return value if isinstance(value, dict) and value else {}
+
+    def args_each(self, rows: np.ndarray, chunk: int = 4096) -> Iterator[dict[str, Any]]:
+        """args(row) of each row in turn, decoded a chunk of rows at a time and not kept."""
+        read_many = getattr(self.raw_args, "read_many", None)
+        for first in range(0, len(rows), chunk):
+            part = rows[first:first + chunk]
+            values = read_many(part) if read_many is not None else [self.raw_args[int(r)] for r in part]
+            yield from (v if isinstance(v, dict) and v else {} for v in values)
+
     def string_id(self, text: str) -> int:
         """The interned id of ``text``, or -1 when no event uses it."""
         return self._name_lookup.get(text, -1)
 
-    def ids_matching(self, predicate: Any) -> np.ndarray:
+    def ids_matching(self, predicate: Any, among: np.ndarray | None = None) -> np.ndarray:
         """Ids of interned strings for which predicate(str) is true (one pass over the
-        distinct strings, not over the events)."""
-        return np.flatnonzero(np.fromiter(map(predicate, self.names), dtype=bool, count=len(self.names)))
+        distinct strings, not over the events); ``among``: only these ids are tried (the names
+        of the rows a question is about, host_names()), in increasing order."""
+        if among is None:
+            return np.flatnonzero(np.fromiter(map(predicate, self.names), dtype=bool, count=len(self.names)))
+        names = self.names
+        return among[np.fromiter((predicate(names[i]) for i in among.tolist()), dtype=bool, count=among.size)]
+
+    def host_names(self) -> np.ndarray:
+        """Ids of the names host events (not on a device stream) use, in increasing order: a
+        question about host events need not try a pattern on the (long) kernel names."""
+        if self._host_names is None:
+            used = np.zeros(len(self.names) + 1, dtype=bool)
+            used[self.name_id[self.stream < 0]] = True
+            self._host_names = np.flatnonzero(used[:-1])
+        return self._host_names
 
     def mask_category(self, *categories: str) -> np.ndarray:
         return self.has_id(self.cat_id, [self.string_id(c) for c in categories])
 
-    def mask_name(self, predicate: Any) -> np.ndarray:
-        return self.has_id(self.name_id, self.ids_matching(predicate))
+    def mask_name(self, predicate: Any, among: np.ndarray | None = None) -> np.ndarray:
+        return self.has_id(self.name_id, self.ids_matching(predicate, among))
 
     def has_id(self, column: np.ndarray, ids: Any) -> np.ndarray:
         """``np.isin(column, ids)`` for a column of string ids (-1s in ``ids`` ignored), as one
@@ -93,10 +132,15 @@ class Trace:
         return self.ph == ord("X")
 
     def device_mask(self) -> np.ndarray:
-        return self.complete() & self.mask_category(*DEVICE_CATEGORIES) & (self.stream >= 0)
+        if "device" not in self._derived:
+            self._derived["device"] = self.complete() & self.mask_category(*DEVICE_CATEGORIES) & (self.stream >= 0)
+        return self._derived["device"].copy()  # (a copy: callers combine masks in place)
 
     def launch_mask(self) -> np.ndarray:
-        return self.complete() & self.mask_category(*RUNTIME_CATEGORIES) & (self.correlation >= 0)
+        if "launch" not in self._derived:
+            self._derived["launch"] = (self.complete() & self.mask_category(*RUNTIME_CATEGORIES)
+                                       & (self.correlation >= 0))
+        return self._derived["launch"].copy()
 
     def launch_row_for(self, device_rows: np.ndarray) -> np.ndarray:
         """Row of the host launch that enqueued each device event (-1 when not in the trace).
@@ -104,18 +148,20 @@ class Trace:
         Joined on (rank, correlation). A CUDA/HIP graph replay is one launch whose
         correlation is shared by every kernel of the graph, so many rows may map to one.
         """
-        launches = np.flatnonzero(self.launch_mask())
+        if "launches" not in self._derived:
+            launches = np.flatnonzero(self.launch_mask())
+            # One key per (rank, correlation): rank in the high bits.
+            launch_keys = (self.rank[launches].astype(np.int64) << 40) | self.correlation[launches]
+            order = np.argsort(launch_keys, kind="stable")
+            self._derived["launches"] = (launches[order], launch_keys[order])
+        launches, sorted_keys = self._derived["launches"]
         if launches.size == 0 or device_rows.size == 0:
             return np.full(device_rows.shape, -1, dtype=np.int64)
-        # One key per (rank, correlation): rank in the high bits.
-        launch_keys = (self.rank[launches].astype(np.int64) << 40) | self.correlation[launches]
-        order = np.argsort(launch_keys, kind="stable")
-        sorted_keys = launch_keys[order]
         wanted = (self.rank[device_rows].astype(np.int64) << 40) | self.correlation[device_rows]
         pos = np.searchsorted(sorted_keys, wanted)
         pos_clipped = np.minimum(pos, sorted_keys.size - 1)
         found = (sorted_keys[pos_clipped] == wanted) & (self.correlation[device_rows] >= 0)
-        return np.where(found, launches[order[pos_clipped]], -1)
+        return np.where(found, launches[pos_clipped], -1)
 
     def servprof_metadata(self) -> dict[str, Any]:
         """servprof's session metadata (top-level key ``servprof``), {} when absent; its known

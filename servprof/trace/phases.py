@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -24,8 +24,7 @@ def parse_phase_event_name(event_name: str) -> tuple[str, list[str]] | None:
     return name, [i for i in ids.split(",") if i]
 
 
-@dataclass(frozen=True)
-class PhaseEvent:
+class PhaseEvent(NamedTuple):
     row: int
     phase: str  # without the auto. prefix
     request_ids: tuple[str, ...]

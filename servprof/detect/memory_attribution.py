@@ -1,0 +1,95 @@
+"""Who allocated: the ops, phases and requests behind a series' allocator events.
+
+A trace with memory profiling has an allocator event per allocation and free (a large share
+of its events): everything here is array operations over them, sums taken in the events' order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from servprof.detect.memory_series import MemorySeries
+from servprof.detect.nesting import open_at
+from servprof.detect.steps import Step, step_index
+from servprof.trace.model import Trace
+
+TOP = 5
+NO_OP = "(no op)"
+
+
+def attribution(trace: Trace, series: MemorySeries, steps: list[Step]) -> dict[str, Any]:
+    """Ops, phases and requests behind the allocator events: bytes allocated (sum of +Bytes)
+    and bytes kept (signed sum) by each."""
+    assert series.rows is not None and series.delta is not None
+    rows, delta = series.rows, series.delta
+    allocating = delta > 0
+    op_names = [trace.names[i] if i >= 0 else NO_OP for i in enclosing_ops(trace, rows)[allocating].tolist()]
+    top_ops = _top(op_names, delta[allocating])
+    mine = [s for s in steps if s.rank == series.rank]
+    where = step_index(mine, trace.rank[rows], trace.ts[rows]) if mine else np.full(rows.shape, -1)
+    kinds = [s.kind for s in mine]
+    phase = [kinds[i] if i >= 0 else "outside_steps" for i in where.tolist()]
+    by_phase = {}
+    names, which = np.unique(np.array(phase, dtype=object), return_inverse=True) if phase else ([], where)
+    for code, name in enumerate(names):
+        size = delta[which == code]
+        by_phase[str(name)] = {"allocated_bytes": _sum(np.maximum(size, 0.0)), "kept_bytes": _sum(size)}
+    return {"top_ops": [{"op": op, "allocated_bytes": int(b)} for op, b in top_ops],
+            "by_phase": {k: {n: int(v) for n, v in d.items()} for k, d in sorted(by_phase.items())},
+            "top_requests": [{"request_id": r, "allocated_bytes": int(b)}
+                             for r, b in _by_request(mine, where, delta)]}
+
+
+def _sum(values: np.ndarray) -> float:
+    """0.0 + each value in turn (as a running Python sum would)."""
+    total = np.zeros(1)
+    np.add.at(total, np.zeros(values.size, dtype=np.int64), values)
+    return float(total[0])
+
+
+def _top(keys: list[str], sizes: np.ndarray) -> list[tuple[str, float]]:
+    """The keys with the largest sums of their sizes (summed in order), the first seen first among equals."""
+    if not keys:
+        return []
+    names, first, which = np.unique(np.array(keys, dtype=object), return_index=True, return_inverse=True)
+    totals = np.bincount(which, weights=sizes, minlength=len(names))
+    return [(str(names[i]), float(totals[i])) for i in np.lexsort((first, -totals))[:TOP]]
+
+
+def _by_request(steps: list[Step], where: np.ndarray, delta: np.ndarray) -> list[tuple[str, float]]:
+    """Each allocation in a step shared evenly among the step's requests, summed per request."""
+    counts = np.array([len(s.request_ids) for s in steps] + [0], dtype=np.int64)
+    taken = np.flatnonzero((where >= 0) & (delta > 0) & (counts[where] > 0))
+    if taken.size == 0:
+        return []
+    per_event = counts[where[taken]]
+    share = delta[taken] / per_event
+    # One entry per (allocation, request of its step), in the allocations' order.
+    first_id = np.concatenate([[0], np.cumsum(counts)])
+    position = np.arange(int(per_event.sum())) - np.repeat(np.cumsum(per_event) - per_event, per_event)
+    ids = [rid for s in steps for rid in s.request_ids]
+    entry = np.repeat(first_id[where[taken]], per_event) + position
+    return _top([ids[i] for i in entry.tolist()], np.repeat(share, per_event))
+
+
+def enclosing_ops(trace: Trace, rows: np.ndarray) -> np.ndarray:
+    """The name id of the innermost op running on the event's thread at each allocator event
+    (-1 when none)."""
+    found = np.full(rows.shape, -1, dtype=np.int64)
+    if rows.size == 0:
+        return found
+    ops_mask = trace.complete() & trace.mask_category("cpu_op", "user_annotation") & (trace.stream < 0)
+    keys = np.stack([trace.rank[rows].astype(np.int64), trace.pid[rows], trace.tid[rows]], axis=1)
+    threads, thread_of = np.unique(keys, axis=0, return_inverse=True)
+    thread_of = thread_of.ravel()
+    for number, (rank, pid, tid) in enumerate(threads.tolist()):
+        on_thread = np.flatnonzero(ops_mask & (trace.rank == rank) & (trace.pid == pid) & (trace.tid == tid))
+        if on_thread.size == 0:
+            continue
+        on_thread = on_thread[np.lexsort((-trace.dur[on_thread], trace.ts[on_thread]))]
+        wanted = np.flatnonzero(thread_of == number)
+        op = open_at(trace.ts[on_thread], trace.ts[on_thread] + trace.dur[on_thread], trace.ts[rows[wanted]])
+        found[wanted] = np.where(op >= 0, trace.name_id[on_thread[np.maximum(op, 0)]], -1)
+    return found
