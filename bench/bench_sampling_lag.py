@@ -81,6 +81,26 @@ class TickerApp:
             self.samples.append((now, max(0, now - before - interval), session.state if session else "none"))
 
 
+class TickedServer:
+    """`app` under uvicorn on a free loopback port with a TickerApp around it; returns once the
+    server is up and servprof's process-wide profiler is warm. stop() ends it."""
+
+    def __init__(self, app: Any) -> None:
+        self.ticker = TickerApp(app)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self._server = uvicorn.Server(uvicorn.Config(self.ticker, log_level="warning", lifespan="on"))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self._thread.start()
+        while not self._server.started or not get_controller().warm:
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(30)
+
+
 def lag_stats(lags_ns: list[int]) -> tuple[float, float, float]:
     if not lags_ns:
         return float("nan"), float("nan"), float("nan")
@@ -108,15 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     demo_server = demo.state.demo
     middleware = ServprofMiddleware(demo, Settings(out_dir=out_dir, telemetry=False, control_token=TOKEN,
                                                    on_demand_min_interval_s=0.1, max_on_demand=64))
-    ticker = TickerApp(middleware)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(ticker, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started or not get_controller().warm:
-        time.sleep(0.05)
+    served = TickedServer(middleware)
+    url, ticker = served.url, served.ticker
 
     total_s = args.baseline_s + 5 + len(BUDGETS) * args.repeat * (40 + args.window_s)
     locust = subprocess.Popen(
@@ -147,8 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         except subprocess.TimeoutExpired:
             locust.kill()
             locust.wait(10)
-        server.should_exit = True
-        thread.join(30)
+        served.stop()
     if args.details:
         _report(console, rows, base_tps, base_lags)
     _summary(console, rows)

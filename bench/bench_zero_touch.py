@@ -26,12 +26,10 @@ import argparse
 import gzip
 import importlib
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -45,7 +43,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the test servers: servers.hf_streaming, servers.handwritten_loop
 sys.path.insert(0, str(ROOT / "bench"))
-from bench_sampling_lag import TickerApp  # noqa: E402  (a 1 ms ticker on the serving loop)
+from bench_sampling_lag import TickedServer  # noqa: E402  (a 1 ms ticker on the serving loop)
 from zero_touch_costs import measure_costs, print_costs  # noqa: E402
 
 TOKEN = "bench-token"
@@ -79,9 +77,6 @@ def _rate(bins: dict[str, int], bin_s: float, lo: float, hi: float) -> float:
 
 
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
-    import uvicorn
-
-    from servprof.capture import get_controller
     from servprof.middleware import ServprofMiddleware
 
     out_dir = Path(tempfile.mkdtemp(prefix="servprof-zt-"))
@@ -89,15 +84,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     app = server.create_app()
     app.add_middleware(ServprofMiddleware, out_dir=out_dir, telemetry=False, control_token=TOKEN,
                        on_demand_min_interval_s=0.1, record_shapes=args.shapes)
-    ticker = TickerApp(app)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    uv = uvicorn.Server(uvicorn.Config(ticker, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not uv.started or not get_controller().warm:
-        time.sleep(0.05)
+    served = TickedServer(app)
+    url, ticker = served.url, served.ticker
     total_s = 3 + args.baseline_s + args.sessions * (args.window_s + 6) + 30
     load_out = out_dir / "load.json"
     load = subprocess.Popen([sys.executable, str(ROOT / "bench" / "stream_load.py"), url, "--users", str(args.users),
@@ -131,8 +119,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         load.terminate()
         load.wait(60)
-        uv.should_exit = True
-        thread.join(30)
+        served.stop()
     result = orjson.loads(load_out.read_bytes()) if load_out.exists() else {"bins": {}, "bin_s": 0.1}
     bins, bin_s = result["bins"], result["bin_s"]
     base_p99, base_max = _p99_max(_lags(ticker.samples, *base))
