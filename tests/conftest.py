@@ -53,3 +53,13 @@ def _forget_torch_compile() -> Iterator[None]:
         torch._dynamo.reset()
         counters.clear()
         clear_compilation_metrics()
+
+
+@pytest.fixture(autouse=True)
+def _forget_memory_history() -> None:
+    """The memory probe keeps the process's levels between sessions (servprof.probes.memory): in a
+    server the process is the server, but here it is every earlier test's, and their growth (models
+    loaded, caches filled) is no leak of this test's server."""
+    memory = sys.modules.get("servprof.probes.memory")
+    if memory is not None:
+        memory.memory_history().points.clear()
