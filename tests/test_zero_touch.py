@@ -181,14 +181,15 @@ def test_tokenization_found_on_the_loop_with_its_time(observed: dict[str, Any]) 
         assert per_request[rid]["on_event_loop"] is True
         measured.append((spans[0]["end_us"] - spans[0]["start_us"]) / 1e3)
     # The same call timed without the profiler, interleaved with the requests (23 runs). On this
-    # shared machine single timings swing by 2x, so the comparison is between distributions: the
-    # fastest sampled call within 20% of the typical reference call (noise only adds time), and none
-    # faster than the fastest reference call less 20%. The servers' slow helpers that run just
-    # before the tokenizer (several times its time) must not be in the phase.
-    reference = observed["reference_ms"]
-    typical = sorted(reference)[len(reference) // 2]
-    assert min(measured) <= 1.2 * typical, (measured, reference)
-    assert min(measured) >= 0.8 * min(reference), (measured, reference)
+    # shared machine single timings swing by 2x and the load shifts within a run, so the comparison
+    # is between distributions: the fastest sampled call within 1.5x the reference's upper quartile,
+    # and none faster than the fastest reference call less 20%. The servers' slow helpers that run
+    # just before the tokenizer (several times its time) must not be in the phase: with one, the
+    # fastest sampled call would be several times the typical one.
+    reference = sorted(observed["reference_ms"])
+    upper_quartile = reference[(3 * len(reference)) // 4]
+    assert min(measured) <= 1.5 * upper_quartile, (measured, reference)
+    assert min(measured) >= 0.8 * reference[0], (measured, reference)
 
 
 def test_the_loop_stall_is_named_by_the_blocking_function(observed: dict[str, Any]) -> None:
