@@ -30,6 +30,10 @@ MIN_TOKENIZE_MS = 5.0
 # Critical when it is most of the request's time to its first model step (or a fifth of the
 # session) and long enough to matter to a person: tens of ms.
 CRITICAL_SHARE, CRITICAL_MS = 0.5, 20.0
+# A warning (worth fixing) when it is most of the request's wait for its first step, ran on the
+# event loop, or is long in itself; a few ms that are a minor share of the wait (a busy host's
+# preemption stretches a ~1 ms call that far) are noted as info.
+WARNING_MS = 10.0
 MISSING_MESSAGE = (
     "No tokenization was recorded in this trace, so tokenization stalls cannot be judged: mark it with "
     "`servprof.phase(\"tokenize\")`, or let servprof's zero-touch instrumentation cover transformers, tokenizers, "
@@ -187,10 +191,11 @@ def detect_tokenization_stalls(trace: Trace, steps: list[Step], gaps: list[Gap])
         who = f"request {entry['request_id']}" if entry["request_id"] else "a tokenizer call"
         big = (share or 0) >= CRITICAL_SHARE or (session_us > 0 and cost * 1000 >= 0.2 * session_us) \
             or entry["on_event_loop"] or entry["delayed_steps"]
+        noticeable = (share or 0) >= CRITICAL_SHARE or entry["on_event_loop"] or entry["tokenize_ms"] >= WARNING_MS
         fix = FIX_ON_LOOP if entry["on_event_loop"] else (FIX_GIL if entry["delayed_steps"] else FIX_SLOW)
         findings.append(Finding(
             kind="tokenization_stall",
-            severity="critical" if big and cost >= CRITICAL_MS else "warning",
+            severity="critical" if big and cost >= CRITICAL_MS else ("warning" if noticeable else "info"),
             fix=fix,
             cost_ms=cost,
             start_us=entry["start_us"],
