@@ -116,6 +116,8 @@ def test_sampled_requests_profile_every_rank_and_tie_findings(profiled_server) -
     session = status["last_sessions"][-1]
     assert session["error"] is None, session
     assert sorted(r["request_id"] for r in session["requests"]) == ["req-0", "req-1"]
+    # Busy time is counted from the session's start (it read ~ the machine's uptime before).
+    assert 0 <= session["busy_s"] <= session["duration_s"], session
     # vLLM's own worker profiler wrote one trace per rank, named with servprof's session prefix.
     rank_files = sorted(p.name for p in profile_dir.glob("servprof_*.pt.trace.json.gz"))
     assert len(rank_files) == 2 and any("rank0" in n for n in rank_files) and any("rank1" in n for n in rank_files)

@@ -184,7 +184,7 @@ class VLLMCaptureController(CaptureController):
         if directory is not None:
             session.store.linked_dirs.add(directory)  # retention sweeps the session's files there
         session.wall_start_ns = time.time_ns()
-        session.perf_start_ns = time.perf_counter_ns()
+        session.perf_start_ns = session.last_poll_ns = time.perf_counter_ns()  # busy time counts from here
         try:
             self._on_loop(engine.start_profile(profile_prefix=self._prefix,
                                                max_iterations=session.settings.max_session_steps))
