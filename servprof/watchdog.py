@@ -87,11 +87,16 @@ def _responder_request_id(frame: Any) -> str | None:
 
 
 class _Stall:
-    __slots__ = ("since_beat_ns", "stacks", "samples", "idle_samples", "request_id")
+    __slots__ = ("since_beat_ns", "stacks", "weights_ns", "last_sample_ns", "samples", "idle_samples", "request_id")
 
     def __init__(self, since_beat_ns: int):
         self.since_beat_ns = since_beat_ns
         self.stacks: Counter[tuple[tuple[str, str, int], ...]] = Counter()
+        # The time each stack stands for: the watchdog wakes only when it gets the GIL, so code
+        # that holds it (pure Python) is sampled less often than a call that releases it (sleep,
+        # I/O, some C); each sample stands for the time since the one before it.
+        self.weights_ns: Counter[tuple[tuple[str, str, int], ...]] = Counter()
+        self.last_sample_ns = since_beat_ns
         self.samples = 0
         self.idle_samples = 0  # the loop was in its selector: waiting for the GIL or a CPU, not blocked
         self.request_id: str | None = None
@@ -165,12 +170,16 @@ class LoopWatchdog:
                 continue  # the loop ticked meanwhile: this sample would be from after the stall
             stack = stack_of(frame)
             del frame
+            sampled_ns = time.perf_counter_ns()
             if is_idle(stack):
                 stall.idle_samples += 1
+                stall.last_sample_ns = sampled_ns
                 continue  # back in the selector: waiting for the GIL, not blocked in a call
             self.samples += 1
             stall.samples += 1
             stall.stacks[tuple(stack)] += 1
+            stall.weights_ns[tuple(stack)] += sampled_ns - max(stall.last_sample_ns, last + beat_ns)
+            stall.last_sample_ns = sampled_ns
             if stall.request_id is None and stall.samples == 1:
                 loop_frame = sys._current_frames().get(self.loop_ident or 0)
                 stall.request_id = _responder_request_id(loop_frame)
@@ -206,8 +215,8 @@ class LoopWatchdog:
         if stall is not None and stall.since_beat_ns != last_ns:
             stall = None  # samples of an earlier stall
         if stall is not None:
-            for stack, count in stall.stacks.most_common(MAX_STACKS):
-                stacks.append({"count": count, "frames": [
+            for stack, weight_ns in stall.weights_ns.most_common(MAX_STACKS):
+                stacks.append({"count": stall.stacks[stack], "ms": round(weight_ns / 1e6, 3), "frames": [
                     {"function": f, "file": path, "line": line, "origin": frame_origin(path)} for f, path, line in stack]})
         entry = {
             "start_wall_ns": now_ns - lag_ns + offset,

@@ -129,6 +129,36 @@ def test_detector_names_the_function_with_a_fix(tmp_path: Path, loop: asyncio.Ab
     assert start_us <= finding.start_us < finding.end_us  # placed inside the trace's time
 
 
+def spread_over_lines(seconds: float) -> None:
+    """Pure Python whose time spreads evenly over several lines, as a per-character loop does."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a = sum(range(60))
+        b = sum(range(60))
+        c = sum(range(60))
+        d = sum(range(60))
+        e = sum(range(60))
+        del a, b, c, d, e
+
+
+def handler_with_a_c_call() -> None:
+    spread_over_lines(0.12)
+    time.sleep(0.05)  # a C call: all of its samples sit on this one line of the caller
+
+
+def test_a_function_counts_its_samples_whatever_line_they_were_at(tmp_path: Path,
+                                                                    loop: asyncio.AbstractEventLoop) -> None:
+    trace = _session_trace(tmp_path, loop, lambda: on_loop(loop, handler_with_a_c_call))
+    findings, _summary = detect_loop_stalls(trace)
+    (finding,) = findings
+    functions = finding.evidence["functions"]
+    # Per line, the C call's single line could outnumber each of the loop's lines; per function
+    # the loop, which took more than twice the time, names the stall.
+    assert finding.evidence["function"] == "spread_over_lines", functions
+    assert functions["spread_over_lines"] > functions["handler_with_a_c_call"], functions
+    assert f"spread_over_lines (test_loop_watchdog.py:{finding.evidence['line']})" in finding.title
+
+
 def test_a_tokenizer_on_the_loop_is_a_tokenization_stall(tmp_path: Path, loop: asyncio.AbstractEventLoop) -> None:
     def tokenize_prompt() -> None:  # a user's own tokenizer helper, by its name
         blocking_report_writer(0.1)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import orjson
 import pytest
 from _middleware_helpers import serve, wait_idle, wait_sessions
@@ -34,7 +35,10 @@ PROSE = ("The harbour master counted the boats twice before the storm, and the b
          "sailors at dawn while the old clock on the pier kept its own slow time. ")
 # Long enough that the servers' slow helpers (screen_prompt, slow_normalize) block the loop for tens of ms.
 PROMPTS = {"hf": PROSE * 40, "loop": PROSE * 250}
-EXPECTED_STALL = {"hf": ("screen_prompt", "loop_stall"), "loop": ("slow_normalize", "tokenization_stall")}
+# (kind, the server's parts that block the loop: {function the stall is named by: the part's own call})
+BLOCKERS = {"hf": ("loop_stall", {"screen_prompt": "screen_prompt"}),
+            "loop": ("tokenization_stall", {"slow_normalize": "slow_normalize", "tokenize_prompt": "tokenizer"})}
+DOMINATES = 1.5  # a part this many times slower than the others must name the stall
 MAX_TOKENS = 12
 SAMPLED = 4  # requests in the session: three one after another, then one with others beside it
 
@@ -151,10 +155,11 @@ def observed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         result = middleware.runtime.last_result
         sessions = list(middleware.runtime.history)
     reference += reference_tokenize_ms(name, server, prompt)
+    blocker_ms = blocker_times_ms(name, server, prompt)
     sampled = [r["request_id"] for r in session["requests"]]
     return {"name": name, "session": session, "sessions": sessions, "result": result, "status": status,
             "tokens": tokens, "sampled": sampled, "health": health["count"],
-            "reference_ms": reference}
+            "reference_ms": reference, "blocker_ms": blocker_ms}
 
 
 def test_model_steps_found_and_prefill_told_from_decode(observed: dict[str, Any]) -> None:
@@ -192,14 +197,42 @@ def test_tokenization_found_on_the_loop_with_its_time(observed: dict[str, Any]) 
     assert min(measured) >= 0.8 * reference[0], (measured, reference)
 
 
+def blocker_times_ms(name: str, server: Any, prompt: str, repeats: int = 5) -> dict[str, float]:
+    """The median time of each part of the server that blocks its loop, timed without the profiler.
+    The loop server's tokenizer call is named by its caller, tokenize_prompt (the innermost frame
+    of the server's own: the tokenizer is native code)."""
+    kind, parts = BLOCKERS[name]
+    calls: dict[str, Any] = {"screen_prompt": lambda: server.screen_prompt(prompt),
+                             "slow_normalize": lambda: server.slow_normalize(prompt)}
+    if name == "loop":
+        normalized = server.slow_normalize(prompt)
+        calls["tokenizer"] = lambda: server.tokenizer.encode(normalized)
+    medians = {}
+    for function, part in parts.items():
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            calls[part]()
+            times.append((time.perf_counter() - start) * 1e3)
+        medians[function] = float(np.median(times))
+    return medians
+
+
 def test_the_loop_stall_is_named_by_the_blocking_function(observed: dict[str, Any]) -> None:
-    function, kind = EXPECTED_STALL[observed["name"]]
+    kind, parts = BLOCKERS[observed["name"]]
+    times = observed["blocker_ms"]
+    slowest = max(times, key=times.__getitem__)
+    # The function that blocked longest names the stall; where no part clearly dominates on this
+    # machine, any of them may.
+    clear = all(times[slowest] >= DOMINATES * t for f, t in times.items() if f != slowest)
+    expected = {slowest} if clear else set(parts)
     findings = observed["result"]["findings"]
     named = [f for f in findings if f["evidence"].get("source") == "event-loop watchdog"
-             and f["evidence"].get("function") == function]
-    merged = [f for f in findings if (f["evidence"].get("loop_stall") or {}).get("function") == function]
-    assert named or merged, [f["title"] for f in findings]
+             and f["evidence"].get("function") in expected]
+    merged = [f for f in findings if (f["evidence"].get("loop_stall") or {}).get("function") in expected]
+    assert named or merged, (times, [(f["title"], f["evidence"].get("functions")) for f in findings])
     for finding in named:
+        function = finding["evidence"]["function"]
         assert finding["kind"] == kind
         assert function in finding["title"] and finding["fix"]
         assert any(frame["function"] == function for frame in finding["evidence"]["frames"])

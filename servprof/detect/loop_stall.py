@@ -62,6 +62,18 @@ def classify_stack(frames: list[dict[str, Any]]) -> tuple[str, dict[str, Any] | 
     return "library", innermost, innermost
 
 
+def _weight(stack: Any) -> float:
+    """The time one sampled stack stands for: its ``ms`` (each sample weighted by the time since
+    the one before), or its sample count in traces written before the watchdog kept times."""
+    if not isinstance(stack, dict):
+        return 1.0
+    ms = stack.get("ms")
+    if isinstance(ms, (int, float)) and not isinstance(ms, bool) and ms > 0:
+        return float(ms)
+    count = stack.get("count")
+    return float(count) if isinstance(count, (int, float)) and not isinstance(count, bool) and count > 0 else 1.0
+
+
 def _range_label(name: str) -> str:
     parsed = parse_phase_event_name(name)
     if parsed is None:
@@ -77,7 +89,7 @@ class _Group:
         self.tokenizing = False
         self.frames: list[dict[str, Any]] = []
         self.innermost: dict[str, Any] | None = None
-        self.biggest = 0  # samples of the stack shown
+        self.biggest = 0.0  # time (or samples) of the stack shown
         self.functions: Counter[str] = Counter()
         self.request_ids: list[str] = []
         self.blocking_request_ids: list[str] = []
@@ -113,23 +125,28 @@ def detect_loop_stalls(trace: Trace, findings: list[Finding] | None = None) -> t
             summary["servprof_own"] += 1  # the profiler's own stop(): servprof's overhead
             continue
         start_us, end_us = (start_ns - base_ns) / 1e3, (end_ns - base_ns) / 1e3
-        owners: Counter[str] = Counter()
-        functions: Counter[tuple[str, str, Any]] = Counter()
-        biggest: tuple[int, list[dict[str, Any]], dict[str, Any] | None] = (0, [], None)
-        tokenizer_samples: Counter[tuple[str, str, Any]] = Counter()
+        owners: Counter[str] = Counter()  # time (ms) per owner, or samples in traces without it
+        # A function's samples count together whatever line they were at: a pure-Python loop
+        # spreads over several lines, a call into C sits on one.
+        functions: Counter[tuple[str, str]] = Counter()
+        lines: Counter[tuple[str, str, Any]] = Counter()
+        # Per blocking function, its stack with the most time: the one shown when it names the stall.
+        biggest: dict[tuple[str, str], tuple[float, list[dict[str, Any]], dict[str, Any] | None]] = {}
+        tokenizer_samples: Counter[tuple[str, str]] = Counter()
         for stack in stall.get("stacks") or []:
             frames = [f for f in (stack.get("frames") or []) if isinstance(f, dict)] if isinstance(stack, dict) else []
-            count = int(stack.get("count") or 1) if isinstance(stack, dict) else 1
+            count = _weight(stack)
             owner, blocking, innermost = classify_stack(frames)
             owners[owner] += count
             if owner == "servprof" or blocking is None:
                 continue
-            key = (str(blocking.get("function")), str(blocking.get("file")), blocking.get("line"))
+            key = (str(blocking.get("function")), str(blocking.get("file")))
             functions[key] += count
+            lines[(*key, blocking.get("line"))] += count
             if any(_is_tokenizer_frame(f) for f in frames):
                 tokenizer_samples[key] += count
-            if count > biggest[0]:
-                biggest = (count, frames, innermost)
+            if count > biggest.get(key, (0.0,))[0]:
+                biggest[key] = (count, frames, innermost)
         if owners and owners["servprof"] * 2 > sum(owners.values()):
             summary["servprof_own"] += 1
             continue
@@ -137,7 +154,8 @@ def detect_loop_stalls(trace: Trace, findings: list[Finding] | None = None) -> t
                          for e in tokenize)  # a tokenize phase covers most of it
         if functions:
             top, top_count = functions.most_common(1)[0]
-            function, path, line = top
+            function, path = top
+            line = max((k for k in lines if k[:2] == top), key=lambda k: lines[k])[2]
             named_by = "python frames"
             # Tokenization when the blocking function's own samples are mostly inside a tokenizer.
             tokenizing = tokenizer_samples[top] * 2 >= top_count
@@ -155,10 +173,12 @@ def detect_loop_stalls(trace: Trace, findings: list[Finding] | None = None) -> t
         if group is None:
             group = groups[(function, path)] = _Group(function, path, line, named_by)
         group.tokenizing |= tokenizing
-        group.functions.update({name: n for (name, _p, _l), n in functions.items()})
-        if biggest[0] and (not group.frames or biggest[0] > group.biggest):
-            group.biggest = biggest[0]
-            group.frames, group.innermost = biggest[1], biggest[2]
+        for (name, _path), n in functions.items():
+            group.functions[name] += n
+        shown = biggest.get((function, path))
+        if shown and (not group.frames or shown[0] > group.biggest):
+            group.biggest = shown[0]
+            group.frames, group.innermost = shown[1], shown[2]
         group.stalls.append({"start_us": start_us, "end_us": end_us,
                              "duration_ms": float(stall.get("duration_ms") or 0.0), "in_flight": stall.get("in_flight"),
                              "samples": stall.get("samples", 0), "blocking_request_id": stall.get("blocking_request_id")})
@@ -219,7 +239,7 @@ def _finding(group: _Group, watched_ms: float) -> Finding:
         title=title,
         request_ids=[*blockers, *(r for r in group.request_ids if r not in blockers)][:100],
         evidence={"source": "event-loop watchdog", "function": group.function, "file": group.path or None,
-                  "line": group.line, "named_by": group.named_by, "functions": dict(group.functions.most_common(8)),
+                  "line": group.line, "named_by": group.named_by, "functions": {name: round(t, 3) for name, t in group.functions.most_common(8)},
                   "innermost": {k: innermost.get(k) for k in ("function", "file", "line")} if innermost else None,
                   "stalls": len(stalls), "stall_ms_total": round(total, 3), "stall_ms_max": round(longest, 3),
                   "in_flight_max": in_flight, "blocking_request_ids": blockers,
