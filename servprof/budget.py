@@ -24,6 +24,13 @@ A rate per second or per chunk is learned only from a session that captured
 ``MIN_LEARN_EVENTS`` (or a quarter of a smaller budget); events per step from any session
 with ``MIN_LEARN_STEPS`` steps.
 
+A light session (servprof.tiers) records no op: on the CPU its events are the ranges of
+servprof's phases, about ``LIGHT_EVENTS_PER_STEP`` per model step before a session has measured
+them, and module calls cost nothing; on CUDA the device timeline (kernels, copies, their runtime
+launches) comes on top, ``LIGHT_CUDA_EVENTS_PER_MODULE_CALL`` per module call until measured.
+Where no step can be counted its rate starts at ``assumed_events_per_s / LIGHT_RATE_DIVISOR`` on
+the CPU. Each tier learns its own figures (a light trace teaches nothing about a deep one).
+
 What bounds the loop's stall is ``stop()``'s time, not the event count: ``max_session_events``
 is a count of events at ``BASE_STOP_US_PER_EVENT`` each (what the default of 2000 was measured
 at: ~12 ms). Sessions measure what ``stop()`` really took per event, per capture mode, and the
@@ -50,6 +57,11 @@ BASE_STOP_US_PER_EVENT = 6.0  # stop() per event on the demo at the default budg
 SHAPES_COST_FACTOR = 5.0  # assumed until measured: record_shapes made stop()+export 1.5-7x dearer per event
 STACK_COST_FACTOR = 2.0  # with_stack adds a Python event per call
 MIN_COST_EVENTS = 300  # smaller sessions are dominated by stop()'s fixed costs
+# Light sessions, until measured. A step on the CPU is one automatic step range per model call
+# plus the phases the server marks (the demo: ~3 per step); set high so a first session errs short.
+LIGHT_EVENTS_PER_STEP = 8.0
+LIGHT_CUDA_EVENTS_PER_MODULE_CALL = 8.0  # a module call's kernels, their launches and copies
+LIGHT_RATE_DIVISOR = 20.0
 
 
 @dataclass
@@ -63,6 +75,15 @@ class LiveSignals:
     module_calls: int = 0
     discovering: bool = False
     calls_per_step: float | None = None
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001 - no torch: no device timeline
+        return False
 
 
 def _mode(settings: Any) -> tuple[bool, bool]:
@@ -80,7 +101,16 @@ def cost_factor(settings: Any) -> float:
 
 
 class EventBudget:
-    def __init__(self) -> None:
+    def __init__(self, light: bool = False) -> None:
+        self.light = light
+        # Recorded per module call: every op under it (deep), its device work (light on CUDA), or
+        # nothing (light on the CPU: only the step's own range, counted per step).
+        self.prior_per_call = PRIOR_EVENTS_PER_MODULE_CALL
+        self.prior_per_step: float | None = None
+        if light:
+            cuda = _cuda_available()
+            self.prior_per_call = LIGHT_CUDA_EVENTS_PER_MODULE_CALL if cuda else 0.0
+            self.prior_per_step = None if cuda else LIGHT_EVENTS_PER_STEP
         self.per_step: float | None = None  # events per model step (step hooks)
         self.per_chunk: float | None = None  # events per streamed chunk of the busiest sampled request
         self.per_second: float | None = None  # events per busy second
@@ -92,11 +122,18 @@ class EventBudget:
         factor = max(1.0, measured / BASE_STOP_US_PER_EVENT) if measured else cost_factor(settings)
         return settings.max_session_events / factor
 
+    def assumed_per_s(self, settings: Any) -> float:
+        """The event rate assumed where no step is counted and none was measured."""
+        rate = float(getattr(settings, "assumed_events_per_s", 0.0))
+        return rate / LIGHT_RATE_DIVISOR if self.light and not self.prior_per_call else rate
+
     def _per_step(self, live: LiveSignals) -> float | None:
         if self.per_step:
             return self.per_step
-        if live.calls_per_step:
-            return live.calls_per_step * PRIOR_EVENTS_PER_MODULE_CALL
+        if self.prior_per_step:
+            return self.prior_per_step
+        if live.calls_per_step and self.prior_per_call:
+            return live.calls_per_step * self.prior_per_call
         return None
 
     def step_limit(self, settings: Any, live: LiveSignals, share: float = STOP_AT) -> int | None:
@@ -110,9 +147,9 @@ class EventBudget:
     def call_limit(self, settings: Any, share: float = STOP_AT) -> int | None:
         """Module calls (counted while the step hooks discover the model) after which the
         hooks ask for the stop (or cut collection), when no events-per-step figure is known yet."""
-        if self.per_step:
+        if self.per_step or not self.prior_per_call:
             return None
-        return max(1, int(self.budget(settings) * share / PRIOR_EVENTS_PER_MODULE_CALL))
+        return max(1, int(self.budget(settings) * share / self.prior_per_call))
 
     @staticmethod
     def steps_ahead(live: LiveSignals) -> float:
@@ -130,7 +167,7 @@ class EventBudget:
                 # steps running now counted as whole ones (at the calls per step seen so far)
                 per_step_calls = live.module_calls / max(1, live.steps)
                 terms.append((live.module_calls + live.open_steps * live.next_step_share * per_step_calls)
-                             * PRIOR_EVENTS_PER_MODULE_CALL)
+                             * self.prior_per_call)
         if self.per_chunk:
             terms.append(self.per_chunk * chunks)
         stepless = not live.hooks_active or (live.steps == 0 and live.module_calls == 0 and busy_s >= STEPLESS_GRACE_S)
@@ -153,7 +190,7 @@ class EventBudget:
         reliable = events >= min(MIN_LEARN_EVENTS, RELIABLE_SHARE * budget)
         if busy_s > 0:
             # Never below half the last rate: a quiet or tiny session cannot open the next one wide.
-            self.per_second = max(events / busy_s, (self.per_second or settings.assumed_events_per_s) / 2)
+            self.per_second = max(events / busy_s, (self.per_second or self.assumed_per_s(settings)) / 2)
         if steps >= MIN_LEARN_STEPS and events >= 100:
             self.per_step = max(events / steps, (self.per_step or 0.0) / 2)
         if not reliable:

@@ -18,7 +18,6 @@ import contextlib
 import os
 import threading
 import time
-import uuid
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -36,114 +35,28 @@ from servprof.auto.session import SessionInstruments
 from servprof.budget import STOP_AT, EventBudget, LiveSignals
 from servprof.observers import RequestRecord
 from servprof.probes import IDLE_TICK_S, SessionProbes, tick_memory_history
+from servprof.session import (  # noqa: F401 - re-exported: the session's states live with it
+    ANALYSING,
+    CAPTURING,
+    DONE,
+    EXPORTING,
+    FAILED,
+    STARTING,
+    STOPPING,
+    Session,
+)
 from servprof.settings import Settings
 from servprof.store import StoreError, TraceStore
+from servprof.tiers import DEEP, LIGHT, profiler_class
 
 POLL_S = 0.005  # how often the bounds of a running session are checked
 SHUTDOWN_FLUSH_S = 5.0  # the longest a shutdown waits for the observers to export their spans and metrics
 RAW_BYTES_PER_EVENT = 260  # chrome-trace JSON per CPU event, used when the analysis gave no count
 
-STARTING, CAPTURING, STOPPING, EXPORTING, ANALYSING, DONE, FAILED = (
-    "starting", "capturing", "stopping", "exporting", "analysing", "done", "failed")
 STOP_SHUTDOWN = "shutdown"
 KINETO_QUIET_LEVEL = "6"  # above USDT (5) and ERROR (4): Kineto prints nothing
 FOREIGN_PROFILER = ("another torch profiler is active in this process; servprof does not start a second "
                     "one (two at once can crash the process)")
-
-
-class Session:
-    """One profiler window covering one or more sampled requests."""
-
-    def __init__(self, settings: Settings, store: TraceStore, reason: str, target_requests: int,
-                 on_finished: Callable[[Session], None]):
-        self.session_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
-        self.settings = settings
-        self.store = store
-        self.reason = reason
-        self.target_requests = target_requests
-        self.order_id: int | None = None  # the on-demand order it serves, if any
-        self.on_finished = on_finished
-        self.records: list[RequestRecord] = []
-        self.open_requests = 0
-        self.state = STARTING
-        self.stop_requested: str | None = None
-        self.stop_reason: str | None = None
-        self.error: str | None = None
-        self.store_problem = False  # failed because the trace dir cannot take a trace
-        self.wall_start_ns: int | None = None
-        self.perf_start_ns: int | None = None
-        self.perf_end_ns: int | None = None
-        self.capture_end_ns: int | None = None  # when stop() began: events are captured until then
-        self.busy_ns = 0  # capture time with at least one request in flight
-        self.steps_captured = 0  # decode steps when the capture stopped (the streams go on after)
-        # Wall time servprof itself spent on this session (profiler start, stop, export, analysis):
-        # servprof's own overhead, shown apart from the app's time in status and the session files.
-        self.overhead_ms: dict[str, float] = {}
-        self.last_poll_ns = 0
-        self.trace_path: Any = None
-        self.session_file: Path | None = None  # <session>.session.json, once written
-        self.trace_raw_bytes = 0
-        self.result: dict[str, Any] | None = None
-        self.event_loop_tid: int | None = None  # the serving loop's thread, so analysis can tell loop work apart
-        self.probes: SessionProbes | None = None  # memory levels, torch.compile records (servprof.probes)
-        self.instruments: SessionInstruments | None = None  # automatic phases + loop watchdog, while capturing
-        self.started = threading.Event()  # set once capturing, or failed before capturing
-        self.finished = threading.Event()
-
-    def has_room(self) -> bool:
-        return (self.state in (STARTING, CAPTURING) and self.stop_requested is None
-                and len(self.records) < self.target_requests)
-
-    def watch_loop(self) -> None:
-        """Called on the serving loop by the first sampled request: the watchdog attaches to it."""
-        instruments = self.instruments
-        if instruments is not None and self.state == CAPTURING:
-            instruments.attach_loop()
-
-    def open_request_ids(self) -> list[str]:
-        return [r.request_id for r in list(self.records) if r.end_ns is None]
-
-    def steps(self) -> int:
-        """Decode steps so far, estimated as the most body chunks any sampled request streamed
-        (`steps_streamed`; the analysis counts the model steps in the trace: `model_steps`)."""
-        return max((r.chunks for r in self.records), default=0)
-
-    def finished_state(self) -> bool:
-        return self.state in (DONE, FAILED)
-
-    def timed(self, part: str, started_ns: int) -> None:
-        """Add the time since `started_ns` (perf_counter_ns) to servprof's overhead `part`."""
-        elapsed_ms = (time.perf_counter_ns() - started_ns) / 1e6
-        self.overhead_ms[part] = round(self.overhead_ms.get(part, 0.0) + elapsed_ms, 3)
-
-    def duration_s(self) -> float | None:
-        if self.perf_start_ns is None:
-            return None
-        end = self.perf_end_ns or time.perf_counter_ns()
-        return (end - self.perf_start_ns) / 1e9
-
-    def description(self) -> dict[str, Any]:
-        """What the analysis child and /servprof/status get to know about the session."""
-        return {"session_id": self.session_id, "state": self.state, "reason": self.reason,
-                "target_requests": self.target_requests, "stop_reason": self.stop_reason, "error": self.error,
-                "wall_start_ns": self.wall_start_ns, "perf_start_ns": self.perf_start_ns,
-                "duration_s": self.duration_s(), "busy_s": self.busy_ns / 1e9,
-                # Body chunks of the sampled requests, not model steps: the stream goes on after
-                # the stop; the analysis's own count of model steps in the trace is `model_steps`.
-                "steps_streamed": self.steps(), "steps_streamed_at_stop": self.steps_captured,
-                "servprof_overhead_ms": dict(self.overhead_ms),
-                "open_requests": self.open_requests,  # > 0: the records below may still change
-                "trace_file": str(self.trace_path) if self.trace_path else None,
-                **(self.instruments.summary if self.instruments is not None else {}),
-                "requests": [_record_summary(r) for r in list(self.records)]}
-
-
-def _record_summary(record: RequestRecord) -> dict[str, Any]:
-    return {"request_id": record.request_id, "method": record.method, "path": record.path, "route": record.route,
-            "arrival_ns": record.arrival_ns, "arrival_perf_ns": record.arrival_perf_ns,
-            "first_byte_ns": record.first_byte_ns, "last_byte_ns": record.last_byte_ns, "end_ns": record.end_ns,
-            "status": record.status, "chunks": record.chunks, "bytes_sent": record.bytes_sent,
-            "disconnected": record.disconnected}
 
 
 class CaptureController:
@@ -164,7 +77,9 @@ class CaptureController:
         self.model_requests_done = 0  # POST requests served (model calls in OpenAI-style APIs), for memory history
         self.first_model_request_ns: int | None = None  # wall clock: compiles before it were start-up warm-up
         self.memory_history = False  # keep memory levels between sessions (a runtime with memory_samples on)
-        self.budget = EventBudget()  # events per step / chunk / second, learned from stored traces
+        self.budget = EventBudget()  # deep sessions: events per step / chunk / second, learned from stored traces
+        self.light_budget = EventBudget(light=True)  # light sessions: annotations (+ device activity) only
+        self.light_since_deep = 0  # light sessions captured since the last deep window
         self.auto = AutoInstrumentation()
         self._atexit_registered = False
         self._final_writes: list[Session] = []  # finished sessions whose last streaming request ended
@@ -197,14 +112,30 @@ class CaptureController:
             return "foreign_profiler", FOREIGN_PROFILER
         return None
 
+    def tier_for(self, settings: Settings, asked: str | None = None) -> tuple[str, int]:
+        """(tier, decode-step bound) of the next session: every session deep with tier "deep";
+        else light, with a deep window of deep_steps after every deep_every light ones or when
+        an order asks for one."""
+        if settings.tier == DEEP:
+            return DEEP, settings.max_session_steps
+        if asked == DEEP or (settings.deep_every and self.light_since_deep >= settings.deep_every):
+            return DEEP, settings.deep_steps
+        return LIGHT, settings.light_max_steps
+
+    def budget_of(self, session: Session) -> EventBudget:
+        return self.light_budget if session.tier == LIGHT else self.budget
+
     def admit(self, record: RequestRecord, settings: Settings, store: TraceStore, reason: str,
-              target_requests: int, on_finished: Callable[[Session], None]) -> Session | None:
+              target_requests: int, on_finished: Callable[[Session], None],
+              tier: str | None = None) -> Session | None:
         """Put a candidate into the session (a new one if none runs); it is the session's only once
-        confirm() says so."""
+        confirm() says so. ``tier`` is what an on-demand order asked for."""
         with self._lock:
             session = self.session
             if session is None:
-                session = self.session = Session(settings, store, reason, target_requests, on_finished)
+                chosen, max_steps = self.tier_for(settings, tier)
+                session = self.session = Session(settings, store, reason, target_requests, on_finished,
+                                                 chosen, max_steps)
             elif not session.has_room():
                 return None
             session.records.append(record)
@@ -305,7 +236,8 @@ class CaptureController:
             except Exception as exc:  # noqa: BLE001 - the capture thread must survive anything
                 self._fail(session, f"capture error: {type(exc).__name__}: {exc}")
 
-    def _new_profiler(self, settings: Settings | None) -> profile:
+    def _new_profiler(self, settings: Settings | None, tier: str = DEEP) -> tuple[profile, str, str | None]:
+        """(profiler, the tier it captures, why that is not the tier asked for)."""
         # Kineto reads KINETO_LOG_LEVEL once, at the first profiler start in the process (not when
         # torch is imported): unless the user chose a level, its `USDT ... profiler_start/stop` lines
         # (one pair per session) stay out of the server's log. This level hides Kineto's own errors too.
@@ -313,11 +245,14 @@ class CaptureController:
         activities = [ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)
-        return profile(activities=activities,
-                       record_shapes=bool(settings and settings.record_shapes),
-                       profile_memory=bool(settings and settings.profile_memory),
-                       with_stack=bool(settings and settings.with_stack),
-                       experimental_config=_ExperimentalConfig(profile_all_threads=True))
+        cls, tier, note = profiler_class(tier)
+        light = tier == LIGHT  # shapes, memory and stacks are op-level detail: a deep window's
+        prof = cls(activities=activities,
+                   record_shapes=bool(settings and settings.record_shapes and not light),
+                   profile_memory=bool(settings and settings.profile_memory and not light),
+                   with_stack=bool(settings and settings.with_stack and not light),
+                   experimental_config=_ExperimentalConfig(profile_all_threads=True))
+        return prof, tier, note
 
     def warm_up_now(self) -> None:
         """Warm Kineto up on the calling thread, now (1-2 s). Kineto's one-time init expects the thread
@@ -335,7 +270,7 @@ class CaptureController:
                 if autograd_profiler._is_profiler_enabled:
                     self.warmup_error = FOREIGN_PROFILER
                 else:
-                    warm = self._new_profiler(None)
+                    warm, _tier, _note = self._new_profiler(None)
                     warm.start()
                     warm.stop()
             except Exception as exc:  # noqa: BLE001
@@ -350,7 +285,9 @@ class CaptureController:
         if autograd_profiler._is_profiler_enabled:
             self._fail(session, FOREIGN_PROFILER)
             return
-        prof = self._new_profiler(session.settings)
+        prof, session.tier, session.tier_note = self._new_profiler(session.settings, session.tier)
+        if session.tier_note:  # no light capture on this torch: the deep bounds apply
+            session.max_steps = min(session.max_steps, session.settings.max_session_steps)
         session.probes = SessionProbes(session.settings.memory_samples, self.model_requests_done, self.sessions_started)
         session.wall_start_ns = time.time_ns()
         session.perf_start_ns = session.last_poll_ns = time.perf_counter_ns()
@@ -358,7 +295,8 @@ class CaptureController:
         session.timed("start", session.perf_start_ns)
         self._profiler = prof
         self.sessions_started += 1
-        session.instruments = SessionInstruments(session.settings, self.auto, self.budget, session.open_request_ids,
+        session.instruments = SessionInstruments(session.settings, self.auto, self.budget_of(session),
+                                                 session.open_request_ids,
                                                  lambda: self.in_flight, self._wake.set)
         session.instruments.start()
         self._begin_capture(session)
@@ -388,7 +326,8 @@ class CaptureController:
         session = self.session
         instruments = session.instruments if session is not None else None
         live = instruments.live() if instruments is not None else LiveSignals()
-        return self.budget.estimate(elapsed_s, steps, live, assumed_per_s)
+        budget = self.budget_of(session) if session is not None else self.budget
+        return budget.estimate(elapsed_s, steps, live, assumed_per_s)
 
     def _stop_reason(self, session: Session) -> str | None:
         if session.stop_requested:
@@ -406,10 +345,11 @@ class CaptureController:
             return "requests_done"
         if elapsed >= settings.max_session_s:
             return "max_session_s"
-        if steps >= settings.max_session_steps:
+        if steps >= session.max_steps:
             return "max_session_steps"
-        if self.estimated_events(session.busy_ns / 1e9, steps, settings.assumed_events_per_s) >= \
-                self.budget.budget(settings) * STOP_AT:
+        budget = self.budget_of(session)
+        if self.estimated_events(session.busy_ns / 1e9, steps, budget.assumed_per_s(settings)) >= \
+                budget.budget(settings) * STOP_AT:
             return "max_session_events"
         return None
 
@@ -423,6 +363,7 @@ class CaptureController:
         metadata = {**serving, "session_id": session.session_id, "request_ids": [r.request_id for r in session.records],
                     "wall_start_ns": session.wall_start_ns, "perf_start_ns": session.perf_start_ns,
                     "stop_reason": why, "reason": session.reason, "event_loop_tid": session.event_loop_tid,
+                    "tier": session.tier, "tier_note": session.tier_note,
                     # From here on the profiler's own stop() holds the GIL: whatever the trace shows
                     # after this instant is servprof's overhead, never the app's.
                     "stop_wall_ns": time.time_ns()}
@@ -486,7 +427,8 @@ class CaptureController:
         # chunks at the stop, not now: the sampled streams went on after it.
         stop_s = (session.perf_end_ns - session.capture_end_ns) / 1e9 \
             if session.perf_end_ns and session.capture_end_ns else None
-        self.budget.learn(count, session.settings, session.busy_ns / 1e9, model_steps, session.steps_captured, stop_s)
+        self.budget_of(session).learn(count, session.settings, session.busy_ns / 1e9, model_steps,
+                                      session.steps_captured, stop_s)
 
     def _fail(self, session: Session, error: str, store_problem: bool = False) -> None:
         session.error = error
@@ -508,6 +450,8 @@ class CaptureController:
             session.records = [r for r in session.records if r.sampled]
         if session.perf_start_ns is not None and session.perf_end_ns is None:
             session.perf_end_ns = time.perf_counter_ns()
+        if session.perf_start_ns is not None:  # it captured: counts towards the next deep window
+            self.light_since_deep = self.light_since_deep + 1 if session.tier == LIGHT else 0
         session.started.set()
         self._write_session_file(session)  # the final state; again when its last stream ends
         try:

@@ -1,7 +1,7 @@
 """Control endpoints, served by the middleware itself under ``settings.control_prefix``.
 
     GET  /servprof/status        settings, counters, sessions, last findings, why paused
-    POST /servprof/sample?n=N    sample the next N requests (one session)
+    POST /servprof/sample?n=N    sample the next N requests (one session); &tier=deep for a deep window
     POST /servprof/memory-snapshot   a CUDA memory snapshot into the trace dir (servprof.probes.snapshot)
 
 Off unless a control token is configured (SERVPROF_CONTROL_TOKEN): without one these
@@ -22,6 +22,7 @@ from starlette.types import Receive, Scope, Send
 from servprof.probes.snapshot import SnapshotTooSoon, SnapshotUnavailable
 from servprof.runtime import ServprofRuntime
 from servprof.sampling import Sampler, bearer_token
+from servprof.tiers import TIERS
 
 _JSON_HEADERS = [(b"content-type", b"application/json"), (b"cache-control", b"no-store")]
 
@@ -39,25 +40,29 @@ def authorized(scope: Scope, sampler: Sampler) -> bool:
     return sampler.token_matches(bearer_token(authorization))
 
 
-def parse_n(query_string: bytes, max_n: int) -> tuple[int | None, str | None]:
-    """(n, None) or (None, error message) for the sample endpoint's query."""
+def parse_order(query_string: bytes, max_n: int) -> tuple[int | None, str | None, str | None]:
+    """(n, tier, None) or (None, None, error message) for the sample endpoint's query: ``n``
+    requests (default 1), optionally ``tier=light|deep`` (deep: a window of every op, few steps)."""
     try:
         query = parse_qs(query_string.decode("latin-1"), keep_blank_values=True, strict_parsing=False)
     except ValueError:
-        return None, "query string could not be parsed"
-    unknown = set(query) - {"n"}
+        return None, None, "query string could not be parsed"
+    unknown = set(query) - {"n", "tier"}
     if unknown:
-        return None, f"unknown parameter(s): {', '.join(sorted(unknown))}; only n is accepted"
+        return None, None, f"unknown parameter(s): {', '.join(sorted(unknown))}; only n and tier are accepted"
+    tiers = query.get("tier", [])
+    if len(tiers) > 1 or (tiers and tiers[0] not in TIERS):
+        return None, None, f"give tier once, as one of: {', '.join(TIERS)}"
     values = query.get("n", ["1"])
     if len(values) != 1:
-        return None, "give n once"
+        return None, None, "give n once"
     raw = values[0].strip()
     if not raw.isdigit() or len(raw) > 6:
-        return None, f"n must be a whole number from 1 to {max_n}, got {raw[:20]!r}"
+        return None, None, f"n must be a whole number from 1 to {max_n}, got {raw[:20]!r}"
     n = int(raw)
     if not 1 <= n <= max_n:
-        return None, f"n must be from 1 to {max_n} (SERVPROF_MAX_ON_DEMAND), got {n}"
-    return n, None
+        return None, None, f"n must be from 1 to {max_n} (SERVPROF_MAX_ON_DEMAND), got {n}"
+    return n, tiers[0] if tiers else None, None
 
 
 async def handle(runtime: ServprofRuntime, scope: Scope, receive: Receive, send: Send) -> None:
@@ -81,7 +86,7 @@ async def handle(runtime: ServprofRuntime, scope: Scope, receive: Receive, send:
         if method != "POST":
             await respond(send, 405, {"error": "use POST to order samples"}, [(b"allow", b"POST")])
             return
-        n, error = parse_n(scope.get("query_string", b""), settings.max_on_demand)
+        n, tier, error = parse_order(scope.get("query_string", b""), settings.max_on_demand)
         if error is not None or n is None:
             await respond(send, 400, {"error": error})
             return
@@ -94,8 +99,9 @@ async def handle(runtime: ServprofRuntime, scope: Scope, receive: Receive, send:
         if not settings.enabled:
             await respond(send, 409, {"error": "servprof is disabled (SERVPROF_ENABLED=0)"})
             return
-        runtime.order(n)
-        await respond(send, 202, {"ordered": n, "paused": runtime.why_paused(),
+        runtime.order(n, tier)
+        await respond(send, 202, {"ordered": n, "tier": tier or runtime.controller.tier_for(settings)[0],
+                                  "paused": runtime.why_paused(),
                                   "message": f"the next {n} request(s) will be sampled in one session"})
         return
     if endpoint == "/memory-snapshot":

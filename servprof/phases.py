@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import torch.autograd.profiler as _autograd_profiler
-from torch._C._profiler import _RecordFunctionFast
 
+from servprof.auto.emit import close_range, open_range
 from servprof.request_context import current_request_id
 
 # The trace side's reader (torch-free, so loading a trace never imports torch) is the inverse.
@@ -43,7 +43,7 @@ class phase:  # noqa: N801 - used like a function: `with servprof.phase("tokeniz
         self.name = name
         self.request_id = request_id
         self.request_ids = request_ids
-        self._range: _RecordFunctionFast | None = None
+        self._range: Any = None
 
     def __enter__(self) -> phase:
         # _is_profiler_enabled is a plain Python global, true from every thread while
@@ -54,14 +54,13 @@ class phase:  # noqa: N801 - used like a function: `with servprof.phase("tokeniz
             else:
                 rid = self.request_id or current_request_id()
                 ids = [rid] if rid else []
-            # input_values must be a tuple: None aborts the process in torch 2.13.
-            self._range = _RecordFunctionFast(phase_event_name(self.name, ids), (), {})
-            self._range.__enter__()
+            # A user-scope range (servprof.auto.emit): kept by a light session, which records no op.
+            self._range = open_range(phase_event_name(self.name, ids))
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._range is not None:
-            self._range.__exit__(None, None, None)
+            close_range(self._range)
             self._range = None
 
     def __call__(self, func: F) -> F:

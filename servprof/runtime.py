@@ -23,6 +23,7 @@ from servprof.probes.snapshot import memory_snapshots
 from servprof.sampling import REASON_ON_DEMAND, Sampler
 from servprof.settings import Settings
 from servprof.store import TraceStore
+from servprof.tiers import light_status
 
 PAUSE_RECHECK_S = 5.0  # how soon a paused store is tried again
 START_WAIT_S = 5.0  # the longest a sampled request waits for its session to start
@@ -65,6 +66,7 @@ class ServprofRuntime:
         self.overhead_ms: dict[str, float] = {}  # servprof's own time over every session of this runtime
         self.last_result: dict[str, Any] | None = None
         self.last_order_at = 0.0
+        self.order_tier: str | None = None  # the tier the last on-demand order asked for
         self.shutdown_report: dict[str, Any] | None = None  # what the last shutdown flush did
         self.memory_snapshots = memory_snapshots(settings, self.store.traces_dir)  # CUDA only; off by default
         if settings.enabled:
@@ -81,8 +83,9 @@ class ServprofRuntime:
 
     # --- sampling --------------------------------------------------------------------------------
 
-    def order(self, n: int) -> None:
+    def order(self, n: int, tier: str | None = None) -> None:
         self.sampler.order(n)
+        self.order_tier = tier
         self.last_order_at = time.monotonic()
 
     def _skip(self, kind: str, reason: str) -> None:
@@ -102,7 +105,8 @@ class ServprofRuntime:
         # An order's session waits for all of the order's requests (this one and those still owed).
         target = self.sampler.on_demand_pending + 1 if reason == REASON_ON_DEMAND else self.settings.requests_per_session
         session = self.controller.admit(record, self.settings, self.store, reason, max(1, target),
-                                        self._session_finished)
+                                        self._session_finished,
+                                        self.order_tier if reason == REASON_ON_DEMAND else None)
         if session is None:
             self._skip("busy", reason)
             return None
@@ -209,7 +213,10 @@ class ServprofRuntime:
                          "sessions_started_in_process": controller.sessions_started,
                          "events_per_second": controller.events_per_second,
                          "events_per_step": controller.events_per_step,
-                         "event_budget": controller.budget.status()},
+                         "event_budget": controller.budget.status(),
+                         "light_event_budget": controller.light_budget.status(),
+                         "tiers": {**light_status(), "next": controller.tier_for(self.settings)[0],
+                                   "light_since_deep": controller.light_since_deep}},
             "current_session": current.description() if current is not None else None,
             "last_sessions": self.history,
             "last_findings": last.get("findings", []),

@@ -52,6 +52,14 @@ class Settings:
     # Event rate assumed, where no model step can be counted, until a session has measured this
     # server's (the demo makes ~60-75k/s on 2 cores); set high so that a first session errs short.
     assumed_events_per_s: float = 100_000.0
+    # Capture tiers (servprof.tiers, docs/middleware.md "Light sessions"): a light session records
+    # annotations (servprof's phases, automatic steps and tokenizer calls, the engine's ranges) and
+    # device activity, so it can run many steps; a deep window records every op for a few steps.
+    # tier "deep" makes every session deep (bounded by max_session_steps and the event budget).
+    tier: str = "light"
+    light_max_steps: int = 256  # decode steps a light session runs at most
+    deep_steps: int = 2  # decode steps of a deep window
+    deep_every: int = 4  # a deep window after every k light sessions (0: only on demand, ?tier=deep)
     record_shapes: bool = False
     with_stack: bool = False
     warmup: bool = True  # warm Kineto up in the background at start-up
@@ -109,6 +117,10 @@ class Settings:
             (self.max_session_s > 0, "max_session_s must be > 0"),
             (self.max_session_events > 0, "max_session_events must be > 0"),
             (self.max_session_steps > 0, "max_session_steps must be > 0"),
+            (self.tier in ("light", "deep"), f"tier must be 'light' or 'deep', got {self.tier!r}"),
+            (self.light_max_steps > 0, "light_max_steps must be > 0"),
+            (self.deep_steps > 0, "deep_steps must be > 0"),
+            (self.deep_every >= 0, "deep_every must be >= 0"),
             (self.assumed_events_per_s >= 0, "assumed_events_per_s must be >= 0"),
             (self.loop_stall_ms >= 0, "loop_stall_ms must be >= 0"),
             (self.max_on_demand >= 1, "max_on_demand must be >= 1"),

@@ -31,6 +31,7 @@ from servprof.integrations.vllm_probes import ApiProbes, api_findings
 from servprof.integrations.vllm_traces import session_prefix, wait_for_session_traces
 from servprof.middleware import ServprofMiddleware
 from servprof.settings import Settings
+from servprof.tiers import DEEP
 
 logger = logging.getLogger("servprof.vllm")
 
@@ -138,14 +139,19 @@ class VLLMCaptureController(CaptureController):
     def _warm_up(self) -> None:
         self.warm = True
 
+    def tier_for(self, settings: Settings, asked: str | None = None) -> tuple[str, int]:
+        # vLLM's workers run their own torch profiler, configured by vLLM's --profiler-config:
+        # what they record is theirs to choose; servprof bounds the steps.
+        return DEEP, settings.max_session_steps
+
     def estimated_events(self, elapsed_s: float, steps: int, assumed_per_s: float = 0.0) -> float:
         # The events are captured in vLLM's workers, not here: the session's bound on them is
         # max_iterations (= max_session_steps), which vLLM enforces itself.
         return 0.0
 
     def admit(self, record: Any, settings: Settings, store: Any, reason: str, target_requests: int,
-              on_finished: Any) -> Session | None:
-        session = super().admit(record, settings, store, reason, target_requests, on_finished)
+              on_finished: Any, tier: str | None = None) -> Session | None:
+        session = super().admit(record, settings, store, reason, target_requests, on_finished, tier)
         # Called on the event loop: the API-side probes go in before this request is
         # tokenized, while the engine's profiler is still being started.
         if session is not None and self._probes is None and session.state == STARTING:
@@ -179,6 +185,7 @@ class VLLMCaptureController(CaptureController):
         if engine is None:
             self._fail(session, "vLLM's app state has no engine_client")
             return
+        session.tier_note = "recorded by vLLM's workers, as vLLM's profiler_config asks"
         self._prefix = session_prefix(session.session_id)
         directory = self.trace_dir()
         if directory is not None:

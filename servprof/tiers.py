@@ -1,0 +1,103 @@
+"""Capture tiers: a light session records annotations (and device activity), a deep window every op.
+
+torch.profiler always records every ATen op on the CPU, and its ``stop()`` and export hold the
+GIL a few µs per captured event: that, not the serving work, is what stalls the loop. The
+profiler's C++ entry point takes a set of RecordFunction scopes that ``torch.profiler`` never
+passes; with ``{RecordScope.USER_SCOPE}`` only ``record_function``-style ranges are recorded
+(servprof's phases, its automatic steps and tokenizer phases, the engine's own annotations),
+while CUPTI still delivers kernels, copies and runtime launches on CUDA
+(../shared/facts/torch-profiler-in-a-server.md: 250 annotated steps -> stop() ~1 ms against
+~115 ms with every op).
+
+* ``light``: user-scope ranges + device activity. Many steps per session for the stall of a few.
+* ``deep``: every op (with shapes when asked), bounded by steps and the event budget: what the
+  op-level detectors (bandwidth roofline, op-level gap causes) need.
+
+The scopes reach the profiler through a private API, checked once against the installed torch
+(``light_problem``): where it is missing or changed, sessions fall back to deep capture with
+the event budget, and the log and ``/servprof/status`` say so once.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+
+import torch
+import torch.autograd.profiler as autograd_profiler
+from torch.profiler import profile
+
+LIGHT, DEEP = "light", "deep"
+TIERS = (LIGHT, DEEP)
+LOG = logging.getLogger("servprof")
+
+_patch_lock = threading.Lock()
+_problem: str | None = None
+_checked = False
+
+
+def _check() -> str | None:
+    """Why the installed torch cannot take a user-scope-only profiler, or None when it can."""
+    try:
+        from torch._C._profiler import RecordScope
+
+        RecordScope.USER_SCOPE  # noqa: B018 - only whether it exists
+    except (ImportError, AttributeError):
+        return "torch has no RecordScope.USER_SCOPE"
+    enable = getattr(autograd_profiler, "_enable_profiler", None)
+    if enable is None:
+        return "torch.autograd.profiler has no _enable_profiler"
+    if "scopes" not in (getattr(enable, "__doc__", "") or ""):
+        return "torch's _enable_profiler takes no scopes"
+    start = getattr(autograd_profiler.profile, "_start_trace", None)
+    if start is None or "_enable_profiler" not in start.__code__.co_names:
+        return "torch.autograd.profiler.profile._start_trace no longer calls _enable_profiler"
+    if not callable(getattr(profile, "start_trace", None)):
+        return "torch.profiler.profile has no start_trace"
+    return None
+
+
+def light_problem() -> str | None:
+    """Checked once per process; logged once when light capture is not possible."""
+    global _problem, _checked
+    if not _checked:
+        _problem = _check()
+        _checked = True
+        if _problem:
+            LOG.warning("servprof: light sessions are not possible on torch %s (%s): every session captures "
+                        "every op, bounded by the event budget", torch.__version__, _problem)
+    return _problem
+
+
+class LightProfile(profile):
+    """``torch.profiler.profile`` whose start asks the profiler for user-scope ranges only."""
+
+    def start_trace(self) -> None:
+        from torch._C._profiler import RecordScope
+
+        # torch's own _start_trace calls the module's _enable_profiler by name: for the length of
+        # that call (on the capture thread, under a lock) the name takes the scopes too.
+        with _patch_lock:
+            original = autograd_profiler._enable_profiler
+            autograd_profiler._enable_profiler = functools.partial(original, scopes={RecordScope.USER_SCOPE})
+            try:
+                super().start_trace()
+            finally:
+                autograd_profiler._enable_profiler = original
+
+
+def profiler_class(tier: str) -> tuple[type[profile], str, str | None]:
+    """(class, tier it gives, why it is not the tier asked for)."""
+    if tier == LIGHT:
+        problem = light_problem()
+        if problem:
+            return profile, DEEP, f"light capture not possible on this torch ({problem}): captured every op"
+        return LightProfile, LIGHT, None
+    return profile, DEEP, None
+
+
+def light_status() -> dict[str, object]:
+    """What /servprof/status says about the tiers on this torch."""
+    problem = light_problem()
+    return {"light_available": problem is None, "light_problem": problem}
