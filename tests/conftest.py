@@ -63,3 +63,12 @@ def _forget_memory_history() -> None:
     memory = sys.modules.get("servprof.probes.memory")
     if memory is not None:
         memory.memory_history().points.clear()
+
+
+@pytest.fixture(autouse=True)
+def _count_deep_windows_from_this_test() -> None:
+    """A deep window follows every SERVPROF_DEEP_EVERY light sessions of the process-wide
+    controller: each test counts from its own first session, not from the earlier tests'."""
+    capture = sys.modules.get("servprof.capture")
+    if capture is not None and capture._controller is not None:
+        capture._controller.light_since_deep = 0

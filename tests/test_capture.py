@@ -106,14 +106,16 @@ def test_no_request_joins_a_new_session_while_the_last_one_is_handed_off(tmp_pat
         wait_sessions(mw, 1)
     assert seen_during_hand_off == [(True, "busy")]
 
-def test_session_is_bounded_by_decode_steps(tmp_path: Path) -> None:
+@pytest.mark.parametrize("bound", [{"tier": "deep", "max_session_steps": 5}, {"tier": "light", "light_max_steps": 5}])
+def test_session_is_bounded_by_decode_steps(tmp_path: Path, bound: dict) -> None:
     wait_idle()
-    with tiny_server(tmp_path, control_token=TOKEN, max_session_steps=5, analysis=False) as (url, mw, _e), \
+    with tiny_server(tmp_path, control_token=TOKEN, analysis=False, **bound) as (url, mw, _e), \
             httpx.Client(timeout=30) as client:
         status, lines, _ = sse_post(client, url, tokens=40, headers=SAMPLE)
         assert status == 200 and len(lines) == 41
         (session,) = wait_sessions(mw, 1)
-    assert session["stop_reason"] == "max_session_steps"
+    assert session["stop_reason"] == "max_session_steps" and session["tier"] == bound["tier"]
+    assert session["max_steps"] == 5
     assert Path(session["trace_file"]).exists()
 
 
@@ -122,7 +124,8 @@ def test_session_is_bounded_by_estimated_events(tmp_path: Path) -> None:
     wait_idle()
     controller = get_controller()
     # First a session bounded by steps, from which the controller learns both rates.
-    with tiny_server(tmp_path, control_token=TOKEN, max_session_steps=20, analysis=False) as (url, mw, _e), \
+    # Deep sessions: each tier learns its own figures (tests/test_light_sessions.py).
+    with tiny_server(tmp_path, control_token=TOKEN, max_session_steps=20, analysis=False, tier="deep") as (url, mw, _e), \
             httpx.Client(timeout=30) as client:
         assert sse_post(client, url, tokens=40, headers=SAMPLE)[0] == 200
         (first,) = wait_sessions(mw, 1)
@@ -132,7 +135,7 @@ def test_session_is_bounded_by_estimated_events(tmp_path: Path) -> None:
     # bound out of reach: only the learned rates can end it before its 200 tokens.
     budget = max(1, int(controller.events_per_step * 5))
     with tiny_server(tmp_path, control_token=TOKEN, max_session_events=budget, max_session_steps=10**6,
-                     assumed_events_per_s=0.0, analysis=False) as (url, mw, _e), \
+                     assumed_events_per_s=0.0, analysis=False, tier="deep") as (url, mw, _e), \
             httpx.Client(timeout=30) as client:
         status, lines, _ = sse_post(client, url, tokens=200, headers=SAMPLE)
         assert status == 200 and len(lines) == 201

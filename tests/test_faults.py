@@ -58,6 +58,7 @@ def test_full_trace_filesystem_pauses_sampling_keeps_old_traces_and_resumes(
     wait_idle()
     with small_tmpfs(tmp_path / "small", "2m") as small, \
             tiny_server(tmp_path, control_token=TOKEN, out_dir=small, analysis=False, requests_per_session=1,
+                        tier="deep",  # every op: a trace big enough to meet the full filesystem
                         max_session_steps=8) as (url, mw, _engine), httpx.Client(timeout=30) as client:
         statuses: list[int] = []
 
@@ -130,7 +131,7 @@ def test_signal_during_a_session_exits_cleanly_and_keeps_the_trace(tmp_path: Pat
     stops the session, and the trace is on disk before the process exits."""
     out = tmp_path / "out"
     budget = {"SERVPROF_MAX_SESSION_EVENTS": "1000000000", "SERVPROF_MAX_SESSION_S": "120",
-              "SERVPROF_MAX_SESSION_STEPS": "100000"}
+              "SERVPROF_MAX_SESSION_STEPS": "100000", "SERVPROF_LIGHT_MAX_STEPS": "100000"}
     with demo_server_process(out, TOKEN, "--step-delay-ms", "10", **budget) as (process, url, log):
         with httpx.Client(base_url=url, headers=AUTH, timeout=30) as control:
             deadline = time.monotonic() + 60

@@ -155,4 +155,10 @@ def test_padded_batches_never_recompile_while_serving(tmp_path: Path):
     assert stats["compile"]["torch_compiles"][stats["compiles_before_requests"]:] == []
     assert not [f for f in status["last_findings"] if f["kind"] in ("recompilation", "graph_break")]
     compile_summary = status["last_analysis"]["summary"]["detect"]["compile"]
-    assert compile_summary["steps_with_compiled_code"] > 0 and compile_summary["compiles"] == 0
+    assert compile_summary["compiles"] == 0
+    if status["last_sessions"][-1]["tier"] == "light":  # no compiled region is recorded: it says so
+        assert compile_summary["steps_with_compiled_code"] is None
+        missing = status["last_analysis"]["summary"]["missing"]
+        assert any("deep window" in m["message"] for m in missing if m["what"] == "compiled regions and graph breaks")
+    else:
+        assert compile_summary["steps_with_compiled_code"] > 0

@@ -154,7 +154,7 @@ def test_session_files_and_status_agree_once_the_streams_end(tmp_path: Path) -> 
     engine = TinyEngine()
     engine.start()
     out = tmp_path / "out"
-    middleware = ServprofMiddleware(make_app(engine), out_dir=out, control_token=TOKEN, max_session_steps=5,
+    middleware = ServprofMiddleware(make_app(engine), out_dir=out, control_token=TOKEN, light_max_steps=5,
                                     max_session_events=10**9, requests_per_session=1)
     wait_warm()
     try:

@@ -303,16 +303,19 @@ def _trace_event_count(path: Path) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "record_shapes"), [("hf", False), ("loop", False), ("loop", True)])
-def test_every_session_stays_within_its_event_budget(tmp_path: Path, name: str, record_shapes: bool) -> None:
+@pytest.mark.parametrize(("name", "record_shapes", "tier"),
+                         [("hf", False, "deep"), ("loop", False, "deep"), ("loop", True, "deep"), ("hf", False, "light")])
+def test_every_session_stays_within_its_event_budget(tmp_path: Path, name: str, record_shapes: bool, tier: str) -> None:
     """A fresh process (its first session included, no rate known), a load that jumps 10x while
     the first session captures, then sessions under steady load: every stored trace holds at
-    most 1.5x the session's event budget."""
+    most 1.5x the session's event budget. Deep sessions (every op) are ended by the budget; light
+    ones (annotations only) take whole requests within it."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "SERVPROF_OUT_DIR": str(tmp_path), "SERVPROF_CONTROL_TOKEN": TOKEN,
            "SERVPROF_TELEMETRY": "0", "SERVPROF_REQUESTS_PER_SESSION": "1", "SERVPROF_ON_DEMAND_MIN_INTERVAL_S": "0.1",
            "SERVPROF_RECORD_SHAPES": "1" if record_shapes else "0", "KINETO_LOG_LEVEL": "6",
+           "SERVPROF_TIER": tier, "SERVPROF_DEEP_EVERY": "0",
            "PYTHONFAULTHANDLER": "1"}
     server = subprocess.Popen([sys.executable, str(Path(__file__).parent / "servers" / "run_with_servprof.py"),
                                SERVERS[name], str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -396,6 +399,9 @@ def test_every_session_stays_within_its_event_budget(tmp_path: Path, name: str, 
         events = _trace_event_count(trace)
         ratios.append((session["stop_reason"], events, session["event_budget"]))
         assert events <= 1.5 * session["event_budget"], ratios
+    assert {s["tier"] for s in sessions} == {tier}
+    if tier == "light":
+        return
     # The bound is what ended them: the first session with its 10x load jump above all.
     assert ratios[0][0] == "max_session_events", ratios
     assert sum(1 for reason, _e, _b in ratios if reason == "max_session_events") >= 3, ratios

@@ -190,7 +190,10 @@ def detect_recompilation(trace: Trace, steps: list[Step]) -> tuple[list[Finding]
     records, frames, meta = _records(trace)
     base = next((m.get("baseTimeNanoseconds") for m in trace.metadata.values()
                  if isinstance(m.get("baseTimeNanoseconds"), (int, float))), None)
+    light = trace.servprof_metadata().get("tier") == "light"
     stalls = compile_stalls(trace)
+    if light and not stalls:  # a light session records no compile range: torch's own records place them
+        stalls = _stalls_from_records(records, base, float(trace.ts.min()) if len(trace) else None)
     stop_ns = trace.servprof_metadata().get("stop_wall_ns")
     stop_us = (stop_ns - base) / 1e3 if isinstance(stop_ns, int) and base is not None else None
     for stall in stalls:  # a compile still running when the capture stopped lasted at least this long
@@ -219,7 +222,7 @@ def detect_recompilation(trace: Trace, steps: list[Step]) -> tuple[list[Finding]
     findings = [_recompile_finding(function, group) for (function, _), group in groups.items()]
     before = _before_session(meta, float(trace.ts.min()) if len(trace) else 0.0)
     findings.extend(_recompile_finding(function, group, before_session=True) for (function, _), group in before.items())
-    regions = _regions_per_step(trace, steps, frames)
+    regions = _regions_per_step(trace, steps, frames) if not light else {"steps_with_compiled_code": None}
     graph_breaks = regions.pop("graph_break_finding", None)
     if graph_breaks is not None:
         findings.append(graph_breaks)
@@ -232,7 +235,7 @@ def detect_recompilation(trace: Trace, steps: list[Step]) -> tuple[list[Finding]
                            "ms": sum(s["ms"] for g in before.values() for s in g)},
         "counters_start": meta.get("counters_start"),
         "counters_end": meta.get("counters_end"), "graph_break_reasons": meta.get("graph_break_reasons"),
-        **regions, "missing": _missing(stalls, regions, bool(meta)),
+        **regions, "missing": _missing(stalls, regions, bool(meta), light),
     }
     return findings, summary
 
@@ -348,8 +351,32 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def _missing(stalls: list[dict[str, Any]], regions: dict[str, Any], have_metadata: bool) -> list[dict[str, str]]:
+def _stalls_from_records(records: list[dict[str, Any]], base_ns: float | None,
+                         trace_start_us: float | None) -> list[dict[str, Any]]:
+    """Compile stalls where the trace has no compile range (a light session): torch's records
+    of compiles that ran while the session captured, at their recorded times. The thread is not
+    recorded: the step they sit in is found by time on rank 0."""
+    if base_ns is None or trace_start_us is None:
+        return []
+    stalls = []
+    for record in records:
+        start = record["start_time_us"] - base_ns / 1e3
+        if start < trace_start_us:
+            continue  # began before the capture: torch's figure, not the trace's
+        stalls.append({"rank": 0, "tid": None, "start_us": start, "end_us": start + record["duration_us"],
+                       "ms": record["duration_us"] / 1e3, "from_records": True,
+                       "compile_id": str(record["compile_id"]).strip("[]") if record.get("compile_id") else None})
+    return stalls
+
+
+def _missing(stalls: list[dict[str, Any]], regions: dict[str, Any], have_metadata: bool,
+             light: bool = False) -> list[dict[str, str]]:
     missing = []
+    if light:
+        missing.append({"what": "compiled regions and graph breaks", "message": (
+            "A light session records no compiled region, so graph breaks per step are not counted and compiles "
+            "are placed from torch's own records (no thread): take a deep window (POST /servprof/sample?n=2&tier=deep "
+            "or SERVPROF_DEEP_EVERY) to see them in the trace.")})
     if stalls and not have_metadata:
         missing.append({"what": "recompile reasons", "message": (
             "This trace shows compiles but not why: servprof's own sessions carry torch's compile records; "
