@@ -21,9 +21,11 @@ INJECT_FLAGS: dict[str, list[str]] = {
 # to judge, and op shapes so that the bandwidth detector can model bytes. Shapes make the
 # profiler's stop ~3.8x dearer per event (bench/bench_demo_shapes.py: 64 steps without shapes
 # stalled the server ~320 ms, 16 steps with shapes ~270 ms), so the session stops at 16 decode
-# steps: no longer a stall than the demo's sessions had without shapes. An env var the user set wins.
+# steps: no longer a stall than the demo's sessions had without shapes. Its one session is deep
+# (every op): a light session (the server default) records no op to model bytes from. An env var
+# the user set wins (SERVPROF_TIER=light shows the default tier's session).
 DEMO_SESSION_ENV = {"SERVPROF_MAX_SESSION_EVENTS": "50000", "SERVPROF_MAX_SESSION_STEPS": "16",
-                    "SERVPROF_RECORD_SHAPES": "1", "SERVPROF_PROFILE_MEMORY": "1"}
+                    "SERVPROF_RECORD_SHAPES": "1", "SERVPROF_PROFILE_MEMORY": "1", "SERVPROF_TIER": "deep"}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("servprof-out"), help="output directory (./servprof-out)")
