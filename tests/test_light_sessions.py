@@ -48,6 +48,15 @@ def _model_loop(steps: int) -> None:
                 model(torch.randn(2, 32))
 
 
+def _one_session_each(client: httpx.Client, url: str, middleware: Any, count: int, tokens: int) -> list[dict[str, Any]]:
+    """``count`` sampled requests one after another, each in a session of its own."""
+    for i in range(count):
+        assert sse_post(client, url, tokens, {**SAMPLE, "x-request-id": f"one-{i}"})[0] == 200
+        wait_sessions(middleware, i + 1)
+        wait_idle()
+    return wait_sessions(middleware, count)
+
+
 def test_the_installed_torch_takes_user_scope_capture(tmp_path: Path) -> None:
     """Pins the private API on this torch: user-scope ranges (servprof's phases and
     torch.profiler.record_function) are kept, ops and _RecordFunctionFast ranges are not."""
@@ -137,11 +146,7 @@ def test_a_deep_window_follows_every_k_light_sessions_and_stops_at_its_steps(tmp
     get_controller().light_since_deep = 0
     with tiny_server(tmp_path, control_token=TOKEN, requests_per_session=1, deep_every=2, deep_steps=2) as (
             url, middleware, _e), httpx.Client(timeout=30) as client:
-        for i in range(4):
-            assert sse_post(client, url, 12, {**SAMPLE, "x-request-id": f"k-{i}"})[0] == 200
-            wait_sessions(middleware, i + 1)
-            wait_idle()
-        sessions = wait_sessions(middleware, 4)
+        sessions = _one_session_each(client, url, middleware, 4, tokens=12)
     assert [s["tier"] for s in sessions] == ["light", "light", "deep", "light"], sessions
     deep = sessions[2]
     assert deep["max_steps"] == 2 and deep["stop_reason"] == "max_session_steps", deep
@@ -175,11 +180,7 @@ def test_tier_deep_makes_every_session_a_full_capture(tmp_path: Path) -> None:
     wait_idle()
     with tiny_server(tmp_path, control_token=TOKEN, requests_per_session=1, tier="deep") as (url, middleware, _e), \
             httpx.Client(timeout=30) as client:
-        for i in range(2):
-            assert sse_post(client, url, 6, {**SAMPLE, "x-request-id": f"d-{i}"})[0] == 200
-            wait_sessions(middleware, i + 1)
-            wait_idle()
-        sessions = wait_sessions(middleware, 2)
+        sessions = _one_session_each(client, url, middleware, 2, tokens=6)
         status = client.get(url + "/servprof/status", headers=AUTH).json()
     assert [s["tier"] for s in sessions] == ["deep", "deep"]
     assert all(s["max_steps"] == Settings().max_session_steps for s in sessions)
@@ -195,11 +196,7 @@ def test_without_the_private_api_sessions_fall_back_to_full_capture(
     caplog.set_level(logging.WARNING, logger="servprof")
     with tiny_server(tmp_path, control_token=TOKEN, requests_per_session=1, deep_every=0) as (url, middleware, _e), \
             httpx.Client(timeout=30) as client:
-        for i in range(2):
-            assert sse_post(client, url, 6, {**SAMPLE, "x-request-id": f"f-{i}"})[0] == 200
-            wait_sessions(middleware, i + 1)
-            wait_idle()
-        sessions = wait_sessions(middleware, 2)
+        sessions = _one_session_each(client, url, middleware, 2, tokens=6)
         status = client.get(url + "/servprof/status", headers=AUTH).json()
     for session in sessions:
         assert session["tier"] == "deep" and "light capture not possible" in session["tier_note"]
