@@ -13,6 +13,7 @@ from servprof.detect.memory import detect_memory
 from servprof.detect.overhead import overhead_summary
 from servprof.detect.recompilation import detect_recompilation
 from servprof.detect.steps import Step, find_steps
+from servprof.detect.tier import NEEDS_DEEP_CAUSE, light_missing, tier_of
 from servprof.detect.tokenization_stall import detect_tokenization_stalls
 from servprof.detect.utilisation import utilisation
 from servprof.trace.loader import SOURCE_FILE_KEY, paused_gc
@@ -53,9 +54,11 @@ def _analyse(trace: Trace, requests: list[dict[str, Any]] | None, device: str | 
         finding.sampled_request_ids = [r for r in finding.request_ids if r in sampled]
     parts = (gap_summary, token_summary, bw_summary, memory_summary, compile_summary, stall_summary)
     # What the trace could not show, once, at the top (the detectors' own summaries keep no copy).
-    missing = [*steps.missing(), *(m for part in parts for m in part.pop("missing", []))]
+    missing = [*steps.missing(), *(m for part in parts for m in part.pop("missing", [])),
+               *light_missing(trace, sum(g.count for g in gaps if g.cause == NEEDS_DEEP_CAUSE))]
     summary = {
         "source": trace.source,
+        "tier": tier_of(trace),  # "light" | "deep" for servprof's sessions (detect/tier.py), else None
         "events": len(trace),
         "ranks": trace.ranks,
         "device_events": bool(trace.has_device_events()),

@@ -12,7 +12,8 @@ A GB/s above the device's peak is physically impossible: such ops are never find
 the summary lists them with the reason (the peak is not this device's, or the model or
 the op's time is wrong). Severity is the share of step time (or of the trace's span,
 without steps) left on the table, and at most `info` when the peak was assumed rather
-than identified or measured.
+than identified or measured. A light trace (tier.py) has no ops, so nothing is judged: it
+says a deep window with shapes is needed (kernels alone carry no bytes).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from servprof.detect.devices import (
 )
 from servprof.detect.finding import WHOLE_TRACE, Finding
 from servprof.detect.steps import Step, step_index
+from servprof.detect.tier import BANDWIDTH_NOTE, is_light
 from servprof.trace.model import Trace
 
 MIN_SHARE_OF_STEP = 0.05  # memory-bound ops under this share of the time judged are not where it goes
@@ -259,7 +261,11 @@ def _summarise(points: PointTally, spec: DeviceSpec, scope: str, trace: Trace, w
     elif not points.count and "note" not in summary:
         summary["note"] = ("no op in scope carries record_shapes args servprof can model, so bytes and FLOPs "
                            "cannot be computed (profile with record_shapes=True, SERVPROF_RECORD_SHAPES=1)")
-    summary["missing"] = _missing(points, spec, bool(replay["kernels"]))
+    light = is_light(trace)
+    if light and not points.count:
+        summary["note"] = BANDWIDTH_NOTE
+    # (A light trace's own entry, tier.light_missing, says what it lacks, bandwidth included.)
+    summary["missing"] = [] if light else _missing(points, spec, bool(replay["kernels"]))
     return summary, grouped
 
 

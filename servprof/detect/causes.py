@@ -6,7 +6,9 @@ more than the gap, nothing nested counted twice, generic wrappers left out. When
 thread recorded nothing for most of the gap, the thread that ran instead (and so held
 the GIL) is named; threads asleep (``threading.wait``, a tqdm monitor, a queue ``get``)
 never are. A device sync or blocking copy running when the device went idle is the
-cause of the whole gap: it emptied the device's queue.
+cause of the whole gap: it emptied the device's queue. On a light trace (tier.py: no ops, no
+Python recorded) no cause is read from what a thread did not record (Python or op time, the
+GIL held elsewhere, nothing at all): such a gap's cause is ``needs_deep_window``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from servprof.detect.host_stacks import (
     WAIT,
     HostStacks,
 )
+from servprof.detect.tier import DEEP_WINDOW_HOW, LIGHT_TRACE, NEEDS_DEEP, NEEDS_DEEP_CAUSE
 from servprof.trace.phases import parse_phase_event_name
 
 __all__ = ["CAUSES", "Explained", "GapExplainer", "TOKENIZER_NAMES", "cause_fix"]
@@ -119,6 +122,10 @@ CAUSES: dict[str, tuple[str, str]] = {
         "Record with with_stack=True to see the Python frames; look for sleeps, waits on other processes, or "
         "too few CPU cores for the server's threads (the thread was off the CPU).",
     ),
+    NEEDS_DEEP_CAUSE: (
+        f"{NEEDS_DEEP} ({LIGHT_TRACE})",
+        f"To see which ops or Python ran in these gaps: {DEEP_WINDOW_HOW}.",
+    ),
 }
 
 
@@ -145,9 +152,10 @@ class Explained:
 class GapExplainer:
     """Causes of many gaps on one rank at once (vectorised per thread)."""
 
-    def __init__(self, stacks: HostStacks):
+    def __init__(self, stacks: HostStacks, light: bool = False):
         self.stacks = stacks
         self.names = stacks.trace.names
+        self.light = light  # a light trace (tier.py): no cause is read from ops that were not recorded
 
     def explain(self, a: np.ndarray, b: np.ndarray, tid: np.ndarray, starved: np.ndarray, small: np.ndarray,
                 next_graph_launch: np.ndarray, launch_end: np.ndarray | None = None,
@@ -177,7 +185,7 @@ class GapExplainer:
         other_tid, other_us = self._instead(a, b, tid, class_us, look_elsewhere)
         waited = np.zeros(n, dtype=bool) if stream_waited is None else np.asarray(stream_waited, dtype=bool)
         causes = self._decide(class_us, other_us, at_start, np.asarray(starved, dtype=bool),
-                              np.asarray(small, dtype=bool), compiled, waited, b - a)
+                              np.asarray(small, dtype=bool), compiled, waited, b - a, self.light)
         return Explained(causes, tid, other_tid, class_us, other_us)
 
     def _instead(self, a: np.ndarray, b: np.ndarray, tid: np.ndarray, class_us: np.ndarray, always: bool = False
@@ -204,8 +212,11 @@ class GapExplainer:
 
     @staticmethod
     def _decide(us: np.ndarray, other: np.ndarray, at_start: np.ndarray, starved: np.ndarray, small: np.ndarray,
-                compiled: np.ndarray, waited: np.ndarray, length: np.ndarray) -> list[str]:
-        """Each gap's cause: the first rule (most specific first) that holds, vectorised over gaps."""
+                compiled: np.ndarray, waited: np.ndarray, length: np.ndarray, light: bool = False) -> list[str]:
+        """Each gap's cause: the first rule (most specific first) that holds, vectorised over gaps.
+        On a light trace the rules that read the absence of ops (a GIL held elsewhere while this
+        thread recorded nothing, Python against op time) are skipped: what no rule explains from
+        what was recorded needs a deep window."""
         busy_classes = np.array(BUSY_CLASSES)
         busy = us[:, busy_classes]
         top = busy_classes[np.argmax(busy, axis=1)] if len(us) else np.zeros(0, dtype=np.int64)
@@ -213,25 +224,29 @@ class GapExplainer:
         python = us[:, PYTHON] + us[:, COMPILE]
         host_busy = busy.sum(axis=1) >= 0.5 * length
         gil = (us[:, UNTRACED] >= 0.5 * length) & (other_busy >= 0.2 * length)
+        # (mask, cause, read from what the thread did not record: never concluded on a light trace)
         rules = [
-            (~starved & waited, "stream_wait"),
-            (~starved, "kernel_wait"),
-            ((at_start == SYNC) | ((top == SYNC) & (us[:, SYNC] >= 0.2 * length)), "synchronize"),
-            ((top == TOKENIZE) & (us[:, TOKENIZE] >= 0.2 * length), "tokenization"),
-            ((top == DETOKENIZE) & (us[:, DETOKENIZE] >= 0.2 * length), "detokenization"),
-            ((top == COLLECTIVE) & (us[:, COLLECTIVE] >= 0.2 * length), "collective_wait"),
-            (us[:, WAIT] >= 0.5 * length, "waiting"),
-            (gil & (other[:, TOKENIZE] >= 0.5 * other_busy), "tokenization"),
-            (gil, "gil_contention"),
-            (compiled & (python >= 0.5 * length) & (us[:, LAUNCH] + us[:, RUNTIME] < 0.1 * length), "compiled_dispatch"),
-            (small, "launch_bound"),
-            (host_busy & (top == LAUNCH), "launch_bound"),
-            (host_busy & (python >= us[:, OP]), "host_python"),
-            (host_busy, "host_ops"),
+            (~starved & waited, "stream_wait", False),
+            (~starved, "kernel_wait", False),
+            ((at_start == SYNC) | ((top == SYNC) & (us[:, SYNC] >= 0.2 * length)), "synchronize", False),
+            ((top == TOKENIZE) & (us[:, TOKENIZE] >= 0.2 * length), "tokenization", False),
+            ((top == DETOKENIZE) & (us[:, DETOKENIZE] >= 0.2 * length), "detokenization", False),
+            ((top == COLLECTIVE) & (us[:, COLLECTIVE] >= 0.2 * length), "collective_wait", False),
+            (us[:, WAIT] >= 0.5 * length, "waiting", False),
+            (gil & (other[:, TOKENIZE] >= 0.5 * other_busy), "tokenization", True),
+            (gil, "gil_contention", True),
+            (compiled & (python >= 0.5 * length) & (us[:, LAUNCH] + us[:, RUNTIME] < 0.1 * length), "compiled_dispatch",
+             False),
+            (small, "launch_bound", False),
+            (host_busy & (top == LAUNCH), "launch_bound", False),
+            (host_busy & (python >= us[:, OP]), "host_python", True),
+            (host_busy, "host_ops", True),
         ]
-        cause = np.full(len(us), "untraced_host_time", dtype=object)
+        cause = np.full(len(us), NEEDS_DEEP_CAUSE if light else "untraced_host_time", dtype=object)
         decided = np.zeros(len(us), dtype=bool)
-        for mask, name in rules:
+        for mask, name, from_absence in rules:
+            if light and from_absence:
+                continue
             pick = mask & ~decided
             cause[pick] = name
             decided |= pick
@@ -291,6 +306,8 @@ class GapExplainer:
         elif cause == "untraced_host_time":
             quiet = float(explained.class_us[i][UNTRACED])
             text = f"{label}: thread {tid} recorded nothing for {quiet / 1000:.2f} of {(b - a) / 1000:.2f} ms"
+        elif cause == NEEDS_DEEP_CAUSE:
+            text = _light_text(explained, i, a, b, evidence)
         else:
             text = f"{label} on thread {tid}: {names}"
         if cause == "tokenization":
@@ -298,6 +315,17 @@ class GapExplainer:
             if ids:
                 evidence["tokenize_request_ids"] = ids[:20]
         return text, evidence
+
+
+def _light_text(explained: Explained, i: int, a: float, b: float, evidence: dict[str, Any]) -> str:
+    """A light trace's gap: what was recorded (time only, never a cause), and that the cause needs a deep window."""
+    quiet = float(explained.class_us[i][UNTRACED])
+    text = (f"{NEEDS_DEEP}: thread {int(explained.tid[i])} recorded no range for {quiet / 1000:.2f} of "
+            f"{(b - a) / 1000:.2f} ms (a light trace records no ops)")
+    instead = evidence.get("ran_instead")
+    if instead and instead["top_frames"]:
+        text += f"; meanwhile thread {instead['thread']} was in {str(instead['top_frames'][0]['name'])[:90]}"
+    return text
 
 
 def _phase_ids(name: str) -> list[str]:

@@ -13,6 +13,7 @@ from servprof.detect.causes import cause_fix
 from servprof.detect.finding import Finding
 from servprof.detect.gaps import Gap, find_gaps
 from servprof.detect.steps import Step
+from servprof.detect.tier import NEEDS_DEEP_CAUSE, is_light
 
 __all__ = ["Gap", "detect_decode_gaps", "find_gaps", "severity_for_share", "step_span_us", "step_words"]
 
@@ -24,6 +25,7 @@ CRITICAL_SHARE = 0.2
 CRITICAL_MIN_MS, WARNING_MIN_MS = 1.0, 0.1
 # A gap nothing recorded explains is a finding above info only when most steps have one.
 MIN_RECURRENCE_UNEXPLAINED = 0.5
+UNEXPLAINED = ("untraced_host_time", NEEDS_DEEP_CAUSE)
 
 # --- findings ---------------------------------------------------------------------------------
 
@@ -96,7 +98,7 @@ def detect_decode_gaps(trace: Any, steps: list[Step], found: tuple[list[Gap], di
             continue
         severity = severity_for_share(share, float(idle.sum()) / 1000.0)
         recurrence = _recurrence(group, steps)
-        if cause == "untraced_host_time" and recurrence < MIN_RECURRENCE_UNEXPLAINED:
+        if cause in UNEXPLAINED and recurrence < MIN_RECURRENCE_UNEXPLAINED:
             # Nothing recorded says why, and it is not the loop's habit: a preemption or a busy host.
             severity = "info"
         worst = sorted(group, key=lambda g: -g.idle_us)
@@ -133,8 +135,12 @@ def detect_decode_gaps(trace: Any, steps: list[Step], found: tuple[list[Gap], di
 def _add_host_reads(trace: Any, steps: list[Step], span: float, findings: list[Finding], summary: dict[str, Any]
                     ) -> None:
     """A read of a device value every step: its own finding on CPU traces; on device traces its
-    count per step goes with the sync gaps it causes (their idle is the measured cost)."""
+    count per step goes with the sync gaps it causes (their idle is the measured cost). A light
+    CPU trace records no op, so no read: nothing is said from that (tier.light_missing says it)."""
     from servprof.detect.host_reads import detect_host_reads
+
+    if is_light(trace) and not trace.has_device_events():
+        return
 
     finding, reads = detect_host_reads(trace, steps, span)
     if reads:

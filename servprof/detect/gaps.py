@@ -9,7 +9,8 @@ listed one by one (1,000 tiny launch gaps are one cause: launch-bound). A collec
 kernel far longer than its median on the rank is time spent waiting for a slower
 rank (a straggler), listed beside the idle time. On a CPU-only trace, a gap is the
 host time between consecutive steps on the step's thread, and the part of an
-unusually slow decode step in which that thread recorded no work. Causes: causes.py.
+unusually slow decode step in which that thread recorded no work (not on a light trace,
+whose threads record no work by design: tier.py). Causes: causes.py.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from servprof.detect.host_stacks import BUSY_CLASSES, CLASSES, GRAPH_LAUNCH, TOK
 from servprof.detect.intervals import merge
 from servprof.detect.overhead import stop_cutoffs
 from servprof.detect.steps import Step, device_segments
+from servprof.detect.tier import is_light
 
 CPU_MIN_GAP_US = 1000.0  # host gaps below 1 ms are the ordinary cost of a Python engine loop
 GPU_MIN_GAP_US = 50.0  # device idle below 50 µs is launch latency: summed per step, not listed
@@ -89,6 +91,7 @@ class Gap:
 def find_gaps(trace: Any, steps: list[Step]) -> tuple[list[Gap], dict[str, Any]]:
     gaps: list[Gap] = []
     stats: dict[str, Any] = {"steps": len(steps), "mode": "cpu"}
+    light = is_light(trace)
     classes = NameClasses(trace) if steps else None
     cutoffs = stop_cutoffs(trace)
     index = {id(s): i for i, s in enumerate(steps)}
@@ -97,13 +100,14 @@ def find_gaps(trace: Any, steps: list[Step]) -> tuple[list[Gap], dict[str, Any]]
         if not rank_steps:
             continue
         stacks = HostStacks(trace, rank, classes)
-        explainer = GapExplainer(stacks)
+        explainer = GapExplainer(stacks, light)
         if any(s.on_device for s in rank_steps):
             stats["mode"] = "device"
             gaps.extend(_device_gaps(trace, rank, rank_steps, index, explainer, cutoffs.get(rank, np.inf)))
         else:
             gaps.extend(_host_gaps(rank_steps, index, explainer))
-            gaps.extend(_stalled_steps(rank_steps, index, explainer, stacks))
+            if not light:  # a light trace records no work inside a step: no stall can be told from work
+                gaps.extend(_stalled_steps(rank_steps, index, explainer, stacks))
     stats["median_step_us"] = round(float(np.median([s.time_us for s in steps])), 1) if steps else None
     return gaps, stats
 

@@ -13,7 +13,10 @@ UTILISATION_COLUMNS = ("rank", "kind", "steps", "step ms", "busy", "idle inside"
 
 
 def _ms_pct(row: dict[str, Any], key: str) -> str:
-    return f"{row['median_' + key]:.2f} ms ({row[key.replace('_ms', '') + '_pct']:.0f}%)"
+    median, pct = row['median_' + key], row[key.replace('_ms', '') + '_pct']
+    if median is None or pct is None:
+        return "n/a"  # not recorded (a light CPU trace does not split a step's time)
+    return f"{median:.2f} ms ({pct:.0f}%)"
 
 
 def utilisation_rows(summary: dict[str, Any]) -> list[list[str]]:
@@ -34,7 +37,9 @@ def utilisation_caption(summary: dict[str, Any]) -> str:
     else:
         where = ("host timeline: no device events in this trace (busy = work recorded on the step's thread; "
                  "idle = time it recorded nothing)")
-    return f"Per-step utilisation on the {where}. Median per step, and share of all steps' time. Steps from {sources}."
+    note = f" ({util['note']})" if util.get("note") else ""
+    return (f"Per-step utilisation on the {where}{note}. Median per step, and share of all steps' time. "
+            f"Steps from {sources}.")
 
 
 def print_utilisation(summary: dict[str, Any], console: Console) -> None:
@@ -71,7 +76,7 @@ def idle_split_rows(summary: dict[str, Any]) -> list[list[str]]:
 # --- HTML ------------------------------------------------------------------------------------
 
 WIDTH = 960
-PART_COLORS = {"busy": "#4c78a8", "idle inside": "#e45756", "idle between": "#f2a541"}
+PART_COLORS = {"busy": "#4c78a8", "idle inside": "#e45756", "idle between": "#f2a541", "step (not split)": "#9e9e9e"}
 
 
 def _esc(value: Any) -> str:
@@ -111,6 +116,16 @@ def missing_html(summary: dict[str, Any]) -> str:
     return f"<ul>{items}</ul>" if items else ""
 
 
+def _bar_parts(row: dict[str, Any]) -> list[tuple[str, float, float]]:
+    """(label, % of the cycle, ms) from the top of a step's bar; a step whose time is not split
+    (busy null: a light CPU trace) is one part."""
+    if row["busy_pct"] is None:
+        return [("idle between", row["idle_between_pct"], row["idle_between_ms"]),
+                ("step (not split)", 100.0 - row["idle_between_pct"], row["step_ms"])]
+    return [(label, row[key], row[key.replace("_pct", "_ms")]) for label, key in (
+        ("idle between", "idle_between_pct"), ("idle inside", "idle_inside_pct"), ("busy", "busy_pct"))]
+
+
 def step_bars_svg(summary: dict[str, Any], limit: int = 400) -> str:
     steps = (summary.get("utilisation") or {}).get("steps", [])[:limit]
     if not steps:
@@ -118,16 +133,16 @@ def step_bars_svg(summary: dict[str, Any], limit: int = 400) -> str:
     height, left, bottom = 160, 50, 40
     bar = (WIDTH - left - 20) / len(steps)
     svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height + bottom + 20}">']
+    unsplit = False
     for i, row in enumerate(steps):
         y = 10.0
         x = left + i * bar
-        for label, key in (("idle between", "idle_between_pct"), ("idle inside", "idle_inside_pct"),
-                           ("busy", "busy_pct")):
-            h = height * row[key] / 100
+        for label, pct, ms in _bar_parts(row):
+            unsplit |= label == "step (not split)"
+            h = height * pct / 100
             svg.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{max(bar - 0.5, 0.5):.1f}" height="{h:.1f}" '
                        f'fill="{PART_COLORS[label]}"><title>rank {row["rank"]} {_esc(row["kind"])} step {row["index"]}: '
-                       f'{label} {row[key.replace("_pct", "_ms")]:.3f} ms ({row[key]:.1f}% of '
-                       f'{row["cycle_ms"]:.3f} ms)</title></rect>')
+                       f'{label} {ms:.3f} ms ({pct:.1f}% of {row["cycle_ms"]:.3f} ms)</title></rect>')
             y += h
     for pct in (0, 50, 100):
         y = 10 + height * (1 - pct / 100)
@@ -138,6 +153,6 @@ def step_bars_svg(summary: dict[str, Any], limit: int = 400) -> str:
     svg.append(f'<text x="12" y="{10 + height / 2}" font-size="11" transform="rotate(-90 12 {10 + height / 2})" '
                f'text-anchor="middle">% of step</text>')
     legend = " ".join(f'<span style="display:inline-block;width:10px;height:10px;background:{c}"></span> {_esc(k)}'
-                      for k, c in PART_COLORS.items())
+                      for k, c in PART_COLORS.items() if unsplit or k != "step (not split)")
     svg.append("</svg>")
     return f"<p>{legend}</p>" + "".join(svg)
