@@ -24,6 +24,7 @@ import numpy as np
 from servprof.detect.finding import Finding, severity_for
 from servprof.detect.intervals import merge
 from servprof.detect.steps import Step, step_index
+from servprof.detect.tier import DEEP_WINDOW_HOW, is_light
 from servprof.trace.model import Trace
 from servprof.trace.phases import request_phases
 
@@ -190,7 +191,7 @@ def detect_recompilation(trace: Trace, steps: list[Step]) -> tuple[list[Finding]
     records, frames, meta = _records(trace)
     base = next((m.get("baseTimeNanoseconds") for m in trace.metadata.values()
                  if isinstance(m.get("baseTimeNanoseconds"), (int, float))), None)
-    light = trace.servprof_metadata().get("tier") == "light"
+    light = is_light(trace)
     stalls = compile_stalls(trace)
     if light and not stalls:  # a light session records no compile range: torch's own records place them
         stalls = _stalls_from_records(records, base, float(trace.ts.min()) if len(trace) else None)
@@ -375,8 +376,7 @@ def _missing(stalls: list[dict[str, Any]], regions: dict[str, Any], have_metadat
     if light:
         missing.append({"what": "compiled regions and graph breaks", "message": (
             "A light session records no compiled region, so graph breaks per step are not counted and compiles "
-            "are placed from torch's own records (no thread): take a deep window (POST /servprof/sample?n=2&tier=deep "
-            "or SERVPROF_DEEP_EVERY) to see them in the trace.")})
+            f"are placed from torch's own records (no thread); {DEEP_WINDOW_HOW}.")})
     if stalls and not have_metadata:
         missing.append({"what": "recompile reasons", "message": (
             "This trace shows compiles but not why: servprof's own sessions carry torch's compile records; "
