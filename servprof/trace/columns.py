@@ -80,10 +80,11 @@ class FileColumns:
 
     def _add_structs(self, events: list[Event]) -> None:
         raws = [e.args for e in events]
-        text = b",".join(raws)
+        # The args as one JSON array (RawArgs keeps it; the arg columns decode it as it is).
+        text = b"".join((b"[", b",".join(raws), b"]"))
         lengths = np.fromiter(map(len, raws), dtype=np.int64, count=len(raws))
         del raws
-        ends = np.cumsum(lengths + 1) - 1
+        ends = np.cumsum(lengths + 1)
         starts = ends - lengths
         phases = [e.ph for e in events]
         keep, metadata_rows = self._add_fields(
@@ -202,11 +203,14 @@ SPARSE_SHARE = 0.25  # fewer rows than this (in a sample) naming an arg column: 
 
 
 def _arg_columns_of_text(text: bytes, starts: np.ndarray, ends: np.ndarray) -> dict[str, np.ndarray]:
-    """stream, correlation and External id of each event, from its args' JSON text. Where few
-    rows name them (Python frames' args never do), only the rows whose text does are decoded:
-    found by searching the text, which is much faster than decoding it."""
+    """stream, correlation and External id of each event, from its args' JSON text (a JSON array
+    of them, the row's args at ``text[starts[i]:ends[i]]``). Where few rows name them (Python
+    frames' args never do), only the rows whose text does are decoded: found by searching the
+    text, which is much faster than decoding it."""
     sampled = int(np.searchsorted(starts, SAMPLE_BYTES))
-    if sampled >= 32 and b"\\u" not in text:  # (a key written with escapes would not be found)
+    # (A key written with escapes would not be found. A one-byte search first: a two-byte one
+    # takes 25x as long on args text without any backslash, 7 ms on a 7 MB batch.)
+    if sampled >= 32 and (b"\\" not in text or b"\\u" not in text):
         mentions = sum(text.count(key, 0, SAMPLE_BYTES) for key in _ARG_KEYS)
         if mentions < SPARSE_SHARE * sampled:
             sparse = _sparse_arg_columns(text, starts, ends)
@@ -250,7 +254,7 @@ def _arg_columns_of(array_text: bytes) -> dict[str, np.ndarray] | None:
 
 
 def _all_arg_columns(text: bytes, starts: np.ndarray, ends: np.ndarray) -> dict[str, np.ndarray]:
-    columns = _arg_columns_of(b"".join((b"[", text, b"]")))
+    columns = _arg_columns_of(text)
     if columns is not None:
         return columns
     # Not all integers (or args that are not objects): converted as from orjson's values.
