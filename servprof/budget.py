@@ -29,7 +29,10 @@ servprof's phases, about ``LIGHT_EVENTS_PER_STEP`` per model step before a sessi
 them, and module calls cost nothing; on CUDA the device timeline (kernels, copies, their runtime
 launches) comes on top, ``LIGHT_CUDA_EVENTS_PER_MODULE_CALL`` per module call until measured.
 Where no step can be counted its rate starts at ``assumed_events_per_s / LIGHT_RATE_DIVISOR`` on
-the CPU. Each tier learns its own figures (a light trace teaches nothing about a deep one).
+the CPU. Each tier learns its own figures (a light trace teaches nothing about a deep one). A
+light session's ``stop()`` costs less per range than a deep one's per op: once measured, the
+light budget holds more events for the same stop time (up to ``1 / LIGHT_MIN_COST_FACTOR`` x),
+where a deep budget only ever shrinks from its nominal count.
 
 What bounds the loop's stall is ``stop()``'s time, not the event count: ``max_session_events``
 is a count of events at ``BASE_STOP_US_PER_EVENT`` each (what the default of 2000 was measured
@@ -62,6 +65,9 @@ MIN_COST_EVENTS = 300  # smaller sessions are dominated by stop()'s fixed costs
 LIGHT_EVENTS_PER_STEP = 8.0
 LIGHT_CUDA_EVENTS_PER_MODULE_CALL = 8.0  # a module call's kernels, their launches and copies
 LIGHT_RATE_DIVISOR = 20.0
+# A light range measured cheaper to stop than the nominal event lets the budget hold up to 1/this
+# more (at most 3x: export, not timed in the budget, costs ~3 µs per range on top).
+LIGHT_MIN_COST_FACTOR = 1 / 3
 
 
 @dataclass
@@ -117,9 +123,17 @@ class EventBudget:
         self.stop_us: dict[tuple[bool, bool], float] = {}  # stop() µs per event, per (shapes, stack)
         self.history: list[dict[str, Any]] = []  # last sessions: events / budget (status)
 
+    def _mode(self, settings: Any) -> tuple[bool, bool]:
+        return (False, False) if self.light else _mode(settings)  # a light session records no shape or stack
+
     def budget(self, settings: Any) -> float:
-        measured = self.stop_us.get(_mode(settings))
-        factor = max(1.0, measured / BASE_STOP_US_PER_EVENT) if measured else cost_factor(settings)
+        measured = self.stop_us.get(self._mode(settings))
+        if self.light:
+            # The budget is a stop() time: a light session's ranges cost less each than ops
+            # (bench/bench_light_sessions.py: ~2 µs), so once measured it holds more of them.
+            factor = max(LIGHT_MIN_COST_FACTOR, measured / BASE_STOP_US_PER_EVENT) if measured else 1.0
+        else:
+            factor = max(1.0, measured / BASE_STOP_US_PER_EVENT) if measured else cost_factor(settings)
         return settings.max_session_events / factor
 
     def assumed_per_s(self, settings: Any) -> float:
@@ -183,7 +197,7 @@ class EventBudget:
         if events <= 0:
             return
         if stop_s is not None and stop_s > 0 and events >= MIN_COST_EVENTS:
-            mode = _mode(settings)
+            mode = self._mode(settings)
             old = self.stop_us.get(mode)
             # As the rates: one cheap stop does not halve the cost the next session is planned with.
             self.stop_us[mode] = max(stop_s * 1e6 / events, (old or 0.0) / 2)

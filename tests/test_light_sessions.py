@@ -18,7 +18,7 @@ from torch._C._profiler import _ExperimentalConfig, _RecordFunctionFast
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from servprof import tiers
-from servprof.budget import LIGHT_EVENTS_PER_STEP, EventBudget, LiveSignals
+from servprof.budget import LIGHT_EVENTS_PER_STEP, LIGHT_MIN_COST_FACTOR, EventBudget, LiveSignals
 from servprof.capture import get_controller
 from servprof.phases import phase
 from servprof.settings import Settings, SettingsError
@@ -229,3 +229,19 @@ def test_the_light_budget_counts_steps_not_module_calls() -> None:
     assert light.assumed_per_s(settings) < deep.assumed_per_s(settings)
     light.learn(600, settings, busy_s=2.0, steps=200, chunks=200)
     assert light.per_step == pytest.approx(3.0) and deep.per_step is None  # each tier learns its own
+
+
+def test_a_light_budget_holds_more_ranges_once_their_stop_is_measured_cheaper() -> None:
+    """The budget is a stop() time: ranges that stop at 2 µs each fit 3x the nominal count (at
+    most 1 / LIGHT_MIN_COST_FACTOR); a deep budget never grows past its nominal count, and
+    shapes, which a light session does not record, do not shrink a light one."""
+    settings = Settings(record_shapes=True)
+    light, deep = EventBudget(light=True), EventBudget()
+    assert light.budget(settings) == settings.max_session_events
+    assert deep.budget(settings) < settings.max_session_events  # shapes: dearer ops until measured
+    for budget in (light, deep):
+        budget.learn(5000, settings, busy_s=2.0, steps=250, chunks=250, stop_s=5000 * 2e-6)
+    assert light.budget(settings) == pytest.approx(settings.max_session_events / LIGHT_MIN_COST_FACTOR)
+    assert deep.budget(settings) == settings.max_session_events
+    light.learn(5000, settings, busy_s=2.0, steps=250, chunks=250, stop_s=5000 * 12e-6)  # a dear stop: shrinks
+    assert light.budget(settings) == pytest.approx(settings.max_session_events / 2)
