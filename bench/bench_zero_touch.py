@@ -43,6 +43,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the test servers: servers.hf_streaming, servers.handwritten_loop
 sys.path.insert(0, str(ROOT / "bench"))
+import stream_load  # noqa: E402  (the streaming clients, in their own process)
 from bench_sampling_lag import TickedServer  # noqa: E402  (a 1 ms ticker on the serving loop)
 from zero_touch_costs import measure_costs, print_costs  # noqa: E402
 
@@ -88,9 +89,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     url, ticker = served.url, served.ticker
     total_s = 3 + args.baseline_s + args.sessions * (args.window_s + 6) + 30
     load_out = out_dir / "load.json"
-    load = subprocess.Popen([sys.executable, str(ROOT / "bench" / "stream_load.py"), url, "--users", str(args.users),
-                             "--seconds", str(total_s), "--max-tokens", str(args.max_tokens), "--out", str(load_out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    load = stream_load.start(url, load_out, args.users, total_s, args.max_tokens)
     rows: list[dict[str, Any]] = []
     windows: list[tuple[float, float, float, float, dict[str, Any]]] = []
     try:
@@ -117,10 +116,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
                 time.sleep(max(0.0, args.window_s - (time.time() - s0)))
                 windows.append((u0, s0, s0, time.time(), dict(middleware.runtime.history[-1])))
     finally:
-        load.terminate()
-        load.wait(60)
+        result = stream_load.stop(load, load_out)
         served.stop()
-    result = orjson.loads(load_out.read_bytes()) if load_out.exists() else {"bins": {}, "bin_s": 0.1}
     bins, bin_s = result["bins"], result["bin_s"]
     base_p99, base_max = _p99_max(_lags(ticker.samples, *base))
     for u0, s0, lo, hi, session in windows:
