@@ -192,6 +192,7 @@ def test_without_the_private_api_sessions_fall_back_to_full_capture(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     wait_idle()
     monkeypatch.setattr(tiers, "_checked", False)
+    monkeypatch.setattr(tiers, "_problem", None)  # restored after the test with the others: later tests see light
     monkeypatch.setattr(tiers, "_check", lambda: "torch's _enable_profiler takes no scopes")
     caplog.set_level(logging.WARNING, logger="servprof")
     with tiny_server(tmp_path, control_token=TOKEN, requests_per_session=1, deep_every=0) as (url, middleware, _e), \
