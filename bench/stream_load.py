@@ -1,11 +1,11 @@
-"""A small closed-loop streaming load for the unmarked test servers (tests/servers), run in its
-own process so that the client's work does not share the server's GIL.
+"""A small closed-loop streaming load for the unmarked test servers (tests/servers) and the demo
+server, run in its own process so that the client's work does not share the server's GIL.
 
-Each of ``--users`` clients posts ``/v1/completions`` (``"stream": true``, for OpenAI-style
-servers such as the demo) and reads the SSE stream to the end, again and again. Every streamed
-text event (a ``data: {...}`` line other than a usage one) is counted in 100 ms bins of wall-clock time;
-the bins are written as JSON at the end, so a benchmark can compare stream rates over any
-window it measured.
+Each of ``--users`` clients posts ``/v1/completions`` (``"stream": true``, which OpenAI-style
+servers such as the demo need) and reads the SSE stream to the end, again and again. Every
+streamed text event (a ``data: {...}`` line other than a usage one) is counted in 100 ms bins of
+wall-clock time; the bins are written as JSON at the end, so a benchmark can compare stream
+rates over any window it measured. ``start()`` / ``stop()`` run it from a benchmark.
 
     python bench/stream_load.py http://127.0.0.1:8000 --users 4 --seconds 60 --out load.json
 """
