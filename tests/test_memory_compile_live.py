@@ -66,13 +66,15 @@ def _sampled_session(url: str, n: int, send: Any) -> dict[str, Any]:
 
 
 def _memory_run(tmp_path: Path, *flags: str) -> tuple[dict[str, Any], float]:
-    """Ten requests one after another (the memory history reads once a second meanwhile),
+    """Sixteen requests one after another (the memory history reads once a second meanwhile),
     then a sampled session; returns (status, RSS growth per request measured here)."""
     with demo_server_process(tmp_path, TOKEN, "--max-batch", "4", *flags, **SESSION_ENV) as (process, url, _):
         _wait(lambda: _status(url)["profiler"]["warm"])
         _generate(url, -1)  # first-request allocations (thread arenas, tokenizer caches) before the count
         time.sleep(1.5)
-        rss_before, requests = _rss(process.pid), 10
+        # The history reads once a second on the capture thread: 16 requests 0.35 s apart give it
+        # 5-6 readings (3 rises are needed) even when a busy machine delays some of them.
+        rss_before, requests = _rss(process.pid), 16
         for index in range(requests):
             _generate(url, index)
             time.sleep(0.35)
