@@ -192,3 +192,12 @@ def sse_post(client: Any, url: str, tokens: int = 8, headers: dict[str, str] | N
                        headers=headers or {}) as response:
         lines = [line for line in response.iter_lines() if line]
         return response.status_code, lines, response.headers
+
+
+def concurrent_sse(client: Any, url: str, tokens: int, headers: list[dict[str, str]]) -> None:
+    """One SSE request per headers dict, all at once (each on its own thread); waits for them all."""
+    threads = [threading.Thread(target=sse_post, args=(client, url, tokens, h)) for h in headers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gzip
 import logging
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -13,13 +12,12 @@ import httpx
 import orjson
 import pytest
 import torch
-from _middleware_helpers import AUTH, TOKEN, sse_post, tiny_server, wait_idle, wait_sessions
+from _middleware_helpers import AUTH, TOKEN, concurrent_sse, sse_post, tiny_server, wait_idle, wait_sessions
 from torch._C._profiler import _ExperimentalConfig, _RecordFunctionFast
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from servprof import tiers
 from servprof.budget import LIGHT_EVENTS_PER_STEP, LIGHT_MIN_COST_FACTOR, EventBudget, LiveSignals
-from servprof.capture import get_controller
 from servprof.phases import phase
 from servprof.settings import Settings, SettingsError
 
@@ -110,15 +108,9 @@ def test_a_phase_open_across_a_profiler_restart_is_safe(tmp_path: Path) -> None:
 
 def test_a_light_session_has_phases_and_steps_and_no_op(tmp_path: Path) -> None:
     wait_idle()
-    get_controller().light_since_deep = 0
     with tiny_server(tmp_path, control_token=TOKEN, requests_per_session=2, deep_every=0) as (url, middleware, _e), \
             httpx.Client(timeout=30) as client:
-        threads = [threading.Thread(target=sse_post, args=(client, url, 8, {**SAMPLE, "x-request-id": f"light-{i}"}))
-                   for i in range(2)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
+        concurrent_sse(client, url, 8, [{**SAMPLE, "x-request-id": f"light-{i}"} for i in range(2)])
         (session,) = wait_sessions(middleware, 1)
         status = client.get(url + "/servprof/status", headers=AUTH).json()
     assert session["error"] is None and session["tier"] == "light" and session["tier_note"] is None, session
@@ -143,7 +135,6 @@ def test_a_light_session_has_phases_and_steps_and_no_op(tmp_path: Path) -> None:
 
 def test_a_deep_window_follows_every_k_light_sessions_and_stops_at_its_steps(tmp_path: Path) -> None:
     wait_idle()
-    get_controller().light_since_deep = 0
     with tiny_server(tmp_path, control_token=TOKEN, requests_per_session=1, deep_every=2, deep_steps=2) as (
             url, middleware, _e), httpx.Client(timeout=30) as client:
         sessions = _one_session_each(client, url, middleware, 4, tokens=12)

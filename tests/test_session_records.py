@@ -17,6 +17,7 @@ from _middleware_helpers import (
     AUTH,
     TOKEN,
     TinyEngine,
+    concurrent_sse,
     make_app,
     serve,
     sse_post,
@@ -129,12 +130,7 @@ def test_every_request_a_session_lists_is_sampled_with_its_spans(tmp_path: Path,
     try:
         with serve(middleware) as (url, _server), httpx.Client(timeout=60) as client:
             assert client.post(url + "/servprof/sample?n=4", headers=AUTH).status_code == 202
-            threads = [threading.Thread(target=sse_post, args=(client, url, 6, {"x-request-id": f"n4-{i}"}))
-                       for i in range(4)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(60)
+            concurrent_sse(client, url, 6, [{"x-request-id": f"n4-{i}"} for i in range(4)])
             (session,) = wait_sessions(middleware, 1)
     finally:
         engine.stop()
