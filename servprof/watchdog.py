@@ -177,8 +177,9 @@ class LoopWatchdog:
                 continue  # back in the selector: waiting for the GIL, not blocked in a call
             self.samples += 1
             stall.samples += 1
-            stall.stacks[tuple(stack)] += 1
-            stall.weights_ns[tuple(stack)] += sampled_ns - max(stall.last_sample_ns, last + beat_ns)
+            key = tuple(stack)
+            stall.stacks[key] += 1
+            stall.weights_ns[key] += sampled_ns - max(stall.last_sample_ns, last + beat_ns)
             stall.last_sample_ns = sampled_ns
             if stall.request_id is None and stall.samples == 1:
                 loop_frame = sys._current_frames().get(self.loop_ident or 0)
