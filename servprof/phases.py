@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import torch.autograd.profiler as _autograd_profiler
 
+from servprof.auto.context import marked_step
 from servprof.auto.emit import close_range, open_range
 from servprof.request_context import current_request_id
 
@@ -21,6 +22,8 @@ from servprof.request_context import current_request_id
 from servprof.trace.phases import PHASE_PREFIX, parse_phase_event_name  # noqa: F401  (re-exported)
 
 PHASES = ("tokenize", "queue", "prefill", "decode_step", "detokenize")
+STEP_PHASES = frozenset(("prefill", "decode_step"))  # what the automatic step hooks would also mark
+_NOT_A_STEP = object()
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -37,13 +40,14 @@ class phase:  # noqa: N801 - used like a function: `with servprof.phase("tokeniz
     Also usable as a decorator.
     """
 
-    __slots__ = ("name", "request_id", "request_ids", "_range")
+    __slots__ = ("name", "request_id", "request_ids", "_range", "_outer_step")
 
     def __init__(self, name: str, request_id: str | None = None, request_ids: Iterable[str] | None = None):
         self.name = name
         self.request_id = request_id
         self.request_ids = request_ids
         self._range: Any = None
+        self._outer_step: Any = _NOT_A_STEP
 
     def __enter__(self) -> phase:
         # _is_profiler_enabled is a plain Python global, true from every thread while
@@ -56,12 +60,16 @@ class phase:  # noqa: N801 - used like a function: `with servprof.phase("tokeniz
                 ids = [rid] if rid else []
             # A user-scope range (servprof.auto.emit): kept by a light session, which records no op.
             self._range = open_range(phase_event_name(self.name, ids))
+            if self.name in STEP_PHASES:
+                self._outer_step, marked_step.phase = marked_step.phase, self.name
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._range is not None:
             close_range(self._range)
             self._range = None
+            if self._outer_step is not _NOT_A_STEP:
+                marked_step.phase, self._outer_step = self._outer_step, _NOT_A_STEP
 
     def __call__(self, func: F) -> F:
         name, request_id, request_ids = self.name, self.request_id, self.request_ids

@@ -101,6 +101,29 @@ def test_hand_written_loop_with_and_without_a_cache(tmp_path: Path) -> None:
     assert auto.summary()["models"] == ["TinyLM"]
 
 
+def test_a_step_the_server_marked_itself_is_counted_but_not_recorded_again(tmp_path: Path) -> None:
+    """Inside the server's own ``decode_step`` phase an automatic decode step would only add a range
+    the analysis drops (explicit markers win); it is still counted for the event budget. A step of
+    another kind than the marked one is recorded."""
+    import servprof
+
+    model = TinyLM().eval()
+
+    def work() -> None:
+        with torch.no_grad():
+            model(torch.ones(2, 6, dtype=torch.long))  # unmarked prefill: recorded
+            for _ in range(3):
+                with servprof.phase("decode_step", request_ids=["a", "b"]):
+                    model(torch.ones(2, 1, dtype=torch.long))  # marked by the server: counted only
+            with servprof.phase("decode_step", request_ids=["a", "b"]):
+                model(torch.ones(2, 6, dtype=torch.long))  # a prefill inside a marked decode step: recorded
+            model(torch.ones(2, 1, dtype=torch.long))  # unmarked decode: recorded
+
+    phases, auto = auto_phases(tmp_path, work, session_ids=["a", "b"])
+    assert [p for p, _ in phases] == ["prefill", "prefill", "decode_step"]
+    assert (auto.steps.steps, auto.steps.prefill_steps, auto.steps.decode_steps) == (6, 2, 4)
+
+
 def test_transformers_generate_steps_and_tokenizer_phases(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -44,6 +44,18 @@ def remove_thread_inheritance() -> None:
         threading.Thread.start = _original_start  # type: ignore[method-assign]
 
 
+class _MarkedStep(threading.local):
+    """The step phase (``prefill`` / ``decode_step``) the server itself marked and has open on
+    this thread, while a profiler runs. An automatic step of the same kind inside it is not
+    recorded: the analysis drops automatic phases where explicit ones exist, so the range would
+    only add to stop()'s cost (a light session's budget is counted in ranges)."""
+
+    phase: str | None = None
+
+
+marked_step = _MarkedStep()
+
+
 def request_id_here() -> str | None:
     """The request this thread is serving, if it can be known."""
     request_id = request_id_var.get()

@@ -32,10 +32,11 @@ from typing import Any
 import torch
 from torch.nn.modules import module as torch_module
 
-from servprof.auto.context import request_id_here
+from servprof.auto.context import marked_step, request_id_here
 from servprof.auto.emit import auto_phase_name, close_range, open_range
 from servprof.budget import STOP_LATENCY_S
 
+_UNRECORDED = object()  # a step counted but not recorded: the server's own marker covers it
 DISCOVERY_STEPS = 4  # completed outermost forwards watched with global hooks per session
 _Tensor = torch.Tensor
 
@@ -283,9 +284,12 @@ class StepHooks:
             kind = "prefill"
             self.prefill_steps += 1
         state.last_seq = seq if seq is not None else -1
-        request_id = request_id_here()
-        ids = [request_id] if request_id is not None else self._session_ids()
-        state.handle = open_range(auto_phase_name(kind, ids))
+        if marked_step.phase == kind:
+            state.handle = _UNRECORDED
+        else:
+            request_id = request_id_here()
+            ids = [request_id] if request_id is not None else self._session_ids()
+            state.handle = open_range(auto_phase_name(kind, ids))
         state.owner = module
         state.opened_ns = time.perf_counter_ns()
         self.steps += 1
@@ -299,7 +303,8 @@ class StepHooks:
         handle, state.handle, state.owner = state.handle, None, None
         if handle is not None:
             self.open_steps = max(0, self.open_steps - 1)
-            close_range(handle)
+            if handle is not _UNRECORDED:
+                close_range(handle)
             took = (time.perf_counter_ns() - state.opened_ns) / 1e9
             self.step_s = took if self.step_s is None else 0.8 * self.step_s + 0.2 * took
             self.next_step_share = min(1.0, STOP_LATENCY_S / max(self.step_s, 1e-6))

@@ -289,21 +289,32 @@ class Engine:
             launch.ready.synchronize()
         token_ids = launch.tokens.tolist()
         now = time.perf_counter_ns()
-        for request, token_id in zip(launch.requests, token_ids, strict=True):
-            if request.finished:
-                continue  # stopped or cancelled while this token was in flight
-            self._accept_token(request, token_id, now)
+        accepted = [(request, token_id) for request, token_id in zip(launch.requests, token_ids, strict=True)
+                    # not stopped or cancelled while this token was in flight, and not its end
+                    if not request.finished and self._accept_token(request, token_id, now)]
+        if not accepted:
+            return
+        # One range for the whole batch's detokenization, tagged with each request in it: a range
+        # per request would put batch-size ranges per step into the trace, and a session's stop()
+        # costs a few µs per range (a light session's budget is counted in ranges).
+        with phase("detokenize", request_ids=(request.request_id for request, _ in accepted)):
+            pieces = [request.detokenizer.step(token_id) for request, token_id in accepted]  # type: ignore[union-attr]
+        for (request, _), piece in zip(accepted, pieces, strict=True):
+            self._emit_text(request, piece)
 
-    def _accept_token(self, request: EngineRequest, token_id: int, now: int) -> None:
+    def _accept_token(self, request: EngineRequest, token_id: int, now: int) -> bool:
+        """Count the token; False where it ends the request (its end-of-sequence token)."""
         if not request.first_token_ns:
             request.first_token_ns = now
         self.stats.output_tokens += 1
         if token_id in self.tokenizer.eos_ids and not request.params.ignore_eos:
             self._finish(request, "stop")
-            return
+            return False
         request.output_ids.append(token_id)
-        with phase("detokenize", request_id=request.request_id):
-            request.text += request.detokenizer.step(token_id)  # type: ignore[union-attr]
+        return True
+
+    def _emit_text(self, request: EngineRequest, piece: str) -> None:
+        request.text += piece
         stops = request.params.stop
         if stops:
             # Only the new tail can complete a stop string.
