@@ -25,6 +25,7 @@ import numpy as np
 from servprof.detect.causes import CAUSES, Explained, GapExplainer
 from servprof.detect.host_stacks import BUSY_CLASSES, CLASSES, GRAPH_LAUNCH, TOKENIZE, HostStacks, NameClasses
 from servprof.detect.intervals import merge
+from servprof.detect.name_guard import Guarded
 from servprof.detect.overhead import stop_cutoffs
 from servprof.detect.steps import Step, device_segments
 from servprof.detect.tier import is_light
@@ -37,8 +38,9 @@ RELATIVE_MIN_GAP = 0.25  # ... and a host gap must be at least this share of the
 DEVICE_RELATIVE_MIN_GAP = 0.02
 # A collective kernel this many times its median on the rank waited for another rank.
 STRAGGLER_FACTOR = 3.0
-COLLECTIVE_KERNEL = re.compile(r"nccl|rccl|AllReduce|AllGather|ReduceScatter|all_reduce|allreduce|cross_device_reduce",
-                               re.IGNORECASE)
+COLLECTIVE_KERNEL = Guarded(re.compile(r"nccl|rccl|AllReduce|AllGather|ReduceScatter|all_reduce|allreduce|cross_device_reduce",
+                                       re.IGNORECASE), "ccl", "allreduce", "allgather", "reducescatter", "all_reduce",
+                            "cross_device_reduce")
 MAX_NAMED_SUMS = 100
 STREAM_WAIT = re.compile(r"^(cuda|hip|cu)StreamWaitEvent")
 CONTINUING_KINDS = ("decode", "mixed", "step", "train")  # a gap before one of these is the engine's own

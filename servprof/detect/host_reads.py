@@ -19,11 +19,12 @@ import numpy as np
 from servprof.detect.causes import CAUSES, cause_fix
 from servprof.detect.finding import Finding
 from servprof.detect.host_stacks import _device_to_host_launches
+from servprof.detect.name_guard import Guarded
 from servprof.detect.step_forms import Step, outermost
 from servprof.trace.model import Trace
 
-READ_OPS = re.compile(r"^aten::(item|_local_scalar_dense)$|<method '(tolist|item|cpu|numpy)' of"
-                      r"|<built-in method (tolist|item|cpu|numpy) of")
+READ_OPS = Guarded(re.compile(r"^aten::(item|_local_scalar_dense)$|<method '(tolist|item|cpu|numpy)' of"
+                              r"|<built-in method (tolist|item|cpu|numpy) of"), "aten::", "method ")
 TOLIST_SIGNATURE = "aten::resolve_neg"  # what .tolist() / .numpy() leave when not nested in another op
 MIN_STEPS = 3
 MIN_SHARE_OF_STEPS = 0.8  # "every step": at least this share of the decode steps read something

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from servprof.detect.name_guard import Guarded
 from servprof.detect.nesting import depths, extend_ends, levels, nearest, parents, segments
 from servprof.detect.step_forms import is_step_annotation
 from servprof.trace.columns import give_back_freed_memory
@@ -33,16 +34,18 @@ TRIM_ROWS = 256 * 1024  # a thread with this many events gives its freed tempora
 
 # Host calls that block until the device is done: explicit syncs, blocking copies, reads of a
 # device value on the host (.item(), .tolist(), .cpu(), nonzero's output size).
-SYNC_NAMES = re.compile(
+# (Guarded: the literal substrings every match holds; a name holding none skips the regex.)
+SYNC_NAMES = Guarded(re.compile(
     r"(cuda|hip)(Stream|Device|Event|Ctx)Synchronize|^cu(Stream|Ctx|Event)Synchronize|^(cuda|hip)Memcpy$"
     r"|^hipMemcpyWithStream$|^(cuda|hip|cu)Memcpy(DtoH|D2H)|^aten::_local_scalar_dense$|^aten::item$"
     r"|^aten::nonzero$|torch/cuda/__init__\.py\(\d+\): synchronize|<method '(tolist|item|cpu|numpy)' of"
     r"|<built-in method (tolist|item|cpu|numpy) of"
-)
+), "ynchronize", "Memcpy", "aten::", "method ")
 # Tokenizer work recognisable in traces that carry no servprof phase markers.
-TOKENIZER_NAMES = re.compile(r"((?<!de)tokeniz|encode_batch|apply_chat_template|PreTrainedTokenizer|\.encode\b)",
-                             re.IGNORECASE)
-DETOKENIZER_NAMES = re.compile(r"detokeniz|batch_decode\b|decode_stream|convert_ids_to_tokens", re.IGNORECASE)
+TOKENIZER_NAMES = Guarded(re.compile(r"((?<!de)tokeniz|encode_batch|apply_chat_template|PreTrainedTokenizer|\.encode\b)",
+                                     re.IGNORECASE), "tokeniz", "encode_batch", "apply_chat_template", ".encode")
+DETOKENIZER_NAMES = Guarded(re.compile(r"detokeniz|batch_decode\b|decode_stream|convert_ids_to_tokens", re.IGNORECASE),
+                            "detokeniz", "decode", "convert_ids_to_tokens")
 # A thread asleep or blocked on another thread/process: it holds no GIL and does no work.
 WAIT_NAMES = re.compile(
     r"threading\.py\(\d+\): (wait|join|_wait_for_tstate_lock)$|<method 'acquire' of '_thread\.|<built-in method acquire"
@@ -51,14 +54,18 @@ WAIT_NAMES = re.compile(
     r"(recv|recv_bytes|poll|wait|_poll)$|tqdm/_monitor\.py|recv_multipart$|shm_broadcast\.py\(\d+\): acquire_read$"
 )
 # Collectives the host blocks in (a NCCL call only enqueues a kernel: its wait shows on the device).
-COLLECTIVE_NAMES = re.compile(r"^gloo:|barrier|_distributed_c10d\.Work' objects>|^c10d::wait|ProcessGroup\w*\.wait")
+COLLECTIVE_NAMES = Guarded(re.compile(r"^gloo:|barrier|_distributed_c10d\.Work' objects>|^c10d::wait|ProcessGroup\w*\.wait"),
+                           "gloo:", "barrier", "c10d", "ProcessGroup")
 # torch.compile / CUDA-graph machinery on the host: guards, dispatch into compiled code.
-COMPILE_NAMES = re.compile(r"torch/_dynamo/|torch/_inductor/|torch/fx/|torch/_functorch/|torch/_guards|"
-                           r"^TorchDynamo Cache Lookup|cudagraph_trees|vllm/compilation/|torch/_subclasses/")
+COMPILE_NAMES = Guarded(re.compile(r"torch/_dynamo/|torch/_inductor/|torch/fx/|torch/_functorch/|torch/_guards|"
+                                   r"^TorchDynamo Cache Lookup|cudagraph_trees|vllm/compilation/|torch/_subclasses/"),
+                        "torch/_", "torch/fx/", "TorchDynamo", "cudagraph_trees", "vllm/compilation/")
 # Inside a compiled forward or a graph replay.
-COMPILED_REGION = re.compile(r"^Torch-Compiled Region|CompiledFxGraph|torch/_inductor/|cuda_graph\.py\(\d+\): __call__"
-                             r"|cudagraph_trees|torch/cuda/graphs\.py\(\d+\): replay|<built-in method replay of"
-                             r"|^(cuda|hip|cu)GraphLaunch")
+COMPILED_REGION = Guarded(re.compile(r"^Torch-Compiled Region|CompiledFxGraph|torch/_inductor/|cuda_graph\.py\(\d+\): __call__"
+                                     r"|cudagraph_trees|torch/cuda/graphs\.py\(\d+\): replay|<built-in method replay of"
+                                     r"|^(cuda|hip|cu)GraphLaunch"),
+                          "Torch-Compiled Region", "CompiledFxGraph", "torch/_inductor/", "cuda_graph.py(",
+                          "cudagraph_trees", "replay", "GraphLaunch")
 GRAPH_LAUNCH = re.compile(r"^(cuda|hip|cu)GraphLaunch")
 LAUNCH_NAMES = re.compile(r"Launch|Memcpy\w*Async|Memset")
 DEVICE_TO_HOST = re.compile(r"DtoH|D2H|DeviceToHost")

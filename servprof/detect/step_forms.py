@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from servprof.detect.name_guard import Guarded
 from servprof.trace.model import Trace
 from servprof.trace.phases import phase_events
 
@@ -37,7 +38,8 @@ VLLM_EXECUTE_FRAME = re.compile(r"(?:^|/)(?:gpu|cpu|xpu|tpu|npu)?_?model_runner\
 MODULE_FRAME = "nn.Module: "
 FORWARD_FRAME = re.compile(r"\.py\(\d+\): forward$")
 # Ops that only run when autograd computes gradients: a step holding them is a training step.
-BACKWARD = re.compile(r"^autograd::engine::evaluate_function|Backward\d*$|^## backward|^Optimizer\.step")
+BACKWARD = Guarded(re.compile(r"^autograd::engine::evaluate_function|Backward\d*$|^## backward|^Optimizer\.step"),
+                   "autograd::engine::evaluate_function", "Backward", "## backward", "Optimizer.step")
 _SERVPROF_STEP_PHASES = ("servprof:decode_step|", "servprof:prefill|", "servprof:auto.decode_step|",
                          "servprof:auto.prefill|")
 
@@ -117,7 +119,7 @@ def servprof_steps(trace: Trace) -> list[Step]:
     return steps
 
 
-def host_rows(trace: Trace, pattern: re.Pattern[str], category: str | None = None) -> np.ndarray:
+def host_rows(trace: Trace, pattern: re.Pattern[str] | Guarded, category: str | None = None) -> np.ndarray:
     """Host duration events whose name matches, in time order."""
     mask = (trace.mask_name(lambda s: pattern.search(s) is not None, trace.host_names()) & trace.complete()
             & (trace.stream < 0))

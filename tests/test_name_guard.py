@@ -1,0 +1,60 @@
+"""The name guards (detect/name_guard.py) answer exactly as their regular expressions: on every
+name of every fixture trace, and on names built to hit each alternative."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from servprof.detect import gaps, host_reads, host_stacks, step_forms
+from servprof.detect.name_guard import Guarded
+from servprof.trace import load_trace
+
+FIXTURES = Path(__file__).parent / "fixtures"
+GUARDED = {f"{module.__name__}.{name}": value for module in (gaps, host_reads, host_stacks, step_forms)
+           for name, value in vars(module).items() if isinstance(value, Guarded)}
+CRAFTED = [
+    "cudaStreamSynchronize", "hipDeviceSynchronize", "cuCtxSynchronize", "cudaMemcpy", "hipMemcpyWithStream",
+    "cuMemcpyDtoH_v2", "aten::_local_scalar_dense", "aten::item", "aten::nonzero",
+    "torch/cuda/__init__.py(123): synchronize", "<method 'tolist' of 'torch._C.TensorBase' objects>",
+    "<built-in method item of Tensor object>", "PreTrainedTokenizerFast.__call__", "tokenizers.encode_batch",
+    "apply_chat_template", "x.encode", "TOKENIZE", "detokenize", "batch_decode", "decode_stream",
+    "convert_ids_to_tokens", "gloo:all_reduce", "barrier", "<method 'wait' of 'torch._C._distributed_c10d.Work' objects>",
+    "c10d::wait", "ProcessGroupNCCL.wait", "torch/_dynamo/eval_frame.py(1): _fn", "torch/fx/graph.py(3): f",
+    "TorchDynamo Cache Lookup", "cudagraph_trees.py", "vllm/compilation/backends.py(1): f",
+    "torch/_subclasses/fake_tensor.py(2): g", "Torch-Compiled Region: 0/0", "CompiledFxGraph", "torch/_inductor/x",
+    "vllm/cuda_graph.py(12): __call__", "torch/cuda/graphs.py(9): replay", "<built-in method replay of CUDAGraph>",
+    "cudaGraphLaunch", "hipGraphLaunch", "ncclDevKernel_AllReduce", "rcclKernel", "AllGather", "ReduceScatter",
+    "all_reduce", "cross_device_reduce_1stage", "autograd::engine::evaluate_function: MmBackward0",
+    "AddmmBackward0", "## backward ##", "Optimizer.step#SGD.step", "Ｔokenize", "TOKENİZE", "toKenize",
+    "ſync", "", "plain name",
+]
+
+
+def _names() -> list[str]:
+    names = set(CRAFTED)
+    for path in sorted((FIXTURES / "public").glob("*.json.gz")) + sorted(FIXTURES.glob("*.json.gz")):
+        names.update(load_trace(path).names)
+    return sorted(names)
+
+
+@pytest.mark.parametrize("name", sorted(GUARDED))
+def test_guard_answers_as_its_regex(name: str) -> None:
+    guarded = GUARDED[name]
+    for text in _names():
+        assert (guarded.search(text) is None) == (guarded.pattern.search(text) is None), text
+        assert (guarded.match(text) is None) == (guarded.pattern.match(text) is None), text
+
+
+def test_crafted_names_hit_every_guard() -> None:
+    """Each guard lets through at least one crafted name its regex matches (the list covers them)."""
+    for name, guarded in GUARDED.items():
+        assert any(guarded.search(text) for text in CRAFTED), name
+
+
+def test_case_insensitive_literals_must_be_lower_case() -> None:
+    import re
+
+    with pytest.raises(ValueError):
+        Guarded(re.compile("Abc", re.IGNORECASE), "Abc")
