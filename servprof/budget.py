@@ -68,6 +68,7 @@ LIGHT_RATE_DIVISOR = 20.0
 # A light range measured cheaper to stop than the nominal event lets the budget hold up to 1/this
 # more (at most 3x: export, not timed in the budget, costs ~3 µs per range on top).
 LIGHT_MIN_COST_FACTOR = 1 / 3
+RAW_BYTES_PER_EVENT = 260  # chrome-trace JSON per CPU event, used when the analysis gave no count
 
 
 @dataclass
@@ -188,6 +189,24 @@ class EventBudget:
         if stepless:
             terms.append((self.per_second or assumed_per_s) * busy_s)
         return max(terms)
+
+    def learn_session(self, session: Any, result: dict[str, Any]) -> None:
+        """Learn from a finished session (servprof.session.Session) and its analysis result."""
+        count = (result.get("summary") or {}).get("event_count")
+        if not isinstance(count, (int, float)) or count <= 0:
+            count = session.trace_raw_bytes / RAW_BYTES_PER_EVENT
+        summary = session.instruments.summary if session.instruments is not None else {}
+        auto = summary.get("auto") or {}
+        # A step still running at the stop left only part of its events: half a step each; after
+        # a cut (collection switched off by the step hooks) steps went on uncounted in the trace.
+        model_steps = (auto.get("steps") or 0) - (auto.get("running_at_stop") or 0) / 2
+        if summary.get("steps_at_cut") is not None:
+            model_steps = summary["steps_at_cut"]
+        # Busy capture time only (stop() holds the GIL, so next to nothing is captured during it);
+        # chunks at the stop, not now: the sampled streams went on after it.
+        stop_s = (session.perf_end_ns - session.capture_end_ns) / 1e9 \
+            if session.perf_end_ns and session.capture_end_ns else None
+        self.learn(count, session.settings, session.busy_ns / 1e9, model_steps, session.steps_captured, stop_s)
 
     def learn(self, events: float, settings: Any, busy_s: float, steps: float, chunks: int,
               stop_s: float | None = None) -> None:

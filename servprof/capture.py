@@ -15,21 +15,16 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import os
 import threading
 import time
 import weakref
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
 import orjson
-import torch
 import torch.autograd.profiler as autograd_profiler
-from torch._C._profiler import _ExperimentalConfig
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import profile
 
-from servprof.analysis import empty_result, kill_running_analyses, run_analysis
+from servprof.analysis import kill_running_analyses
 from servprof.auto import AutoInstrumentation
 from servprof.auto.session import SessionInstruments
 from servprof.budget import STOP_AT, EventBudget, LiveSignals
@@ -47,14 +42,12 @@ from servprof.session import (  # noqa: F401 - re-exported: the session's states
 )
 from servprof.settings import Settings
 from servprof.store import StoreError, TraceStore
-from servprof.tiers import DEEP, LIGHT, profiler_class
+from servprof.tiers import DEEP, LIGHT, new_profiler
 
 POLL_S = 0.005  # how often the bounds of a running session are checked
 SHUTDOWN_FLUSH_S = 5.0  # the longest a shutdown waits for the observers to export their spans and metrics
-RAW_BYTES_PER_EVENT = 260  # chrome-trace JSON per CPU event, used when the analysis gave no count
 
 STOP_SHUTDOWN = "shutdown"
-KINETO_QUIET_LEVEL = "6"  # above USDT (5) and ERROR (4): Kineto prints nothing
 FOREIGN_PROFILER = ("another torch profiler is active in this process; servprof does not start a second "
                     "one (two at once can crash the process)")
 
@@ -213,46 +206,51 @@ class CaptureController:
 
     def _run(self) -> None:
         while True:
-            session = self.session
-            self._wake.wait(POLL_S if session is not None and session.state == CAPTURING else IDLE_TICK_S)
-            self._wake.clear()
-            self._write_final_files()
-            if self.warmup_wanted and not self.warm:
-                self._warm_up()
-            session = self.session
-            if session is None:
-                if self.memory_history:
-                    tick_memory_history(self.model_requests_done, self.sessions_started)
-                continue
             try:
-                if session.state == STARTING:
-                    self._start(session)
-                elif session.state == CAPTURING:
-                    if session.probes is not None:
-                        session.probes.sample()
-                    why = self._stop_reason(session)
-                    if why:
-                        self._finish(session, why)
-            except Exception as exc:  # noqa: BLE001 - the capture thread must survive anything
-                self._fail(session, f"capture error: {type(exc).__name__}: {exc}")
+                self._tick()
+            except Exception as exc:  # noqa: BLE001 - even failing a session failed: drop it, go on
+                self._drop(f"capture error: {type(exc).__name__}: {exc}")
 
-    def _new_profiler(self, settings: Settings | None, tier: str = DEEP) -> tuple[profile, str, str | None]:
-        """(profiler, the tier it captures, why that is not the tier asked for)."""
-        # Kineto reads KINETO_LOG_LEVEL once, at the first profiler start in the process (not when
-        # torch is imported): unless the user chose a level, its `USDT ... profiler_start/stop` lines
-        # (one pair per session) stay out of the server's log. This level hides Kineto's own errors too.
-        os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET_LEVEL)
-        activities = [ProfilerActivity.CPU]
-        if torch.cuda.is_available():
-            activities.append(ProfilerActivity.CUDA)
-        cls, tier, note = profiler_class(tier)
-        light = tier == LIGHT  # shapes, memory and stacks are op-level detail: a deep window's
-        prof = cls(activities=activities,
-                   record_shapes=bool(settings and settings.record_shapes and not light),
-                   profile_memory=bool(settings and settings.profile_memory and not light),
-                   with_stack=bool(settings and settings.with_stack and not light),
-                   experimental_config=_ExperimentalConfig(profile_all_threads=True))
-        return prof, tier, note
+    def _tick(self) -> None:
+        session = self.session
+        self._wake.wait(POLL_S if session is not None and session.state == CAPTURING else IDLE_TICK_S)
+        self._wake.clear()
+        self._write_final_files()
+        if self.warmup_wanted and not self.warm:
+            self._warm_up()
+        session = self.session
+        if session is None:
+            if self.memory_history:
+                tick_memory_history(self.model_requests_done, self.sessions_started)
+            return
+        try:
+            if session.state == STARTING:
+                self._start(session)
+            elif session.state == CAPTURING:
+                if session.probes is not None:
+                    session.probes.sample()
+                why = self._stop_reason(session)
+                if why:
+                    self._finish(session, why)
+        except Exception as exc:  # noqa: BLE001 - the capture thread must survive anything
+            self._fail(session, f"capture error: {type(exc).__name__}: {exc}")
+
+    def _drop(self, error: str) -> None:
+        """The last resort: end the running session (if any) without its files or hand-off, so the
+        waiting requests go on and the next session can start."""
+        if self._profiler is not None:
+            prof, self._profiler = self._profiler, None
+            with contextlib.suppress(Exception):
+                prof.stop()
+        with self._lock:
+            session, self.session = self.session, None
+        if session is not None and not session.finished.is_set():
+            session.error = session.error or error
+            session.state = FAILED
+            session.started.set()
+            with contextlib.suppress(Exception):  # the runtime counts it and ends its order
+                session.on_finished(session)
+            session.finished.set()
 
     def warm_up_now(self) -> None:
         """Warm Kineto up on the calling thread, now (1-2 s). Kineto's one-time init expects the thread
@@ -270,7 +268,7 @@ class CaptureController:
                 if autograd_profiler._is_profiler_enabled:
                     self.warmup_error = FOREIGN_PROFILER
                 else:
-                    warm, _tier, _note = self._new_profiler(None)
+                    warm, _tier, _note = new_profiler(None)
                     warm.start()
                     warm.stop()
             except Exception as exc:  # noqa: BLE001
@@ -285,7 +283,7 @@ class CaptureController:
         if autograd_profiler._is_profiler_enabled:
             self._fail(session, FOREIGN_PROFILER)
             return
-        prof, session.tier, session.tier_note = self._new_profiler(session.settings, session.tier)
+        prof, session.tier, session.tier_note = new_profiler(session.settings, session.tier)
         if session.tier_note:  # no light capture on this torch: the deep bounds apply
             session.max_steps = min(session.max_steps, session.settings.max_session_steps)
         session.probes = SessionProbes(session.settings.memory_samples, self.model_requests_done, self.sessions_started)
@@ -383,52 +381,14 @@ class CaptureController:
             session.trace_path, session.trace_raw_bytes = session.store.export(prof, session.session_id)
             session.timed("export", export_started)
             del prof
-            result = self._analysis_result(session, session.trace_path)
+            result = session.analyse(session.trace_path)
         except StoreError as exc:
             self._fail(session, str(exc), store_problem=True)
             return
-        self._learn(session, result)
+        self.budget_of(session).learn_session(session, result)
         session.result = result
         session.error = result.get("error")
         self._end(session, FAILED if session.error else DONE)
-
-    def _analysis_result(self, session: Session, trace_path: Path) -> dict[str, Any]:
-        """The analysis child's result for the stored trace, or an empty one saying why it was
-        skipped. A shutdown (stop_now) kills a running child; one arriving just as the child
-        starts is caught by should_stop."""
-        # The analysis child's view: a snapshot at the stop (requests may still be streaming);
-        # rewritten with the final records once the session and its requests are done.
-        session_file = session.store.write_json(session.session_id, ".session.json", session.description())
-        session.session_file = session_file
-        session.state = ANALYSING  # before the check: stop_now reads the state after setting stop_requested
-        if session.stop_requested is not None or not session.settings.analysis:
-            skipped = "shutdown" if session.stop_requested is not None else "analysis is off"
-            return empty_result(session.session_id, trace_path, summary={"analysis_skipped": skipped})
-        started = time.perf_counter_ns()
-        result = run_analysis(session.session_id, trace_path, session_file,
-                              session.store.path_for(session.session_id, ".analysis.json"),
-                              session.settings.analysis_timeout_s,
-                              should_stop=lambda: session.stop_requested is not None)
-        session.timed("analysis", started)
-        return result
-
-    def _learn(self, session: Session, result: dict[str, Any]) -> None:
-        count = (result.get("summary") or {}).get("event_count")
-        if not isinstance(count, (int, float)) or count <= 0:
-            count = session.trace_raw_bytes / RAW_BYTES_PER_EVENT
-        summary = session.instruments.summary if session.instruments is not None else {}
-        auto = summary.get("auto") or {}
-        # A step still running at the stop left only part of its events: half a step each; after
-        # a cut (collection switched off by the step hooks) steps went on uncounted in the trace.
-        model_steps = (auto.get("steps") or 0) - (auto.get("running_at_stop") or 0) / 2
-        if summary.get("steps_at_cut") is not None:
-            model_steps = summary["steps_at_cut"]
-        # Busy capture time only (stop() holds the GIL, so next to nothing is captured during it);
-        # chunks at the stop, not now: the sampled streams went on after it.
-        stop_s = (session.perf_end_ns - session.capture_end_ns) / 1e9 \
-            if session.perf_end_ns and session.capture_end_ns else None
-        self.budget_of(session).learn(count, session.settings, session.busy_ns / 1e9, model_steps,
-                                      session.steps_captured, stop_s)
 
     def _fail(self, session: Session, error: str, store_problem: bool = False) -> None:
         session.error = error
@@ -453,7 +413,7 @@ class CaptureController:
         if session.perf_start_ns is not None:  # it captured: counts towards the next deep window
             self.light_since_deep = self.light_since_deep + 1 if session.tier == LIGHT else 0
         session.started.set()
-        self._write_session_file(session)  # the final state; again when its last stream ends
+        session.write_file()  # the final state; again when its last stream ends
         try:
             # Before the controller takes a new session: the hand-off ends an on-demand order and
             # pauses sampling on a store problem, so no request can slip into a session meanwhile.
@@ -472,14 +432,8 @@ class CaptureController:
         with self._lock:
             sessions, self._final_writes = self._final_writes, []
         for session in sessions:
-            self._write_session_file(session)
+            session.write_file()
 
-    def _write_session_file(self, session: Session) -> None:
-        """Rewrite <session>.session.json as /servprof/status shows the session now."""
-        if session.session_file is None or not session.session_file.exists():  # gone with retention
-            return
-        with contextlib.suppress(StoreError, ValueError):  # a full disk: status still has it
-            session.store.write_json(session.session_id, ".session.json", session.description())
 
 
 _controller: CaptureController | None = None

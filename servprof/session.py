@@ -6,6 +6,7 @@ under the controller's lock.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -13,11 +14,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from servprof.analysis import empty_result, run_analysis
 from servprof.auto.session import SessionInstruments
 from servprof.observers import RequestRecord
 from servprof.probes import SessionProbes
 from servprof.settings import Settings
-from servprof.store import TraceStore
+from servprof.store import StoreError, TraceStore
 from servprof.tiers import DEEP
 
 STARTING, CAPTURING, STOPPING, EXPORTING, ANALYSING, DONE, FAILED = (
@@ -113,6 +115,32 @@ class Session:
                 "trace_file": str(self.trace_path) if self.trace_path else None,
                 **(self.instruments.summary if self.instruments is not None else {}),
                 "requests": [_record_summary(r) for r in list(self.records)]}
+
+    def analyse(self, trace_path: Path) -> dict[str, Any]:
+        """The analysis child's result for the stored trace, or an empty one saying why it was
+        skipped. A shutdown (stop_now) kills a running child; one arriving just as the child
+        starts is caught by should_stop."""
+        # The analysis child's view: a snapshot at the stop (requests may still be streaming);
+        # rewritten with the final records once the session and its requests are done.
+        self.session_file = self.store.write_json(self.session_id, ".session.json", self.description())
+        self.state = ANALYSING  # before the check: stop_now reads the state after setting stop_requested
+        if self.stop_requested is not None or not self.settings.analysis:
+            skipped = "shutdown" if self.stop_requested is not None else "analysis is off"
+            return empty_result(self.session_id, trace_path, summary={"analysis_skipped": skipped})
+        started = time.perf_counter_ns()
+        result = run_analysis(self.session_id, trace_path, self.session_file,
+                              self.store.path_for(self.session_id, ".analysis.json"),
+                              self.settings.analysis_timeout_s,
+                              should_stop=lambda: self.stop_requested is not None)
+        self.timed("analysis", started)
+        return result
+
+    def write_file(self) -> None:
+        """Rewrite <session>.session.json as /servprof/status shows the session now."""
+        if self.session_file is None or not self.session_file.exists():  # gone with retention
+            return
+        with contextlib.suppress(StoreError, ValueError):  # a full disk: status still has it
+            self.store.write_json(self.session_id, ".session.json", self.description())
 
 
 def _record_summary(record: RequestRecord) -> dict[str, Any]:

@@ -22,15 +22,19 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
+from typing import Any
 
 import torch
 import torch.autograd.profiler as autograd_profiler
-from torch.profiler import profile
+from torch._C._profiler import _ExperimentalConfig
+from torch.profiler import ProfilerActivity, profile
 
 LIGHT, DEEP = "light", "deep"
 TIERS = (LIGHT, DEEP)
 LOG = logging.getLogger("servprof")
+KINETO_QUIET_LEVEL = "6"  # above USDT (5) and ERROR (4): Kineto prints nothing
 
 _patch_lock = threading.Lock()
 _problem: str | None = None
@@ -95,6 +99,26 @@ def profiler_class(tier: str) -> tuple[type[profile], str, str | None]:
             return profile, DEEP, f"light capture not possible on this torch ({problem}): captured every op"
         return LightProfile, LIGHT, None
     return profile, DEEP, None
+
+
+def new_profiler(settings: Any, tier: str = DEEP) -> tuple[profile, str, str | None]:
+    """(profiler, the tier it captures, why that is not the tier asked for); ``settings`` None:
+    the warm-up's plain profiler."""
+    # Kineto reads KINETO_LOG_LEVEL once, at the first profiler start in the process (not when
+    # torch is imported): unless the user chose a level, its `USDT ... profiler_start/stop` lines
+    # (one pair per session) stay out of the server's log. This level hides Kineto's own errors too.
+    os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET_LEVEL)
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    cls, tier, note = profiler_class(tier)
+    light = tier == LIGHT  # shapes, memory and stacks are op-level detail: a deep window's
+    prof = cls(activities=activities,
+               record_shapes=bool(settings and settings.record_shapes and not light),
+               profile_memory=bool(settings and settings.profile_memory and not light),
+               with_stack=bool(settings and settings.with_stack and not light),
+               experimental_config=_ExperimentalConfig(profile_all_threads=True))
+    return prof, tier, note
 
 
 def light_status() -> dict[str, object]:

@@ -19,7 +19,7 @@ import torch.autograd.profiler as autograd_profiler
 from _middleware_helpers import AUTH, TOKEN, sse_post, tiny_server, wait_idle, wait_sessions
 
 from servprof import analysis
-from servprof.capture import get_controller
+from servprof.capture import Session, get_controller
 
 SAMPLE = {"x-servprof-sample": "1", "x-servprof-token": TOKEN}
 
@@ -225,6 +225,34 @@ def test_analysis_failure_marks_the_session_failed_and_the_next_one_works(
     assert mw.runtime.counters["sessions_failed"] == 1 and mw.runtime.counters["sessions_done"] == 1
 
 
+def test_the_capture_thread_survives_a_session_that_fails_even_to_fail(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writing the session file raises (a stand-in for any bug on the failure path): the session
+    is dropped with the error, the sampled request is served, and the next session works."""
+    wait_idle()
+    real_write = Session.write_file
+    broken = {"on": True}
+
+    def write_file(self: Session) -> None:
+        if broken["on"]:
+            raise RuntimeError("session file writer broke")
+        real_write(self)
+
+    monkeypatch.setattr(Session, "write_file", write_file)
+    with tiny_server(tmp_path, control_token=TOKEN, requests_per_session=1) as (url, mw, _e), \
+            httpx.Client(timeout=30) as client:
+        status, lines, _ = sse_post(client, url, tokens=3, headers=SAMPLE)
+        assert status == 200 and lines[-1] == "data: [DONE]"
+        (first,) = wait_sessions(mw, 1)
+        broken["on"] = False
+        assert sse_post(client, url, tokens=3, headers=SAMPLE)[0] == 200
+        _, second = wait_sessions(mw, 2)
+        assert get_controller()._thread.is_alive()
+    assert first["state"] == "failed" and "session file writer broke" in first["error"], first
+    assert second["state"] == "done" and second["error"] is None, second
+    assert mw.runtime.counters["sessions_failed"] == 1 and mw.runtime.counters["sessions_done"] == 1
+
+
 FOREIGN_PROFILER_SCRIPT = textwrap.dedent("""
     import sys, httpx, torch.profiler
     from _middleware_helpers import TOKEN, AUTH, tiny_server, sse_post
@@ -261,7 +289,7 @@ EXIT_DURING_SESSION_SCRIPT = textwrap.dedent("""
     import sys, threading, httpx, uvicorn, socket
     from pathlib import Path
     from _middleware_helpers import TOKEN, TinyEngine, make_app, sse_post, wait_warm
-    from servprof.capture import get_controller
+    from servprof.capture import Session, get_controller
     from servprof.middleware import ServprofMiddleware
     engine = TinyEngine()
     engine.start()

@@ -259,7 +259,7 @@ class VLLMCaptureController(CaptureController):
         if not files:
             return empty_result(session.session_id, None)
         session.trace_path = folder
-        result = self._analysis_result(session, folder)
+        result = session.analyse(folder)
         result.setdefault("summary", {})["rank_files"] = [str(p) for p in files]
         return result
 
