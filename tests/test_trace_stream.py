@@ -21,7 +21,7 @@ import servprof.trace.loader as loader
 import servprof.trace.split as split
 from servprof.analysis import analyse as analyse_session
 from servprof.trace import TraceError, load_trace
-from servprof.trace.args import RawArgs
+from servprof.trace.args import BatchText, RawArgs
 from servprof.trace.reference import load_trace_orjson
 
 COLUMNS = ("name_id", "cat_id", "ph", "pid", "tid", "ts", "dur", "stream", "correlation", "external_id",
@@ -195,6 +195,24 @@ def test_args_stay_text_until_read() -> None:
     assert trace.args(int(kernels[0]))["stream"] == int(trace.stream[kernels[0]])
     assert trace.args(int(kernels[0])) is trace.args(int(kernels[0]))  # decoded once
     assert len(trace.raw_args._decoded) == 1  # nothing else was decoded
+
+
+@pytest.mark.parametrize("held", [loader.HELD_TEXT_BYTES, 40_000, 0], ids=["held", "let_go_midway", "never_held"])
+@pytest.mark.parametrize("name", ["hf_qwen1.5_0.5b_prefill_h100.json.gz", "vllm_decode_bs32_fullgraph_mi300x.json.gz"])
+def test_batch_text_held_or_let_go_gives_the_same_trace(name: str, held: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small trace keeps its batches' text and finds args in it when first read; past the
+    budget (here: midway, or from the start) the batches held so far give their args' text up
+    and later ones are decoded as a big trace's. Every column, thread name and args the same.
+    (The HF trace's thread names are in its last batches, which find their args at once.)"""
+    monkeypatch.setattr(loader, "BATCH_BYTES", 8 * 1024)
+    monkeypatch.setattr("servprof.trace.source.CHUNK_BYTES", 4096)
+    monkeypatch.setattr(loader, "HELD_TEXT_BYTES", held)
+    path = public_trace(name)
+    segments = load_trace(path).raw_args._segments
+    assert len(segments) > 4
+    holding = [isinstance(s, BatchText) and s.text is not None for s in segments[:-8]]
+    assert all(holding) if held > path.stat().st_size * 20 else not any(holding)
+    assert_same(path)
 
 
 def test_raw_args_segments() -> None:
