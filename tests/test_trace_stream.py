@@ -23,6 +23,7 @@ from servprof.analysis import analyse as analyse_session
 from servprof.trace import TraceError, load_trace
 from servprof.trace.args import BatchText, RawArgs
 from servprof.trace.reference import load_trace_orjson
+from servprof.trace.values import _phase_code, phase_codes
 
 COLUMNS = ("name_id", "cat_id", "ph", "pid", "tid", "ts", "dur", "stream", "correlation", "external_id",
            "flow_id", "rank")
@@ -298,3 +299,12 @@ def test_id_masks_match_isin() -> None:
     kernels = trace.ids_matching(lambda s: s.startswith("void"))
     assert kernels.size and all(trace.names[i].startswith("void") for i in kernels)
     assert np.array_equal(trace.mask_name(lambda s: s.startswith("void")), np.isin(trace.name_id, kernels))
+
+
+@pytest.mark.parametrize("phases", [["X", "B", "E"], ["X", ""], ["", "XX"], ["XX", ""], ["X", "\0"], ["é", "X"],
+                                    [1, "X"], ["X"], [], ["X\0", "Y"], ["Xa", "\0"], [None, "X"], [["X"], "X"]])
+def test_phase_codes_of_odd_phases(phases: list[Any]) -> None:
+    """The one-pass path (every phase one ASCII character) and the per-phase one agree."""
+    expected = np.array([_phase_code(p) for p in phases], dtype=np.uint8)
+    codes = phase_codes(phases)
+    assert codes.dtype == np.uint8 and codes.tolist() == expected.tolist()

@@ -29,9 +29,9 @@ import orjson
 
 from servprof.trace.errors import TraceError
 
-BATCH_BYTES = 2 * 1024**2
+BATCH_BYTES = 1024**2  # (with 1 MiB reads: batches of 1-2 MiB, which stay in cache while decoded)
 HEADER_SCAN_BYTES = 64 * 1024**2  # traceEvents further in than this: parse the file whole
-MAX_FALSE_CUTS = 16  # per file; past that the text is not worth cutting (parsed whole)
+MAX_FALSE_CUTS = 32  # per file; past that the text is not worth cutting (parsed whole)
 _EVENTS_KEY = re.compile(rb'"traceEvents"\s*:\s*\[')
 # Whitespace between events is bounded so that a search never rescans a long run of it (a file
 # padded with megabytes of blanks): events further apart than this are simply not cut there.
