@@ -9,7 +9,6 @@ trace's ids when the file ends, so ids do not depend on where batches were cut.
 
 from __future__ import annotations
 
-from operator import attrgetter
 from typing import Any
 
 import msgspec
@@ -74,8 +73,6 @@ class TypedEvent(msgspec.Struct, gc=False):
 EVENTS = msgspec.json.Decoder(list[Event])
 TYPED_EVENTS = msgspec.json.Decoder(list[TypedEvent])
 _ARG_FIELDS = msgspec.json.Decoder(list[_ArgFields])
-_FIELDS = {key: attrgetter(key) for key in ("ph", "name", "cat", "pid", "tid", "ts", "dur", "stream", "correlation",
-                                             "external_id")}
 
 
 class FileColumns:
@@ -109,9 +106,10 @@ class FileColumns:
         phases = [e.ph for e in events]
         args = [e.args for e in events]
 
-        def arg_columns() -> dict[str, np.ndarray]:
-            return {key: np.fromiter(map(_FIELDS[key], args), dtype=np.int64, count=len(args))
-                    for key in ("stream", "correlation", "external_id")}
+        def arg_columns() -> dict[str, np.ndarray]:  # (list comprehensions: faster than map(attrgetter))
+            return {"stream": np.fromiter([a.stream for a in args], dtype=np.int64, count=len(args)),
+                    "correlation": np.fromiter([a.correlation for a in args], dtype=np.int64, count=len(args)),
+                    "external_id": np.fromiter([a.external_id for a in args], dtype=np.int64, count=len(args))}
 
         keep, metadata_rows = self._add_fields(
             phases, [e.name for e in events], [e.cat for e in events], [e.pid for e in events],
