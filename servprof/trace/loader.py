@@ -44,7 +44,7 @@ ProgressCallback = Callable[[str], None]  # called with the stage just finished:
 # Batch text a load keeps (all files together); past it, every batch's args are found as it is
 # read and only their text kept (about a third of a trace), so that a big trace's peak stays
 # near its columns' size.
-HELD_TEXT_BYTES = 64 * 1024**2
+HELD_TEXT_BYTES = 32 * 1024**2
 
 
 def load_trace(
