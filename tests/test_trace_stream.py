@@ -88,6 +88,28 @@ def test_keys_after_the_events_and_the_array_format(tmp_path: Path, small_batche
     assert_same(array)
 
 
+@pytest.mark.parametrize(("after", "whole_tail"), [
+    (b"", False), (b', "traceName": "run {1}", "baseTimeNanoseconds": 17', False),
+    (b', "deviceProperties": [{"id": 0}, {"id": 1}]', True), (b', "traceName": "a},{b"', True)],
+    ids=["array_format", "keys_after", "objects_after", "cut_in_a_string_after"])
+def test_text_is_cut_at_its_end_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, after: bytes,
+                                    whole_tail: bool) -> None:
+    """A file read to its end in one go is still cut after its last whole event (the tail, parsed
+    twice, is then one event), unless what follows the array holds a cut of its own (objects in a
+    list, or the text of one in a string): then the tail is the rest of the text, as before. The
+    same trace either way."""
+    events = orjson.dumps([kernel(i) for i in range(3000)])
+    assert len(events) > split.TAIL_BYTES
+    path = tmp_path / "t.json"
+    path.write_bytes(events + b"\n" if not after else b'{"traceEvents": ' + events + after + b"}")
+    tails: list[int] = []
+    tail = split.EventBatches._tail
+    monkeypatch.setattr(split.EventBatches, "_tail", lambda self: (tails.append(len(self._buf)), (yield from tail(self))))
+    assert_same(path)
+    assert len(tails) == 1
+    assert tails[0] > len(events) if whole_tail else tails[0] < 200 + len(after)
+
+
 def test_files_it_cannot_cut_are_parsed_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                               small_batches: None) -> None:
     late = write(tmp_path / "late.json", {"notes": "x" * 5000, "traceEvents": [kernel(i) for i in range(100)]})

@@ -31,6 +31,9 @@ from servprof.trace.errors import TraceError
 
 BATCH_BYTES = 1024**2  # (with 1 MiB reads: batches of 1-2 MiB, which stay in cache while decoded)
 HEADER_SCAN_BYTES = 64 * 1024**2  # traceEvents further in than this: parse the file whole
+# A tail (the text after the last cut) is parsed twice, its keys and then its events; one this
+# short costs less so than another batch's fixed costs.
+TAIL_BYTES = 128 * 1024
 MAX_FALSE_CUTS = 32  # per file; past that the text is not worth cutting (parsed whole)
 _EVENTS_KEY = re.compile(rb'"traceEvents"\s*:\s*\[')
 # Whitespace between events is bounded so that a search never rescans a long run of it (a file
@@ -135,8 +138,9 @@ class EventBatches:
         probe_at = 4 * self.batch_bytes
         while True:
             self._fill(self.batch_bytes + floor)
-            if self._eof:
+            if self._eof and len(self._buf) < TAIL_BYTES:
                 break
+            # (Past that, the text is cut at its end too: the tail, parsed twice, is then one event.)
             cuts = self._cuts(floor)
             batch = None
             while cuts:
@@ -154,9 +158,9 @@ class EventBatches:
                 except _ArrayClosed:
                     self._fill(2**62)  # the rest of the file is the keys after the array
                     break
-            if self._eof:
-                break
             if batch is None:
+                if self._eof:
+                    break
                 # One event (or one false cut) longer than the buffer: read on, but make sure
                 # now and then that what is read is JSON at all (a file of NULs is not).
                 if len(self._buf) >= probe_at:
@@ -219,7 +223,10 @@ class EventBatches:
         if self.typed is not None:
             try:
                 return self.typed.decode(text), TYPED, text
-            except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
+            except msgspec.DecodeError as exc:
+                if last_start is not None and "trailing" in str(exc):
+                    raise _ArrayClosed from None  # (the whole array was valid: so it is for any decoder)
+            except (RecursionError, UnicodeDecodeError):
                 pass  # the raw-args decoder decides, as for every batch of a big trace
         try:
             return self.decoder.decode(text), STRUCTS, text
