@@ -50,9 +50,12 @@ class BatchText:
 
     def segment(self) -> Segment:
         if self._segment is None:
-            raws = raw_args_of(self.text)
-            if self.keep is not None:
-                raws = [raw for raw, kept in zip(raws, self.keep.tolist(), strict=True) if kept]
+            text, keep = self.text, self.keep
+            if text is None:  # another thread found them meanwhile (it sets _segment first)
+                return self._segment  # type: ignore[return-value]
+            raws = raw_args_of(text)
+            if keep is not None:
+                raws = [raw for raw, kept in zip(raws, keep.tolist(), strict=True) if kept]
             self._segment = _offsets(*args_text(raws))
             self.text = self.keep = None
         return self._segment
