@@ -21,8 +21,9 @@ import servprof.trace.loader as loader
 import servprof.trace.split as split
 from servprof.analysis import analyse as analyse_session
 from servprof.trace import TraceError, load_trace
-from servprof.trace.args import RawArgs
+from servprof.trace.args import BatchText, RawArgs
 from servprof.trace.reference import load_trace_orjson
+from servprof.trace.values import _phase_code, phase_codes
 
 COLUMNS = ("name_id", "cat_id", "ph", "pid", "tid", "ts", "dur", "stream", "correlation", "external_id",
            "flow_id", "rank")
@@ -85,6 +86,28 @@ def test_keys_after_the_events_and_the_array_format(tmp_path: Path, small_batche
     array.write_bytes(b"  \n" + orjson.dumps(events) + b"\n")
     assert len(load_trace(array)) == 200
     assert_same(array)
+
+
+@pytest.mark.parametrize(("after", "whole_tail"), [
+    (b"", False), (b', "traceName": "run {1}", "baseTimeNanoseconds": 17', False),
+    (b', "deviceProperties": [{"id": 0}, {"id": 1}]', True), (b', "traceName": "a},{b"', True)],
+    ids=["array_format", "keys_after", "objects_after", "cut_in_a_string_after"])
+def test_text_is_cut_at_its_end_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, after: bytes,
+                                    whole_tail: bool) -> None:
+    """A file read to its end in one go is still cut after its last whole event (the tail, parsed
+    twice, is then one event), unless what follows the array holds a cut of its own (objects in a
+    list, or the text of one in a string): then the tail is the rest of the text, as before. The
+    same trace either way."""
+    events = orjson.dumps([kernel(i) for i in range(3000)])
+    assert len(events) > split.TAIL_BYTES
+    path = tmp_path / "t.json"
+    path.write_bytes(events + b"\n" if not after else b'{"traceEvents": ' + events + after + b"}")
+    tails: list[int] = []
+    tail = split.EventBatches._tail
+    monkeypatch.setattr(split.EventBatches, "_tail", lambda self: (tails.append(len(self._buf)), (yield from tail(self))))
+    assert_same(path)
+    assert len(tails) == 1
+    assert tails[0] > len(events) if whole_tail else tails[0] < 200 + len(after)
 
 
 def test_files_it_cannot_cut_are_parsed_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -197,6 +220,24 @@ def test_args_stay_text_until_read() -> None:
     assert len(trace.raw_args._decoded) == 1  # nothing else was decoded
 
 
+@pytest.mark.parametrize("held", [loader.HELD_TEXT_BYTES, 40_000, 0], ids=["held", "let_go_midway", "never_held"])
+@pytest.mark.parametrize("name", ["hf_qwen1.5_0.5b_prefill_h100.json.gz", "vllm_decode_bs32_fullgraph_mi300x.json.gz"])
+def test_batch_text_held_or_let_go_gives_the_same_trace(name: str, held: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small trace keeps its batches' text and finds args in it when first read; past the
+    budget (here: midway, or from the start) the batches held so far give their args' text up
+    and later ones are decoded as a big trace's. Every column, thread name and args the same.
+    (The HF trace's thread names are in its last batches, which find their args at once.)"""
+    monkeypatch.setattr(loader, "BATCH_BYTES", 8 * 1024)
+    monkeypatch.setattr("servprof.trace.source.CHUNK_BYTES", 4096)
+    monkeypatch.setattr(loader, "HELD_TEXT_BYTES", held)
+    path = public_trace(name)
+    segments = load_trace(path).raw_args._segments
+    assert len(segments) > 4
+    holding = [isinstance(s, BatchText) and s.text is not None for s in segments[:-8]]
+    assert all(holding) if held > path.stat().st_size * 20 else not any(holding)
+    assert_same(path)
+
+
 def test_raw_args_segments() -> None:
     args = RawArgs()
     args.add_text(b'{"a":1},[2],{}', np.array([0, 8, 12]), np.array([7, 11, 14]))
@@ -280,3 +321,12 @@ def test_id_masks_match_isin() -> None:
     kernels = trace.ids_matching(lambda s: s.startswith("void"))
     assert kernels.size and all(trace.names[i].startswith("void") for i in kernels)
     assert np.array_equal(trace.mask_name(lambda s: s.startswith("void")), np.isin(trace.name_id, kernels))
+
+
+@pytest.mark.parametrize("phases", [["X", "B", "E"], ["X", ""], ["", "XX"], ["XX", ""], ["X", "\0"], ["é", "X"],
+                                    [1, "X"], ["X"], [], ["X\0", "Y"], ["Xa", "\0"], [None, "X"], [["X"], "X"]])
+def test_phase_codes_of_odd_phases(phases: list[Any]) -> None:
+    """The one-pass path (every phase one ASCII character) and the per-phase one agree."""
+    expected = np.array([_phase_code(p) for p in phases], dtype=np.uint8)
+    codes = phase_codes(phases)
+    assert codes.dtype == np.uint8 and codes.tolist() == expected.tolist()

@@ -1,7 +1,9 @@
 """Each event's ``args``, kept as JSON text and decoded only for the rows a detector reads.
 
 Decoding every event's args into dicts was most of a trace's memory and a large share of its
-load time, while detectors read the args of a few rows (kernels' shapes, thread names).
+load time, while detectors read the args of a few rows (kernels' shapes, thread names). A small
+trace keeps each batch's whole text instead (BatchText): where each row's args lie in it is
+found only when a row of that batch is first read, which most loads (an idle split) never do.
 """
 
 from __future__ import annotations
@@ -10,8 +12,58 @@ from bisect import bisect_right
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 import orjson
+
+
+class _ArgsOnly(msgspec.Struct, gc=False):
+    args: msgspec.Raw = msgspec.Raw(b"{}")
+
+
+ARGS_ONLY = msgspec.json.Decoder(list[_ArgsOnly])
+Segment = tuple[bytes, np.ndarray, np.ndarray]
+
+
+def args_text(raws: list[Any]) -> Segment:
+    """Raw args as one JSON array (its text, and each one's start and end in it)."""
+    text = b"".join((b"[", b",".join(raws), b"]"))
+    lengths = np.fromiter(map(len, raws), dtype=np.int64, count=len(raws))
+    ends = np.cumsum(lengths + 1)
+    return text, ends - lengths, ends
+
+
+def raw_args_of(text: Any) -> list[Any]:
+    """Each event's raw args in a JSON array of events the typed decoder took (so this cannot fail)."""
+    return [event.args for event in ARGS_ONLY.decode(text)]
+
+
+class BatchText:
+    """A batch's JSON text (an array of events) and the rows of it kept (None: all); its args'
+    text is found on first read, after which the batch's text is let go."""
+
+    __slots__ = ("text", "keep", "_segment")
+
+    def __init__(self, text: Any, keep: np.ndarray | None) -> None:
+        self.text, self.keep = text, keep
+        self._segment: Segment | None = None
+
+    def segment(self) -> Segment:
+        if self._segment is None:
+            text, keep = self.text, self.keep
+            if text is None:  # another thread found them meanwhile (it sets _segment first)
+                return self._segment  # type: ignore[return-value]
+            raws = raw_args_of(text)
+            if keep is not None:
+                raws = [raw for raw, kept in zip(raws, keep.tolist(), strict=True) if kept]
+            self._segment = _offsets(*args_text(raws))
+            self.text = self.keep = None
+        return self._segment
+
+
+def _offsets(text: bytes, starts: np.ndarray, ends: np.ndarray) -> Segment:
+    offsets = np.uint32 if len(text) < 2**32 else np.int64  # (8 bytes a row instead of 16)
+    return text, starts.astype(offsets), ends.astype(offsets)
 
 
 class RawArgs(Sequence[Any]):
@@ -21,14 +73,23 @@ class RawArgs(Sequence[Any]):
 
     def __init__(self) -> None:
         self._first_rows: list[int] = []  # first row of each segment
-        self._segments: list[tuple[bytes, np.ndarray, np.ndarray] | list[Any]] = []
+        self._segments: list[Segment | BatchText | list[Any]] = []
         self._rows = 0
         self._decoded: dict[int, Any] = {}
 
     def add_text(self, text: bytes, starts: np.ndarray, ends: np.ndarray) -> None:
         """Rows whose args are ``text[starts[i]:ends[i]]``."""
-        offsets = np.uint32 if len(text) < 2**32 else np.int64  # (8 bytes a row instead of 16)
-        self._add((text, starts.astype(offsets), ends.astype(offsets)), len(starts))
+        self._add(_offsets(text, starts, ends), len(starts))
+
+    def add_batch(self, text: Any, rows: int, keep: np.ndarray | None) -> None:
+        """The ``rows`` events kept (``keep``; None: all) of a JSON array of events."""
+        self._add(BatchText(text, keep), rows)
+
+    def let_go_of_batches(self) -> None:
+        """Keep only the args' text of every batch (what a big trace can afford)."""
+        for segment in self._segments:
+            if isinstance(segment, BatchText):
+                segment.segment()
 
     def add_values(self, values: list[Any]) -> None:
         self._add(values, len(values))
@@ -40,7 +101,7 @@ class RawArgs(Sequence[Any]):
             self._segments.append(segment)
         self._rows += other._rows
 
-    def _add(self, segment: tuple[bytes, np.ndarray, np.ndarray] | list[Any], rows: int) -> None:
+    def _add(self, segment: Segment | BatchText | list[Any], rows: int) -> None:
         if rows:
             self._first_rows.append(self._rows)
             self._segments.append(segment)
@@ -77,13 +138,13 @@ class RawArgs(Sequence[Any]):
             if isinstance(segment, list):
                 values = [segment[o] for o in offsets.tolist()]
             else:
-                values = self._decode_many(segment, offsets)
+                values = self._decode_many(segment.segment() if isinstance(segment, BatchText) else segment, offsets)
             for i, row, value in zip(members.tolist(), rows[members].tolist(), values, strict=True):
                 out[i] = self._decoded.get(row, value)
         return out
 
     @staticmethod
-    def _decode_many(segment: tuple[bytes, np.ndarray, np.ndarray], offsets: np.ndarray) -> list[Any]:
+    def _decode_many(segment: Segment, offsets: np.ndarray) -> list[Any]:
         text, starts, ends = segment
         view = memoryview(text)
         pieces = [view[a:b] for a, b in zip(starts[offsets].tolist(), ends[offsets].tolist(), strict=True)]
@@ -98,7 +159,7 @@ class RawArgs(Sequence[Any]):
         segment, offset = self._segments[index], row - self._first_rows[index]
         if isinstance(segment, list):
             return segment[offset], False
-        text, starts, ends = segment
+        text, starts, ends = segment.segment() if isinstance(segment, BatchText) else segment
         return _loads_or_none(memoryview(text)[int(starts[offset]):int(ends[offset])]), True
 
     def _row(self, row: int) -> int:

@@ -3,8 +3,10 @@
 Each file streams through in chunks (source.py): inflated by isal, its events array cut into
 batches of a few MB (split.py) and decoded by msgspec into Structs holding only the fields
 servprof reads, with ``args`` left as JSON text (columns.py, args.py). Neither the whole text
-nor a Python object per event is ever held, so memory stays near the columns' size (about
-0.9x the inflated trace) and a trace's time is linear in its events. Every way a file can
+of a big trace nor a Python object per event is ever held, so memory stays near the columns'
+size (about 0.9x the inflated trace) and a trace's time is linear in its events. A small trace
+(up to HELD_TEXT_BYTES) keeps its batches' text instead of finding each event's args in it:
+the one pass over the text then reads the args the columns need too. Every way a file can
 be unusable ends in a one-line TraceError.
 """
 
@@ -20,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from servprof.trace.args import RawArgs
-from servprof.trace.columns import EVENTS, FileColumns
+from servprof.trace.columns import EVENTS, TYPED_EVENTS, FileColumns
 from servprof.trace.errors import TraceError
 from servprof.trace.model import Trace
 from servprof.trace.source import (
@@ -32,13 +34,17 @@ from servprof.trace.source import (
     read_whole,
     trace_files,
 )
-from servprof.trace.split import BATCH_BYTES, EventBatches, NotStreamable
+from servprof.trace.split import BATCH_BYTES, DICTS, TYPED, EventBatches, NotStreamable
 from servprof.trace.values import Interner, file_rank, normalise_metadata
 
 __all__ = ["DEFAULT_MAX_TRACE_BYTES", "SIDECAR_SUFFIXES", "SOURCE_FILE_KEY", "TraceError", "load_trace",
            "max_trace_bytes", "paused_gc", "trace_files"]
 
 ProgressCallback = Callable[[str], None]  # called with the stage just finished: "read", "parse", "columns"
+# Batch text a load keeps (all files together); past it, every batch's args are found as it is
+# read and only their text kept (about a third of a trace), so that a big trace's peak stays
+# near its columns' size.
+HELD_TEXT_BYTES = 32 * 1024**2
 
 
 def load_trace(
@@ -77,8 +83,9 @@ def _load(path: str | os.PathLike[str], files: list[Path], limit: int, progress:
     args = RawArgs()
     metadata: dict[int, dict[str, Any]] = {}
     thread_names: dict[tuple[int, int, int], str] = {}
+    held = _HeldText(args)
     for index, file in enumerate(files):
-        columns, document = _read_file(file, limit, progress)
+        columns, document = _read_file(file, limit, progress, held)
         rank = file_rank(document, index, list(metadata))
         document[SOURCE_FILE_KEY] = file.name  # for messages about the file (two files claiming a rank)
         metadata[rank] = document
@@ -105,17 +112,39 @@ def _load(path: str | os.PathLike[str], files: list[Path], limit: int, progress:
     )
 
 
-def _read_file(file: Path, limit: int, progress: ProgressCallback | None) -> tuple[FileColumns, dict[str, Any]]:
+class _HeldText:
+    """The batch text a load holds, and the rule that bounds it."""
+
+    def __init__(self, trace_args: RawArgs) -> None:
+        self.trace_args = trace_args
+        self.bytes = 0
+
+    def add(self, size: int, columns: FileColumns, batches: EventBatches) -> None:
+        self.bytes += size
+        if self.bytes > HELD_TEXT_BYTES:  # a big trace: let go of the text, decode as big traces do
+            batches.typed = None
+            self.bytes = -(2**62)
+            for args in (self.trace_args, columns.args):
+                args.let_go_of_batches()
+
+    def typed(self) -> Any:
+        return TYPED_EVENTS if self.bytes >= 0 else None
+
+
+def _read_file(file: Path, limit: int, progress: ProgressCallback | None,
+               held: _HeldText) -> tuple[FileColumns, dict[str, Any]]:
     """One file's events as columns (its strings not yet in the trace's ids) and its top-level keys."""
     columns = FileColumns(file)
     with closing(read_chunks(file, limit)) as chunks:
-        batches = EventBatches(file, chunks, EVENTS, BATCH_BYTES)
+        batches = EventBatches(file, chunks, EVENTS, BATCH_BYTES, typed=held.typed())
         try:
-            for number, (events, typed) in enumerate(batches):
+            for number, (events, kind, text) in enumerate(batches):
                 if number == 0 and progress:
                     progress("read")
-                columns.add(events, typed)
-                del events
+                columns.add(events, kind, text)
+                if kind == TYPED:
+                    held.add(len(text), columns, batches)
+                del events, text
         except NotStreamable:
             columns = None  # type: ignore[assignment]
         else:
@@ -133,5 +162,5 @@ def _read_file(file: Path, limit: int, progress: ProgressCallback | None) -> tup
     del data
     if progress:
         progress("parse")
-    columns.add(events, typed=False)
+    columns.add(events, DICTS)
     return columns, document

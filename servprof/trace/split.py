@@ -8,6 +8,11 @@ and the decoder fails in its last event, so the cut moves back one event (the ne
 starts there). A failure before the last event is the file's own error. When the array
 closes, the rest of the file (the keys after the array) is parsed with the last events.
 
+Each batch is decoded by the typed decoder when one is given (``typed``: args' stream,
+correlation and External id read in the same pass) and the batch's text comes with it; a batch
+that decoder refuses (an odd args value) goes to the raw-args decoder, as every batch does once
+``typed`` is set to None (a big trace: its batches' text is not kept).
+
 A file this cannot follow (``traceEvents`` not within the first 64 MiB, or a run of false
 cuts) raises NotStreamable: the caller parses it whole, as the loader always did.
 """
@@ -24,9 +29,12 @@ import orjson
 
 from servprof.trace.errors import TraceError
 
-BATCH_BYTES = 2 * 1024**2
+BATCH_BYTES = 1024**2  # (with 1 MiB reads: batches of 1-2 MiB, which stay in cache while decoded)
 HEADER_SCAN_BYTES = 64 * 1024**2  # traceEvents further in than this: parse the file whole
-MAX_FALSE_CUTS = 16  # per file; past that the text is not worth cutting (parsed whole)
+# A tail (the text after the last cut) is parsed twice, its keys and then its events; one this
+# short costs less so than another batch's fixed costs.
+TAIL_BYTES = 128 * 1024
+MAX_FALSE_CUTS = 32  # per file; past that the text is not worth cutting (parsed whole)
 _EVENTS_KEY = re.compile(rb'"traceEvents"\s*:\s*\[')
 # Whitespace between events is bounded so that a search never rescans a long run of it (a file
 # padded with megabytes of blanks): events further apart than this are simply not cut there.
@@ -51,15 +59,21 @@ class _ArrayClosed(Exception):
     """The batch holds the end of the events array: the rest of the file is the tail."""
 
 
+# What a batch's events are: ``typed`` decoder's Structs, ``decoder``'s (args as raw text), or
+# the dicts orjson makes (a batch both refuse: odd values, deep nesting).
+TYPED, STRUCTS, DICTS = "typed", "structs", "dicts"
+Batch = tuple[list[Any], str, Any]  # (events, which of the above, the text they were decoded from)
+
+
 class EventBatches:
-    """Iterate to get (events, typed) per batch: ``decoder``'s structs when typed, else the
-    events as orjson decodes them (a batch the typed decoder refuses: odd values, deep nesting).
-    ``metadata`` holds the top-level keys other than traceEvents once iteration ends."""
+    """Iterate to get a Batch per batch of events. ``metadata`` holds the top-level keys other
+    than traceEvents once iteration ends."""
 
     def __init__(self, path: Path, chunks: Iterator[bytes], decoder: msgspec.json.Decoder,
-                 batch_bytes: int = BATCH_BYTES) -> None:
+                 batch_bytes: int = BATCH_BYTES, typed: msgspec.json.Decoder | None = None) -> None:
         self.path = path
         self.decoder = decoder
+        self.typed = typed
         self.batch_bytes = batch_bytes
         self.metadata: dict[str, Any] = {}
         self._chunks = chunks
@@ -87,7 +101,7 @@ class EventBatches:
 
     # -- the document ----------------------------------------------------------------------
 
-    def __iter__(self) -> Iterator[tuple[list[Any], bool]]:
+    def __iter__(self) -> Iterator[Batch]:
         start = self._events_start()
         self._drop(start)
         yield from self._batches()
@@ -119,13 +133,14 @@ class EventBatches:
             searched = max(0, len(self._buf) - 64)
             self._fill(len(self._buf) + self.batch_bytes)
 
-    def _batches(self) -> Iterator[tuple[list[Any], bool]]:
+    def _batches(self) -> Iterator[Batch]:
         floor = 0  # cuts at or before this position are known to be wrong
         probe_at = 4 * self.batch_bytes
         while True:
             self._fill(self.batch_bytes + floor)
-            if self._eof:
+            if self._eof and len(self._buf) < TAIL_BYTES:
                 break
+            # (Past that, the text is cut at its end too: the tail, parsed twice, is then one event.)
             cuts = self._cuts(floor)
             batch = None
             while cuts:
@@ -143,9 +158,9 @@ class EventBatches:
                 except _ArrayClosed:
                     self._fill(2**62)  # the rest of the file is the keys after the array
                     break
-            if self._eof:
-                break
             if batch is None:
+                if self._eof:
+                    break
                 # One event (or one false cut) longer than the buffer: read on, but make sure
                 # now and then that what is read is JSON at all (a file of NULs is not).
                 if len(self._buf) >= probe_at:
@@ -172,7 +187,7 @@ class EventBatches:
             self._searched = len(self._buf)
         return cuts
 
-    def _tail(self) -> Iterator[tuple[list[Any], bool]]:
+    def _tail(self) -> Iterator[Batch]:
         """The last events and the keys after the array (the text has ended)."""
         text = (b"[" if self._array_format else b'{"traceEvents":[') + self._buf
         self._buf = bytearray()
@@ -190,7 +205,7 @@ class EventBatches:
                 raise self._invalid(str(exc).splitlines()[0]) from None
             events = document.pop("traceEvents")
             self.metadata.update(document)
-            yield events, False
+            yield events, DICTS, None
             return
         events_raw = keys.pop("traceEvents")
         try:
@@ -202,11 +217,19 @@ class EventBatches:
 
     # -- decoding --------------------------------------------------------------------------
 
-    def _decode(self, text: bytes | memoryview, last_start: int | None) -> tuple[list[Any], bool]:
+    def _decode(self, text: bytes | memoryview, last_start: int | None) -> Batch:
         """Decode one JSON array of events. ``last_start``: where its last event begins (errors
         from there on may be a wrong cut); None when the text is not a cut (its end is the file's)."""
+        if self.typed is not None:
+            try:
+                return self.typed.decode(text), TYPED, text
+            except msgspec.DecodeError as exc:
+                if last_start is not None and "trailing" in str(exc):
+                    raise _ArrayClosed from None  # (the whole array was valid: so it is for any decoder)
+            except (RecursionError, UnicodeDecodeError):
+                pass  # the raw-args decoder decides, as for every batch of a big trace
         try:
-            return self.decoder.decode(text), True
+            return self.decoder.decode(text), STRUCTS, text
         except msgspec.ValidationError:
             pass  # an event that is not an object: orjson's values, and the columns say so
         except msgspec.DecodeError as exc:
@@ -220,7 +243,7 @@ class EventBatches:
         except (RecursionError, UnicodeDecodeError):
             pass  # nested deeper than the recursion limit, or not UTF-8: orjson decides
         try:
-            return orjson.loads(text), False
+            return orjson.loads(text), DICTS, text
         except orjson.JSONDecodeError as exc:
             message = str(exc).splitlines()[0]
             if last_start is not None:
