@@ -24,7 +24,7 @@ import numpy as np
 import orjson
 
 from servprof.detect.bandwidth_fix import fix_text
-from servprof.detect.bandwidth_points import PointTally
+from servprof.detect.bandwidth_points import PointTally, group_key
 from servprof.detect.byte_models import MODELLED, op_cost
 from servprof.detect.devices import (
     BASIS_ASSUMED,
@@ -68,9 +68,15 @@ def detect_bandwidth_bound(trace: Trace, steps: list[Step], device: str | None
     times = _device_time(trace, taken) if on_device else trace.dur[taken].astype(np.float64)
     points = PointTally()
     step_bytes: dict[int, float] = {}
+    # What a point owes to its op and shapes alone, worked out once per OpCost (decode repeats the
+    # same few shapes thousands of times); the costs list keeps each OpCost alive, so ids are unique.
+    shared: dict[int, _Shared] = {}
     for row, cost, time_us, step in zip(taken.tolist(), costs, times.tolist(), step_of.tolist(), strict=True):
         if time_us >= 1e-3:  # no kernel (NaN), or under 1 ns: no rate to compute
-            points.add(_point(trace, row, cost, time_us, spec))
+            same = shared.get(id(cost))
+            if same is None:
+                same = shared[id(cost)] = _shared(trace.name(row), cost, spec)
+            points.add(_point(same, cost, time_us, spec), same.group_key)
             step_bytes[step] = step_bytes.get(step, 0.0) + cost.bytes
     time_judged = _time_judged(trace, decode_steps, on_device)  # no decode steps: the whole trace's span
     summary, grouped = _summarise(points, spec, scope, trace, warnings)
@@ -156,17 +162,31 @@ def _device_time(trace: Trace, ops: np.ndarray) -> np.ndarray:
     return out
 
 
-def _point(trace: Trace, row: int, cost: OpCost, time_us: float, spec: DeviceSpec) -> dict[str, Any]:
+class _Shared(NamedTuple):
+    """A point's fields that depend on its op and shapes only."""
+
+    op: str
+    intensity: float
+    bound: str
+    roofline_us: float | None
+    group_key: str
+
+
+def _shared(op: str, cost: OpCost, spec: DeviceSpec) -> _Shared:
+    intensity = cost.flops / cost.bytes
+    return _Shared(op, intensity, _bound(intensity, spec), _roofline_us(cost.flops, cost.bytes, spec),
+                   group_key(op, cost.shapes, cost.types))
+
+
+def _point(same: _Shared, cost: OpCost, time_us: float, spec: DeviceSpec) -> dict[str, Any]:
     flops, nbytes = cost.flops, cost.bytes
     achieved_gbs = nbytes / (time_us * 1e-6) / 1e9
-    intensity = flops / nbytes
     share = achieved_gbs / spec.memory_bandwidth_gbs if spec.memory_bandwidth_gbs else None
     return {
-        "op": trace.name(row), "shapes": cost.shapes, "types": cost.types,
-        "flops": flops, "bytes": nbytes, "time_us": time_us, "intensity": intensity, "achieved_gbs": achieved_gbs,
-        "achieved_tflops": flops / (time_us * 1e-6) / 1e12, "bandwidth_share": share,
-        "bound": _bound(intensity, spec), "roofline_us": _roofline_us(flops, nbytes, spec),
-        "above_peak": share is not None and share > 1.0,
+        "op": same.op, "shapes": cost.shapes, "types": cost.types,
+        "flops": flops, "bytes": nbytes, "time_us": time_us, "intensity": same.intensity,
+        "achieved_gbs": achieved_gbs, "achieved_tflops": flops / (time_us * 1e-6) / 1e12, "bandwidth_share": share,
+        "bound": same.bound, "roofline_us": same.roofline_us, "above_peak": share is not None and share > 1.0,
     }
 
 
