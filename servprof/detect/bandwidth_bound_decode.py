@@ -37,6 +37,7 @@ from servprof.detect.devices import (
 )
 from servprof.detect.finding import WHOLE_TRACE, Finding
 from servprof.detect.steps import Step, step_index
+from servprof.detect.threads import thread_groups
 from servprof.detect.tier import BANDWIDTH_NOTE, is_light
 from servprof.trace.model import Trace
 
@@ -141,8 +142,7 @@ def _device_time(trace: Trace, ops: np.ndarray) -> np.ndarray:
     dev, launch = dev[linked], launch[linked]
     if not ops.size or not dev.size:
         return out
-    op_threads = np.stack([trace.rank[ops].astype(np.int64), trace.pid[ops], trace.tid[ops]], axis=1)
-    threads, thread_of = np.unique(op_threads, axis=0, return_inverse=True)
+    threads, thread_of = thread_groups(trace.rank[ops], trace.pid[ops], trace.tid[ops])
     launch_threads = np.stack([trace.rank[launch], trace.pid[launch], trace.tid[launch]], axis=1)
     for number, key in enumerate(threads.tolist()):
         mine = np.flatnonzero(thread_of.ravel() == number)
