@@ -36,6 +36,9 @@ CRAFTED = [
     "cudaMemsetAsync", "torch/nn/modules/module.py(1): _call_impl", "torch/utils/_contextlib.py(1): decorate_context",
     "x.py(1): __call__", "x.py(2): wrapper", "torch/_ops.py(3): __call__", "<built-in function _disabled_torch_function_impl>",
     "<built-in method __exit__ of x>", "torch/overrides.py(9): f", "two\nlines: aten::item", "cudaLaunch\nKernel",
+    "execute_context_1(1)_generation_0(0)", "step[DECODE bs=32]", "STEP[extend]", "ProfilerStep#3",
+    "vllm/v1/worker/gpu_model_runner.py(2907): execute_model", "model.py(12): forward", "nn.Module: Linear_0",
+    "aten::embedding",
 ]
 
 

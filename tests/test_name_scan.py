@@ -36,3 +36,29 @@ def test_any_company_and_order(names: list[str]) -> None:
 def test_no_names() -> None:
     for guarded in GUARDED.values():
         assert NameText([]).search(guarded).size == 0
+
+
+def test_host_name_text_is_each_traces_own() -> None:
+    """The shared NameText of a trace's host names: one per trace, never another trace's, and the
+    ids it matches are those ids_matching finds, for two traces analysed in one process."""
+    import gc
+    from pathlib import Path
+
+    from servprof.detect.host_stacks import SYNC_NAMES
+    from servprof.detect.name_scan import _HOST_TEXTS, host_ids_matching, host_name_text
+    from servprof.trace import load_trace
+
+    fixtures = Path(__file__).parent / "fixtures"
+    first = load_trace(fixtures / "public" / "hta_cuda_event_sync_a100.json.gz")
+    second = load_trace(fixtures / "demo_sync_per_step.json.gz")
+    for trace in (first, second, first):
+        ids, text = host_name_text(trace)
+        assert host_name_text(trace)[1] is text  # made once per trace
+        assert text.names == [trace.names[i] for i in trace.host_names().tolist()]
+        want = trace.ids_matching(lambda s: SYNC_NAMES.search(s) is not None, trace.host_names())
+        assert host_ids_matching(trace, SYNC_NAMES).tolist() == want.tolist()
+    assert host_name_text(first)[1] is not host_name_text(second)[1]
+    held = len(_HOST_TEXTS)
+    del first, trace
+    gc.collect()
+    assert len(_HOST_TEXTS) == held - 1 and second in _HOST_TEXTS  # the cache goes with its trace

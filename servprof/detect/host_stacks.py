@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from servprof.detect.name_guard import Guarded
-from servprof.detect.name_scan import NameText
+from servprof.detect.name_scan import NameText, host_name_text
 from servprof.detect.nesting import depths, extend_ends, levels, nearest, parents, segments
 from servprof.detect.step_forms import is_step_annotation
 from servprof.trace.columns import give_back_freed_memory
@@ -110,9 +110,8 @@ class NameClasses:
     host events; the kernels' names, often the longest, never say what a host thread did)."""
 
     def __init__(self, trace: Trace):
-        host = trace.host_names()
-        names = [trace.names[i] for i in host.tolist()]
-        text = NameText(names)
+        host, text = host_name_text(trace)
+        names = text.names
         size = len(trace.names)
         self.specific = _per_name(size, host, _classes_of_names(text), -1, np.int8)
         self.generic = _per_name(size, host, text.search(GENERIC_FRAMES), False, bool)

@@ -8,6 +8,9 @@ holding one of them are given to the regex, exactly as Guarded.search would. The
 
 from __future__ import annotations
 
+from typing import Any
+from weakref import WeakKeyDictionary
+
 import numpy as np
 
 from servprof.detect.name_guard import Guarded
@@ -66,3 +69,23 @@ class NameText:
         for i in np.flatnonzero(out).tolist():
             out[i] = search(names[i]) is not None
         return out
+
+
+# One NameText of a trace's host-event names, shared by the detectors that ask guards of them
+# (NameClasses, the step forms, tokenization); weakly keyed: it goes with its trace.
+_HOST_TEXTS: WeakKeyDictionary[Any, tuple[np.ndarray, NameText]] = WeakKeyDictionary()
+
+
+def host_name_text(trace: Any) -> tuple[np.ndarray, NameText]:
+    """(trace.host_names(), a NameText of those names), made once per trace."""
+    cached = _HOST_TEXTS.get(trace)
+    if cached is None:
+        ids = trace.host_names()
+        cached = _HOST_TEXTS[trace] = (ids, NameText([trace.names[i] for i in ids.tolist()]))
+    return cached
+
+
+def host_ids_matching(trace: Any, guarded: Guarded) -> np.ndarray:
+    """trace.ids_matching(guarded.search, trace.host_names()), from the shared NameText."""
+    ids, text = host_name_text(trace)
+    return ids[text.search(guarded)]
