@@ -29,3 +29,18 @@ def test_no_rows() -> None:
     empty = np.zeros(0, dtype=np.int64)
     threads, inverse = thread_groups(empty, empty, empty)
     assert threads.shape == (0, 3) and inverse.size == 0
+
+
+def test_start_order_is_lexsort() -> None:
+    """nesting.start_order gives np.lexsort((-dur, start)): ties in start (and NaNs) included."""
+    from servprof.detect.nesting import start_order
+
+    rng = np.random.default_rng(7)
+    for size in (0, 1, 2, 50, 3000):
+        for ties in (False, True):
+            start = np.round(rng.random(size) * (5 if ties else 1e6), 0 if ties else 3)
+            dur = np.round(rng.random(size) * 3, 0)
+            if size > 5:
+                start[rng.integers(0, size, 3)] = np.nan
+                start = np.sort(start) if ties else start  # nearly sorted, as a thread's events come
+            assert start_order(start, dur).tolist() == np.lexsort((-dur, start)).tolist()

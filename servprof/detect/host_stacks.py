@@ -20,7 +20,7 @@ import numpy as np
 
 from servprof.detect.name_guard import Guarded
 from servprof.detect.name_scan import NameText, host_name_text
-from servprof.detect.nesting import depths, extend_ends, levels, nearest, parents, segments
+from servprof.detect.nesting import depths, extend_ends, levels, nearest, parents, segments, start_order
 from servprof.detect.step_forms import is_step_annotation
 from servprof.trace.columns import give_back_freed_memory
 from servprof.trace.model import RUNTIME_CATEGORIES, Trace
@@ -238,7 +238,7 @@ class HostStacks:
         # A thread of millions of events: freed temporaries go back to the OS between the steps
         # (glibc keeps them in its heap otherwise, and the peak would count them again).
         trim = give_back_freed_memory if rows.size >= TRIM_ROWS else _nothing
-        rows = rows[np.lexsort((-trace.dur[rows], trace.ts[rows]))]
+        rows = rows[start_order(trace.ts[rows], trace.dur[rows])]
         start = trace.ts[rows]
         end = start + trace.dur[rows]
         trim()

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from servprof.detect.memory_series import MemorySeries
-from servprof.detect.nesting import open_at
+from servprof.detect.nesting import open_at, start_order
 from servprof.detect.steps import Step, step_index
 from servprof.detect.threads import thread_groups
 from servprof.trace.model import Trace
@@ -108,7 +108,7 @@ def enclosing_ops(trace: Trace, rows: np.ndarray) -> np.ndarray:
         on_thread = np.flatnonzero(ops_mask & (trace.rank == rank) & (trace.pid == pid) & (trace.tid == tid))
         if on_thread.size == 0:
             continue
-        on_thread = on_thread[np.lexsort((-trace.dur[on_thread], trace.ts[on_thread]))]
+        on_thread = on_thread[start_order(trace.ts[on_thread], trace.dur[on_thread])]
         wanted = np.flatnonzero(thread_of == number)
         op = open_at(trace.ts[on_thread], trace.ts[on_thread] + trace.dur[on_thread], trace.ts[rows[wanted]])
         found[wanted] = np.where(op >= 0, trace.name_id[on_thread[np.maximum(op, 0)]], -1)
