@@ -62,3 +62,24 @@ def test_host_name_text_is_each_traces_own() -> None:
     del first, trace
     gc.collect()
     assert len(_HOST_TEXTS) == held - 1 and second in _HOST_TEXTS  # the cache goes with its trace
+
+
+def test_name_classes_as_name_by_name() -> None:
+    """NameClasses (every guard asked of all names at once) gives each name what the per-name
+    rules give: its class (_class_of_name), and whether it is an annotation."""
+    from pathlib import Path
+
+    from servprof.detect.host_stacks import NameClasses, _class_of_name
+    from servprof.detect.step_forms import is_step_annotation
+    from servprof.trace import load_trace
+    from servprof.trace.phases import PHASE_PREFIX
+
+    fixtures = Path(__file__).parent / "fixtures"
+    for path in sorted((fixtures / "public").glob("*.json.gz")) + sorted(fixtures.glob("*.json.gz")):
+        trace = load_trace(path)
+        classes = NameClasses(trace)
+        host = trace.host_names().tolist()
+        names = [trace.names[i] for i in host]
+        assert classes.specific[host].tolist() == [_class_of_name(n) for n in names], path.name
+        assert classes.annotation[host].tolist() == [n.startswith(PHASE_PREFIX) or is_step_annotation(n)
+                                                     for n in names], path.name

@@ -21,7 +21,7 @@ import numpy as np
 from servprof.detect.name_guard import Guarded
 from servprof.detect.name_scan import NameText, host_name_text
 from servprof.detect.nesting import depths, extend_ends, levels, nearest, parents, segments, start_order
-from servprof.detect.step_forms import is_step_annotation
+from servprof.detect.step_forms import PROFILER_STEP_ROWS, SGLANG_STEP_ROWS, VLLM_STEP_ROWS
 from servprof.trace.columns import give_back_freed_memory
 from servprof.trace.model import RUNTIME_CATEGORIES, Trace
 from servprof.trace.phases import PHASE_PREFIX
@@ -41,7 +41,8 @@ SYNC_NAMES = Guarded(re.compile(
     r"|^hipMemcpyWithStream$|^(cuda|hip|cu)Memcpy(DtoH|D2H)|^aten::_local_scalar_dense$|^aten::item$"
     r"|^aten::nonzero$|torch/cuda/__init__\.py\(\d+\): synchronize|<method '(tolist|item|cpu|numpy)' of"
     r"|<built-in method (tolist|item|cpu|numpy) of"
-), "ynchronize", "Memcpy", "aten::", "method ")
+), "ynchronize", "Memcpy", "aten::_local_scalar_dense", "aten::item", "aten::nonzero", "method 'tolist'",
+   "method 'item'", "method 'cpu'", "method 'numpy'", "method tolist", "method item", "method cpu", "method numpy")
 # Tokenizer work recognisable in traces that carry no servprof phase markers.
 TOKENIZER_NAMES = Guarded(re.compile(r"((?<!de)tokeniz|encode_batch|apply_chat_template|PreTrainedTokenizer|\.encode\b)",
                                      re.IGNORECASE), "tokeniz", "encode_batch", "apply_chat_template", ".encode")
@@ -118,8 +119,12 @@ class NameClasses:
         self.compile = _per_name(size, host, text.search(COMPILE_NAMES), False, bool)
         self.compiled_region = _per_name(size, host, text.search(COMPILED_REGION), False, bool)
         self.launch = _per_name(size, host, text.search(LAUNCH_NAMES), False, bool)
-        self.annotation = _per_name(size, host, [n.startswith(PHASE_PREFIX) or is_step_annotation(n) for n in names],
-                                    False, bool)
+        # is_step_annotation of every name: the step forms' patterns are anchored (search is match),
+        # and every servprof step phase starts with PHASE_PREFIX.
+        annotation = np.array([n.startswith(PHASE_PREFIX) for n in names], dtype=bool)
+        for step_form in (VLLM_STEP_ROWS, SGLANG_STEP_ROWS, PROFILER_STEP_ROWS):
+            annotation |= text.search(step_form)
+        self.annotation = _per_name(size, host, annotation, False, bool)
 
 
 def _per_name(size: int, ids: np.ndarray, values: list[Any] | np.ndarray, default: Any, dtype: Any) -> np.ndarray:
