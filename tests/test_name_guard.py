@@ -38,7 +38,7 @@ CRAFTED = [
     "<built-in method __exit__ of x>", "torch/overrides.py(9): f", "two\nlines: aten::item", "cudaLaunch\nKernel",
     "execute_context_1(1)_generation_0(0)", "step[DECODE bs=32]", "STEP[extend]", "ProfilerStep#3",
     "vllm/v1/worker/gpu_model_runner.py(2907): execute_model", "model.py(12): forward", "nn.Module: Linear_0",
-    "aten::embedding",
+    "aten::embedding", "cudaStreamWaitEvent", "hipStreamWaitEvent",
 ]
 
 

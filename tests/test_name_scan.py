@@ -83,3 +83,31 @@ def test_name_classes_as_name_by_name() -> None:
         assert classes.specific[host].tolist() == [_class_of_name(n) for n in names], path.name
         assert classes.annotation[host].tolist() == [n.startswith(PHASE_PREFIX) or is_step_annotation(n)
                                                      for n in names], path.name
+
+
+def test_ids_holding_as_ids_matching() -> None:
+    """The recompilation and bandwidth detectors' name questions, asked through the shared
+    NameText of every string, give ids_matching's ids on every fixture."""
+    from pathlib import Path
+
+    from servprof.detect import recompilation as rc
+    from servprof.detect.name_scan import host_name_text, ids_holding
+    from servprof.trace import load_trace
+
+    def strong(s: str) -> bool:
+        return s in rc.STRONG_COMPILE_NAMES or s.endswith(rc.DYNAMO_TIMED) or rc.PY_COMPILE_FRAME.search(s) is not None
+
+    def region(s: str) -> bool:
+        return rc.REGION.match(s) is not None
+
+    crafted = ["backend_compile", "xbackend_compile", "f (dynamo_timed)", "torch/_dynamo/convert_frame.py(9): _compile",
+               "Torch-Compiled Region: 0/1", "x Torch-Compiled Region: 0/1", "cudaGraphLaunch"]
+    fixtures = Path(__file__).parent / "fixtures"
+    for path in sorted((fixtures / "public").glob("*.json.gz")) + sorted(fixtures.glob("*.json.gz")):
+        trace = load_trace(path)
+        trace.names.extend(crafted)  # (strings no event uses: ids_matching over all strings still sees them)
+        assert ids_holding(trace, (rc.REGION_LITERAL,), region).tolist() == trace.ids_matching(region).tolist()
+        assert ids_holding(trace, ("GraphLaunch",), lambda s: True).tolist() == \
+            trace.ids_matching(lambda s: "GraphLaunch" in s).tolist()
+        ids, text = host_name_text(trace)
+        assert ids[text.holding(rc.STRONG_LITERALS, strong)].tolist() == trace.ids_matching(strong, ids).tolist()

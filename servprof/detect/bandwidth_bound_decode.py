@@ -36,6 +36,7 @@ from servprof.detect.devices import (
     with_mismatch,
 )
 from servprof.detect.finding import WHOLE_TRACE, Finding
+from servprof.detect.name_scan import ids_holding
 from servprof.detect.steps import Step, step_index
 from servprof.detect.threads import thread_groups
 from servprof.detect.tier import BANDWIDTH_NOTE, is_light
@@ -315,7 +316,7 @@ def _op_floor_us(times: Any) -> float:
 def _graph_replay_kernels(trace: Trace) -> dict[str, Any]:
     dev = np.flatnonzero(trace.device_mask())
     launch = trace.launch_row_for(dev)
-    graph_ids = trace.ids_matching(lambda s: "GraphLaunch" in s)
+    graph_ids = ids_holding(trace, ("GraphLaunch",), lambda s: True)
     replayed = dev[(launch >= 0) & np.isin(trace.name_id[np.maximum(launch, 0)], graph_ids)]
     # Time per kernel name, summed in order; the most first, ties in order of appearance.
     names, first, which = np.unique(trace.name_id[replayed], return_index=True, return_inverse=True)

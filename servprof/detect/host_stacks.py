@@ -70,7 +70,7 @@ COMPILED_REGION = Guarded(re.compile(r"^Torch-Compiled Region|CompiledFxGraph|to
                                      r"|^(cuda|hip|cu)GraphLaunch"),
                           "Torch-Compiled Region", "CompiledFxGraph", "torch/_inductor/", "cuda_graph.py(",
                           "cudagraph_trees", "replay", "GraphLaunch")
-GRAPH_LAUNCH = re.compile(r"^(cuda|hip|cu)GraphLaunch")
+GRAPH_LAUNCH = Guarded(re.compile(r"^(cuda|hip|cu)GraphLaunch"), "GraphLaunch")
 LAUNCH_NAMES = Guarded(re.compile(r"Launch|Memcpy\w*Async|Memset"), "Launch", "Memcpy", "Memset")
 DEVICE_TO_HOST = re.compile(r"DtoH|D2H|DeviceToHost")
 GENERIC_FRAMES = Guarded(re.compile(

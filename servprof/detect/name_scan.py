@@ -8,6 +8,7 @@ holding one of them are given to the regex, exactly as Guarded.search would. The
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 from weakref import WeakKeyDictionary
 
@@ -62,6 +63,18 @@ class NameText:
             out[np.searchsorted(self.starts, np.array(found, dtype=np.int64), side="right") - 1] = True
         return out
 
+    def holding(self, literals: tuple[str, ...], predicate: Callable[[str], bool]) -> np.ndarray:
+        """Per name: ``predicate(name)``, asked only of the names holding one of ``literals`` (the
+        others: False). Exact when every name the predicate holds for holds one of them."""
+        out = np.zeros(len(self.names), dtype=bool)
+        found = [pos for literal in literals for pos in _occurrences(self.text, literal)]
+        if found:
+            out[np.searchsorted(self.starts, np.array(found, dtype=np.int64), side="right") - 1] = True
+        names = self.names
+        for i in np.flatnonzero(out).tolist():
+            out[i] = predicate(names[i])
+        return out
+
     def search(self, guarded: Guarded) -> np.ndarray:
         """Per name: ``guarded.search(name) is not None``."""
         out = self.candidates(guarded)
@@ -83,6 +96,23 @@ def host_name_text(trace: Any) -> tuple[np.ndarray, NameText]:
         ids = trace.host_names()
         cached = _HOST_TEXTS[trace] = (ids, NameText([trace.names[i] for i in ids.tolist()]))
     return cached
+
+
+_ALL_TEXTS: WeakKeyDictionary[Any, NameText] = WeakKeyDictionary()
+
+
+def all_name_text(trace: Any) -> NameText:
+    """A NameText of every interned string of the trace (names and categories), made once per trace."""
+    text = _ALL_TEXTS.get(trace)
+    if text is None:
+        text = _ALL_TEXTS[trace] = NameText(trace.names)
+    return text
+
+
+def ids_holding(trace: Any, literals: tuple[str, ...], predicate: Callable[[str], bool]) -> np.ndarray:
+    """trace.ids_matching(predicate): over every string, when every string predicate holds for
+    holds one of ``literals``."""
+    return np.flatnonzero(all_name_text(trace).holding(literals, predicate))
 
 
 def host_ids_matching(trace: Any, guarded: Guarded) -> np.ndarray:
