@@ -29,6 +29,16 @@ CRAFTED = [
     "all_reduce", "cross_device_reduce_1stage", "autograd::engine::evaluate_function: MmBackward0",
     "AddmmBackward0", "## backward ##", "Optimizer.step#SGD.step", "Ｔokenize", "TOKENİZE", "toKenize",
     "ſync", "", "plain name",
+    "threading.py(300): wait", "<built-in method acquire of _thread.lock object>", "time.sleep",
+    "<built-in method epoll of x>", "<method 'poll' of 'select.poll' objects>", "queue.py(1): get",
+    "multiprocessing/connection.py(1): recv_bytes", "tqdm/_monitor.py(2): run", "socket.recv_multipart",
+    "shm_broadcast.py(5): acquire_read", "selectors.py(4): select", "cudaLaunchKernel", "hipMemcpyAsync",
+    "cudaMemsetAsync", "torch/nn/modules/module.py(1): _call_impl", "torch/utils/_contextlib.py(1): decorate_context",
+    "x.py(1): __call__", "x.py(2): wrapper", "torch/_ops.py(3): __call__", "<built-in function _disabled_torch_function_impl>",
+    "<built-in method __exit__ of x>", "torch/overrides.py(9): f", "two\nlines: aten::item", "cudaLaunch\nKernel",
+    "execute_context_1(1)_generation_0(0)", "step[DECODE bs=32]", "STEP[extend]", "ProfilerStep#3",
+    "vllm/v1/worker/gpu_model_runner.py(2907): execute_model", "model.py(12): forward", "nn.Module: Linear_0",
+    "aten::embedding", "cudaStreamWaitEvent", "hipStreamWaitEvent",
 ]
 
 

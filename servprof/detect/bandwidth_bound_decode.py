@@ -24,7 +24,7 @@ import numpy as np
 import orjson
 
 from servprof.detect.bandwidth_fix import fix_text
-from servprof.detect.bandwidth_points import PointTally
+from servprof.detect.bandwidth_points import PointTally, group_key
 from servprof.detect.byte_models import MODELLED, op_cost
 from servprof.detect.devices import (
     BASIS_ASSUMED,
@@ -36,7 +36,9 @@ from servprof.detect.devices import (
     with_mismatch,
 )
 from servprof.detect.finding import WHOLE_TRACE, Finding
+from servprof.detect.name_scan import ids_holding
 from servprof.detect.steps import Step, step_index
+from servprof.detect.threads import thread_groups
 from servprof.detect.tier import BANDWIDTH_NOTE, is_light
 from servprof.trace.model import Trace
 
@@ -68,9 +70,15 @@ def detect_bandwidth_bound(trace: Trace, steps: list[Step], device: str | None
     times = _device_time(trace, taken) if on_device else trace.dur[taken].astype(np.float64)
     points = PointTally()
     step_bytes: dict[int, float] = {}
+    # What a point owes to its op and shapes alone, worked out once per OpCost (decode repeats the
+    # same few shapes thousands of times); the costs list keeps each OpCost alive, so ids are unique.
+    shared: dict[int, _Shared] = {}
     for row, cost, time_us, step in zip(taken.tolist(), costs, times.tolist(), step_of.tolist(), strict=True):
         if time_us >= 1e-3:  # no kernel (NaN), or under 1 ns: no rate to compute
-            points.add(_point(trace, row, cost, time_us, spec))
+            same = shared.get(id(cost))
+            if same is None:
+                same = shared[id(cost)] = _shared(trace.name(row), cost, spec)
+            points.add(_point(same, cost, time_us, spec), same.group_key)
             step_bytes[step] = step_bytes.get(step, 0.0) + cost.bytes
     time_judged = _time_judged(trace, decode_steps, on_device)  # no decode steps: the whole trace's span
     summary, grouped = _summarise(points, spec, scope, trace, warnings)
@@ -135,8 +143,7 @@ def _device_time(trace: Trace, ops: np.ndarray) -> np.ndarray:
     dev, launch = dev[linked], launch[linked]
     if not ops.size or not dev.size:
         return out
-    op_threads = np.stack([trace.rank[ops].astype(np.int64), trace.pid[ops], trace.tid[ops]], axis=1)
-    threads, thread_of = np.unique(op_threads, axis=0, return_inverse=True)
+    threads, thread_of = thread_groups(trace.rank[ops], trace.pid[ops], trace.tid[ops])
     launch_threads = np.stack([trace.rank[launch], trace.pid[launch], trace.tid[launch]], axis=1)
     for number, key in enumerate(threads.tolist()):
         mine = np.flatnonzero(thread_of.ravel() == number)
@@ -156,17 +163,31 @@ def _device_time(trace: Trace, ops: np.ndarray) -> np.ndarray:
     return out
 
 
-def _point(trace: Trace, row: int, cost: OpCost, time_us: float, spec: DeviceSpec) -> dict[str, Any]:
+class _Shared(NamedTuple):
+    """A point's fields that depend on its op and shapes only."""
+
+    op: str
+    intensity: float
+    bound: str
+    roofline_us: float | None
+    group_key: str
+
+
+def _shared(op: str, cost: OpCost, spec: DeviceSpec) -> _Shared:
+    intensity = cost.flops / cost.bytes
+    return _Shared(op, intensity, _bound(intensity, spec), _roofline_us(cost.flops, cost.bytes, spec),
+                   group_key(op, cost.shapes, cost.types))
+
+
+def _point(same: _Shared, cost: OpCost, time_us: float, spec: DeviceSpec) -> dict[str, Any]:
     flops, nbytes = cost.flops, cost.bytes
     achieved_gbs = nbytes / (time_us * 1e-6) / 1e9
-    intensity = flops / nbytes
     share = achieved_gbs / spec.memory_bandwidth_gbs if spec.memory_bandwidth_gbs else None
     return {
-        "op": trace.name(row), "shapes": cost.shapes, "types": cost.types,
-        "flops": flops, "bytes": nbytes, "time_us": time_us, "intensity": intensity, "achieved_gbs": achieved_gbs,
-        "achieved_tflops": flops / (time_us * 1e-6) / 1e12, "bandwidth_share": share,
-        "bound": _bound(intensity, spec), "roofline_us": _roofline_us(flops, nbytes, spec),
-        "above_peak": share is not None and share > 1.0,
+        "op": same.op, "shapes": cost.shapes, "types": cost.types,
+        "flops": flops, "bytes": nbytes, "time_us": time_us, "intensity": same.intensity,
+        "achieved_gbs": achieved_gbs, "achieved_tflops": flops / (time_us * 1e-6) / 1e12, "bandwidth_share": share,
+        "bound": same.bound, "roofline_us": same.roofline_us, "above_peak": share is not None and share > 1.0,
     }
 
 
@@ -295,7 +316,7 @@ def _op_floor_us(times: Any) -> float:
 def _graph_replay_kernels(trace: Trace) -> dict[str, Any]:
     dev = np.flatnonzero(trace.device_mask())
     launch = trace.launch_row_for(dev)
-    graph_ids = trace.ids_matching(lambda s: "GraphLaunch" in s)
+    graph_ids = ids_holding(trace, ("GraphLaunch",), lambda s: True)
     replayed = dev[(launch >= 0) & np.isin(trace.name_id[np.maximum(launch, 0)], graph_ids)]
     # Time per kernel name, summed in order; the most first, ties in order of appearance.
     names, first, which = np.unique(trace.name_id[replayed], return_index=True, return_inverse=True)

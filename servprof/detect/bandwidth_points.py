@@ -34,7 +34,8 @@ class PointTally:
         self.above_count = 0
         self._worst_above: list[_Worst] = []  # a heap: the least bad of those kept on top
 
-    def add(self, point: dict[str, Any]) -> None:
+    def add(self, point: dict[str, Any], key: str | None = None) -> None:
+        """``key``: the point's group_key, when the caller already has it (one per op shape)."""
         self.count += 1
         plottable = point["flops"] > 0 and point["time_us"] > 0
         if len(self.kept) < KEPT_POINTS or (plottable and self._plottable_kept < ROOFLINE_POINTS):
@@ -48,7 +49,8 @@ class PointTally:
             elif worst.order < self._worst_above[0].order:
                 heapq.heapreplace(self._worst_above, worst)
             return
-        key = orjson.dumps([point["op"], point["shapes"], point["types"]], default=str).decode()
+        if key is None:
+            key = group_key(point["op"], point["shapes"], point["types"])
         group = self.groups.get(key)
         if group is None:
             group = self.groups[key] = {"op": point["op"], "family": op_family(point["op"]), "shapes": point["shapes"],
@@ -67,6 +69,11 @@ class PointTally:
     def worst_above(self) -> list[dict[str, Any]]:
         """The points furthest above peak, the first of equals first (as a stable sort gives)."""
         return [w.point for w in sorted(self._worst_above, key=lambda w: w.order)]
+
+
+def group_key(op: str, shapes: Any, types: Any) -> str:
+    """The op group a point is summed into: its op, shapes and types."""
+    return orjson.dumps([op, shapes, types], default=str).decode()
 
 
 class _Worst:

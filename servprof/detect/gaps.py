@@ -26,6 +26,7 @@ from servprof.detect.causes import CAUSES, Explained, GapExplainer
 from servprof.detect.host_stacks import BUSY_CLASSES, CLASSES, GRAPH_LAUNCH, TOKENIZE, HostStacks, NameClasses
 from servprof.detect.intervals import merge
 from servprof.detect.name_guard import Guarded
+from servprof.detect.name_scan import host_ids_matching
 from servprof.detect.overhead import stop_cutoffs
 from servprof.detect.steps import Step, device_segments
 from servprof.detect.tier import is_light
@@ -42,7 +43,7 @@ COLLECTIVE_KERNEL = Guarded(re.compile(r"nccl|rccl|AllReduce|AllGather|ReduceSca
                                        re.IGNORECASE), "ccl", "allreduce", "allgather", "reducescatter", "all_reduce",
                             "cross_device_reduce")
 MAX_NAMED_SUMS = 100
-STREAM_WAIT = re.compile(r"^(cuda|hip|cu)StreamWaitEvent")
+STREAM_WAIT = Guarded(re.compile(r"^(cuda|hip|cu)StreamWaitEvent"), "StreamWaitEvent")
 CONTINUING_KINDS = ("decode", "mixed", "step", "train")  # a gap before one of these is the engine's own
 
 
@@ -174,8 +175,7 @@ def _device_gaps(trace: Any, rank: int, steps: list[Step], index: dict[int, int]
     held_back = hole_b - launch_end
     starved = ~has_launch | ((launch_end > hole_a) & (held_back < np.maximum(GPU_MIN_GAP_US, launch_end - hole_a)))
     tid = np.where(has_launch, trace.tid[lrow], np.array([on_device[p].tid for p in step_pos]))
-    graph = has_launch & np.isin(trace.name_id[lrow], trace.ids_matching(lambda s: GRAPH_LAUNCH.search(s) is not None,
-                                                                         trace.host_names()))  # (launches)
+    graph = has_launch & np.isin(trace.name_id[lrow], host_ids_matching(trace, GRAPH_LAUNCH))  # (launches)
     waited, wait_rows = _stream_waits(trace, rank, rows, dev_start, hole_a, hole_b, launch_ts)
     explained = explainer.explain(hole_a, hole_b, tid, starved, small, graph, launch_end, waited)
     out: list[Gap] = []
@@ -241,7 +241,7 @@ def _stream_waits(trace: Any, rank: int, rows: np.ndarray, dev_start: np.ndarray
     """Per hole: was a stream-wait-event enqueued between the launch of the last work before the
     hole and the launch of the work after it (the row of that call, -1 when none)?"""
     waits = np.flatnonzero(trace.complete() & (trace.rank == rank) & (trace.stream < 0)
-                           & trace.mask_name(lambda s: STREAM_WAIT.search(s) is not None, trace.host_names()))
+                           & trace.has_id(trace.name_id, host_ids_matching(trace, STREAM_WAIT)))
     found = np.full(hole_a.size, -1, dtype=np.int64)
     if waits.size == 0:
         return found >= 0, found

@@ -20,6 +20,7 @@ from servprof.detect.causes import CAUSES, cause_fix
 from servprof.detect.finding import Finding
 from servprof.detect.host_stacks import _device_to_host_launches
 from servprof.detect.name_guard import Guarded
+from servprof.detect.nesting import start_order
 from servprof.detect.step_forms import Step, outermost
 from servprof.trace.model import Trace
 
@@ -67,7 +68,7 @@ def _top_level(trace: Trace, rows: np.ndarray) -> np.ndarray:
     for key in {(int(r), int(t)) for r, t in zip(trace.rank[rows].tolist(), trace.tid[rows].tolist(), strict=True)}:
         wanted = rows[(trace.rank[rows] == key[0]) & (trace.tid[rows] == key[1])]
         mine = np.union1d(ops[(trace.rank[ops] == key[0]) & (trace.tid[ops] == key[1])], wanted)
-        mine = mine[np.lexsort((-trace.dur[mine], trace.ts[mine]))]
+        mine = mine[start_order(trace.ts[mine], trace.dur[mine])]
         prior_end = np.concatenate([[-np.inf], np.maximum.accumulate(trace.ts[mine] + trace.dur[mine])[:-1]])
         by_row = np.argsort(mine)
         position = by_row[np.searchsorted(mine[by_row], wanted)]

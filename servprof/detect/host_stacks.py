@@ -19,8 +19,9 @@ from typing import Any
 import numpy as np
 
 from servprof.detect.name_guard import Guarded
-from servprof.detect.nesting import depths, extend_ends, levels, nearest, parents, segments
-from servprof.detect.step_forms import is_step_annotation
+from servprof.detect.name_scan import NameText, host_name_text
+from servprof.detect.nesting import depths, extend_ends, levels, nearest, parents, segments, start_order
+from servprof.detect.step_forms import PROFILER_STEP_ROWS, SGLANG_STEP_ROWS, VLLM_STEP_ROWS
 from servprof.trace.columns import give_back_freed_memory
 from servprof.trace.model import RUNTIME_CATEGORIES, Trace
 from servprof.trace.phases import PHASE_PREFIX
@@ -40,19 +41,22 @@ SYNC_NAMES = Guarded(re.compile(
     r"|^hipMemcpyWithStream$|^(cuda|hip|cu)Memcpy(DtoH|D2H)|^aten::_local_scalar_dense$|^aten::item$"
     r"|^aten::nonzero$|torch/cuda/__init__\.py\(\d+\): synchronize|<method '(tolist|item|cpu|numpy)' of"
     r"|<built-in method (tolist|item|cpu|numpy) of"
-), "ynchronize", "Memcpy", "aten::", "method ")
+), "ynchronize", "Memcpy", "aten::_local_scalar_dense", "aten::item", "aten::nonzero", "method 'tolist'",
+   "method 'item'", "method 'cpu'", "method 'numpy'", "method tolist", "method item", "method cpu", "method numpy")
 # Tokenizer work recognisable in traces that carry no servprof phase markers.
 TOKENIZER_NAMES = Guarded(re.compile(r"((?<!de)tokeniz|encode_batch|apply_chat_template|PreTrainedTokenizer|\.encode\b)",
                                      re.IGNORECASE), "tokeniz", "encode_batch", "apply_chat_template", ".encode")
 DETOKENIZER_NAMES = Guarded(re.compile(r"detokeniz|batch_decode\b|decode_stream|convert_ids_to_tokens", re.IGNORECASE),
                             "detokeniz", "decode", "convert_ids_to_tokens")
 # A thread asleep or blocked on another thread/process: it holds no GIL and does no work.
-WAIT_NAMES = re.compile(
+WAIT_NAMES = Guarded(re.compile(
     r"threading\.py\(\d+\): (wait|join|_wait_for_tstate_lock)$|<method 'acquire' of '_thread\.|<built-in method acquire"
     r"|time\.sleep|<built-in function sleep>|selectors\.py\(\d+\): select$|<method '(poll|select|control)' of"
     r"|<built-in method (select|poll|epoll)|queue\.py\(\d+\): get$|multiprocessing/connection\.py\(\d+\): "
     r"(recv|recv_bytes|poll|wait|_poll)$|tqdm/_monitor\.py|recv_multipart$|shm_broadcast\.py\(\d+\): acquire_read$"
-)
+), "threading.py(", "acquire", "sleep", "selectors.py(", "<method 'poll'", "<method 'select'", "<method 'control'",
+   "<built-in method select", "<built-in method poll", "<built-in method epoll", "queue.py(", "connection.py(",
+   "tqdm/_monitor.py", "recv_multipart")
 # Collectives the host blocks in (a NCCL call only enqueues a kernel: its wait shows on the device).
 COLLECTIVE_NAMES = Guarded(re.compile(r"^gloo:|barrier|_distributed_c10d\.Work' objects>|^c10d::wait|ProcessGroup\w*\.wait"),
                            "gloo:", "barrier", "c10d", "ProcessGroup")
@@ -66,32 +70,40 @@ COMPILED_REGION = Guarded(re.compile(r"^Torch-Compiled Region|CompiledFxGraph|to
                                      r"|^(cuda|hip|cu)GraphLaunch"),
                           "Torch-Compiled Region", "CompiledFxGraph", "torch/_inductor/", "cuda_graph.py(",
                           "cudagraph_trees", "replay", "GraphLaunch")
-GRAPH_LAUNCH = re.compile(r"^(cuda|hip|cu)GraphLaunch")
-LAUNCH_NAMES = re.compile(r"Launch|Memcpy\w*Async|Memset")
+GRAPH_LAUNCH = Guarded(re.compile(r"^(cuda|hip|cu)GraphLaunch"), "GraphLaunch")
+LAUNCH_NAMES = Guarded(re.compile(r"Launch|Memcpy\w*Async|Memset"), "Launch", "Memcpy", "Memset")
 DEVICE_TO_HOST = re.compile(r"DtoH|D2H|DeviceToHost")
-GENERIC_FRAMES = re.compile(
+GENERIC_FRAMES = Guarded(re.compile(
     r"torch/nn/modules/module\.py\(\d+\): _(wrapped_)?call_impl$|torch/utils/_contextlib\.py\(\d+\): decorate_context$"
     r"|\): __call__$|\): (wrapper|inner|wrapped|decorated|_fn)$|torch/_ops\.py|torch/utils/_device\.py"
     r"|<built-in function _disabled_torch_function_impl>|torch/overrides\.py|<built-in method __(enter|exit)__"
-)
+), "torch/nn/modules/module.py(", "torch/utils/_contextlib.py(", "): __call__", "): wrapper", "): inner", "): wrapped",
+   "): decorated", "): _fn", "torch/_ops.py", "torch/utils/_device.py", "_disabled_torch_function_impl",
+   "torch/overrides.py", "<built-in method __")
+
+
+# The classes a name gives to everything inside it, the first that matches winning.
+SPECIFIC = ((SYNC_NAMES, SYNC), (DETOKENIZER_NAMES, DETOKENIZE), (TOKENIZER_NAMES, TOKENIZE), (WAIT_NAMES, WAIT),
+            (COLLECTIVE_NAMES, COLLECTIVE))
+PHASE_CLASSES = {"tokenize": TOKENIZE, "detokenize": DETOKENIZE}
 
 
 def _class_of_name(name: str) -> int:
     """The class a name gives to everything inside it, or -1 when it only names itself."""
     if name.startswith(PHASE_PREFIX):
-        phase = name[len(PHASE_PREFIX):].split("|", 1)[0].removeprefix("auto.")
-        return {"tokenize": TOKENIZE, "detokenize": DETOKENIZE}.get(phase, -1)
-    if SYNC_NAMES.search(name):
-        return SYNC
-    if DETOKENIZER_NAMES.search(name):
-        return DETOKENIZE
-    if TOKENIZER_NAMES.search(name):
-        return TOKENIZE
-    if WAIT_NAMES.search(name):
-        return WAIT
-    if COLLECTIVE_NAMES.search(name):
-        return COLLECTIVE
-    return -1
+        return PHASE_CLASSES.get(name[len(PHASE_PREFIX):].split("|", 1)[0].removeprefix("auto."), -1)
+    return next((cls for guarded, cls in SPECIFIC if guarded.search(name)), -1)
+
+
+def _classes_of_names(text: NameText) -> np.ndarray:
+    """_class_of_name of every name, each guard asked of all the names at once (name_scan.py)."""
+    out = np.full(len(text.names), -1, dtype=np.int8)
+    for guarded, cls in reversed(SPECIFIC):  # the first that matches is written last
+        out[text.search(guarded)] = cls
+    for i, name in enumerate(text.names):
+        if name.startswith(PHASE_PREFIX):
+            out[i] = _class_of_name(name)
+    return out
 
 
 class NameClasses:
@@ -99,19 +111,23 @@ class NameClasses:
     host events; the kernels' names, often the longest, never say what a host thread did)."""
 
     def __init__(self, trace: Trace):
-        host = trace.host_names()
-        names = [trace.names[i] for i in host.tolist()]
+        host, text = host_name_text(trace)
+        names = text.names
         size = len(trace.names)
-        self.specific = _per_name(size, host, [_class_of_name(n) for n in names], -1, np.int8)
-        self.generic = _per_name(size, host, [bool(GENERIC_FRAMES.search(n)) for n in names], False, bool)
-        self.compile = _per_name(size, host, [bool(COMPILE_NAMES.search(n)) for n in names], False, bool)
-        self.compiled_region = _per_name(size, host, [bool(COMPILED_REGION.search(n)) for n in names], False, bool)
-        self.launch = _per_name(size, host, [bool(LAUNCH_NAMES.search(n)) for n in names], False, bool)
-        self.annotation = _per_name(size, host, [n.startswith(PHASE_PREFIX) or is_step_annotation(n) for n in names],
-                                    False, bool)
+        self.specific = _per_name(size, host, _classes_of_names(text), -1, np.int8)
+        self.generic = _per_name(size, host, text.search(GENERIC_FRAMES), False, bool)
+        self.compile = _per_name(size, host, text.search(COMPILE_NAMES), False, bool)
+        self.compiled_region = _per_name(size, host, text.search(COMPILED_REGION), False, bool)
+        self.launch = _per_name(size, host, text.search(LAUNCH_NAMES), False, bool)
+        # is_step_annotation of every name: the step forms' patterns are anchored (search is match),
+        # and every servprof step phase starts with PHASE_PREFIX.
+        annotation = np.array([n.startswith(PHASE_PREFIX) for n in names], dtype=bool)
+        for step_form in (VLLM_STEP_ROWS, SGLANG_STEP_ROWS, PROFILER_STEP_ROWS):
+            annotation |= text.search(step_form)
+        self.annotation = _per_name(size, host, annotation, False, bool)
 
 
-def _per_name(size: int, ids: np.ndarray, values: list[Any], default: Any, dtype: Any) -> np.ndarray:
+def _per_name(size: int, ids: np.ndarray, values: list[Any] | np.ndarray, default: Any, dtype: Any) -> np.ndarray:
     out = np.full(size, default, dtype=dtype)
     out[ids] = values
     return out
@@ -227,7 +243,7 @@ class HostStacks:
         # A thread of millions of events: freed temporaries go back to the OS between the steps
         # (glibc keeps them in its heap otherwise, and the peak would count them again).
         trim = give_back_freed_memory if rows.size >= TRIM_ROWS else _nothing
-        rows = rows[np.lexsort((-trace.dur[rows], trace.ts[rows]))]
+        rows = rows[start_order(trace.ts[rows], trace.dur[rows])]
         start = trace.ts[rows]
         end = start + trace.dur[rows]
         trim()

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from servprof.detect.finding import Finding
-from servprof.detect.memory_attribution import attribution
+from servprof.detect.memory_attribution import attribution, enclosing_ops_by_series
 from servprof.detect.memory_series import MemorySeries, memory_series
 from servprof.detect.steps import Step
 from servprof.trace.model import Trace
@@ -64,9 +64,10 @@ def _mib(value: float) -> str:
 def detect_memory(trace: Trace, steps: list[Step]) -> tuple[list[Finding], dict[str, Any]]:
     findings: list[Finding] = []
     devices: dict[str, Any] = {}
-    for series in memory_series(trace):
+    all_series = memory_series(trace)
+    for series, enclosing in zip(all_series, enclosing_ops_by_series(trace, all_series), strict=True):
         key = series.device if len(trace.ranks) == 1 else f"rank{series.rank}/{series.device}"
-        info = describe(trace, series, steps)
+        info = describe(trace, series, steps, enclosing)
         devices[key] = info
         findings.extend(_near_limit(series, info, key))
         findings.extend(_fragmentation(series, info, key))
@@ -98,7 +99,8 @@ def detect_memory(trace: Trace, steps: list[Step]) -> tuple[list[Finding], dict[
 # --- what each series shows ------------------------------------------------------------------
 
 
-def describe(trace: Trace, series: MemorySeries, steps: list[Step]) -> dict[str, Any]:
+def describe(trace: Trace, series: MemorySeries, steps: list[Step], enclosing: np.ndarray | None = None
+             ) -> dict[str, Any]:
     allocated, reserved = series.allocated, series.reserved
     peak = int(np.argmax(allocated))
     info: dict[str, Any] = {
@@ -121,7 +123,7 @@ def describe(trace: Trace, series: MemorySeries, steps: list[Step]) -> dict[str,
     elif series.source == "profiler_events" and series.device == "cpu":
         info["note"] = "CPU allocator totals count only what was allocated while memory profiling was on"
     if series.rows is not None and series.delta is not None:
-        info.update(attribution(trace, series, steps))
+        info.update(attribution(trace, series, steps, enclosing))
     return info
 
 

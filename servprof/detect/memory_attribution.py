@@ -11,21 +11,26 @@ from typing import Any
 import numpy as np
 
 from servprof.detect.memory_series import MemorySeries
-from servprof.detect.nesting import open_at
+from servprof.detect.nesting import open_at, start_order
 from servprof.detect.steps import Step, step_index
+from servprof.detect.threads import thread_groups
 from servprof.trace.model import Trace
 
 TOP = 5
 NO_OP = "(no op)"
 
 
-def attribution(trace: Trace, series: MemorySeries, steps: list[Step]) -> dict[str, Any]:
+def attribution(trace: Trace, series: MemorySeries, steps: list[Step], enclosing: np.ndarray | None = None
+                ) -> dict[str, Any]:
     """Ops, phases and requests behind the allocator events: bytes allocated (sum of +Bytes)
-    and bytes kept (signed sum) by each."""
+    and bytes kept (signed sum) by each. ``enclosing``: enclosing_ops of the series' rows, when
+    the caller found them for several series at once."""
     assert series.rows is not None and series.delta is not None
     rows, delta = series.rows, series.delta
     allocating = delta > 0
-    op_names = [trace.names[i] if i >= 0 else NO_OP for i in enclosing_ops(trace, rows)[allocating].tolist()]
+    if enclosing is None:
+        enclosing = enclosing_ops(trace, rows)
+    op_names = [trace.names[i] if i >= 0 else NO_OP for i in enclosing[allocating].tolist()]
     top_ops = _top(op_names, delta[allocating])
     mine = [s for s in steps if s.rank == series.rank]
     where = step_index(mine, trace.rank[rows], trace.ts[rows]) if mine else np.full(rows.shape, -1)
@@ -74,6 +79,23 @@ def _by_request(steps: list[Step], where: np.ndarray, delta: np.ndarray) -> list
     return _top([ids[i] for i in entry.tolist()], np.repeat(share, per_event))
 
 
+def enclosing_ops_by_series(trace: Trace, series: list[MemorySeries]) -> list[np.ndarray | None]:
+    """enclosing_ops of each series' rows (None: a series without rows), in one pass: the ops of a
+    thread are sorted once for all its devices' allocator events. An event's answer does not depend
+    on the other events asked with it (an event holds nothing)."""
+    rows = [s.rows for s in series if s.rows is not None and s.delta is not None]
+    found = enclosing_ops(trace, np.concatenate(rows)) if rows else np.zeros(0, dtype=np.int64)
+    out: list[np.ndarray | None] = []
+    at = 0
+    for s in series:
+        if s.rows is None or s.delta is None:
+            out.append(None)
+            continue
+        out.append(found[at:at + s.rows.size])
+        at += s.rows.size
+    return out
+
+
 def enclosing_ops(trace: Trace, rows: np.ndarray) -> np.ndarray:
     """The name id of the innermost op running on the event's thread at each allocator event
     (-1 when none)."""
@@ -81,14 +103,12 @@ def enclosing_ops(trace: Trace, rows: np.ndarray) -> np.ndarray:
     if rows.size == 0:
         return found
     ops_mask = trace.complete() & trace.mask_category("cpu_op", "user_annotation") & (trace.stream < 0)
-    keys = np.stack([trace.rank[rows].astype(np.int64), trace.pid[rows], trace.tid[rows]], axis=1)
-    threads, thread_of = np.unique(keys, axis=0, return_inverse=True)
-    thread_of = thread_of.ravel()
+    threads, thread_of = thread_groups(trace.rank[rows], trace.pid[rows], trace.tid[rows])
     for number, (rank, pid, tid) in enumerate(threads.tolist()):
         on_thread = np.flatnonzero(ops_mask & (trace.rank == rank) & (trace.pid == pid) & (trace.tid == tid))
         if on_thread.size == 0:
             continue
-        on_thread = on_thread[np.lexsort((-trace.dur[on_thread], trace.ts[on_thread]))]
+        on_thread = on_thread[start_order(trace.ts[on_thread], trace.dur[on_thread])]
         wanted = np.flatnonzero(thread_of == number)
         op = open_at(trace.ts[on_thread], trace.ts[on_thread] + trace.dur[on_thread], trace.ts[rows[wanted]])
         found[wanted] = np.where(op >= 0, trace.name_id[on_thread[np.maximum(op, 0)]], -1)

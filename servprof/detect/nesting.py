@@ -26,6 +26,26 @@ import numpy as np
 INDEX = np.int32
 
 
+def start_order(start: np.ndarray, dur: np.ndarray) -> np.ndarray:
+    """``np.lexsort((-dur, start))``: by start, the longer first at equal starts, then in index
+    order. Why: lexsort sorts by the shuffled durations first (~3 ms for 20,000 events); a thread's
+    events come nearly in start order, which a stable sort by start takes in ~0.05 ms, and only
+    the runs of equal starts need the durations."""
+    order = np.argsort(start, kind="stable")
+    ordered = start[order]
+    tied = ordered[1:] == ordered[:-1]
+    tied |= np.isnan(ordered[1:]) & np.isnan(ordered[:-1])  # (sorts treat NaNs as equal)
+    if not tied.any():
+        return order
+    in_run = np.zeros(order.size, dtype=bool)
+    in_run[1:] |= tied
+    in_run[:-1] |= tied
+    # The runs keep their places; within them (already by start, then index), the durations.
+    run = order[in_run]
+    order[in_run] = run[np.lexsort((-dur[run], start[run]))]
+    return order
+
+
 def parents(start: np.ndarray, end: np.ndarray, closed: bool = False) -> np.ndarray:
     """Per event (sorted by start): the index of the event it is inside, -1 at the top level.
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from servprof.detect.finding import Finding, severity_for
 from servprof.detect.intervals import merge
+from servprof.detect.name_scan import host_name_text, ids_holding
 from servprof.detect.steps import Step, step_index
 from servprof.detect.tier import DEEP_WINDOW_HOW, is_light
 from servprof.trace.model import Trace
@@ -57,14 +58,20 @@ FIXES = {
                 "then mark the changing dimension dynamic (torch._dynamo.mark_dynamic), pad it to buckets, or "
                 "warm those shapes up at start-up."),
 }
+# What every name _compile_rows and _regions_per_step look for holds (name_scan.py asks the
+# predicates of those names only).
+STRONG_LITERALS = (*sorted(STRONG_COMPILE_NAMES), DYNAMO_TIMED, "torch/_dynamo/convert_frame.py(",
+                   "torch/_inductor/compile_fx.py(")
+REGION_LITERAL = "Torch-Compiled Region: "
 GRAPH_BREAK_FIX = ("torch._dynamo.explain(fn)(*inputs) lists each break and its cause; remove it from the "
                    "compiled code (print/logging, .item() or .tolist(), data-dependent Python branches, "
                    "unsupported calls) or wrap the call with torch.compiler.allow_in_graph / a custom op.")
 
 
 def _compile_rows(trace: Trace) -> np.ndarray:
-    strong = trace.ids_matching(lambda s: s in STRONG_COMPILE_NAMES or s.endswith(DYNAMO_TIMED)
-                                or PY_COMPILE_FRAME.search(s) is not None, trace.host_names())
+    ids, text = host_name_text(trace)
+    strong = ids[text.holding(STRONG_LITERALS, lambda s: s in STRONG_COMPILE_NAMES or s.endswith(DYNAMO_TIMED)
+                              or PY_COMPILE_FRAME.search(s) is not None)]
     return np.flatnonzero(np.isin(trace.name_id, strong) & trace.complete() & (trace.stream < 0))
 
 
@@ -300,7 +307,7 @@ def _recompile_finding(function: str, stalls: list[dict[str, Any]], before_sessi
 
 def _regions_per_step(trace: Trace, steps: list[Step], frames: dict[str, Any]) -> dict[str, Any]:
     """Compiled regions each step runs, and the graph breaks among them (resume functions)."""
-    ids = trace.ids_matching(lambda s: REGION.match(s) is not None)
+    ids = ids_holding(trace, (REGION_LITERAL,), lambda s: REGION.match(s) is not None)
     if ids.size == 0 or not steps:
         return {"steps_with_compiled_code": 0}
     rows = np.flatnonzero(np.isin(trace.name_id, ids) & trace.complete())

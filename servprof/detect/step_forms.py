@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from servprof.detect.name_guard import Guarded
+from servprof.detect.name_scan import host_ids_matching
 from servprof.trace.model import Trace
 from servprof.trace.phases import phase_events
 
@@ -37,6 +38,15 @@ PROFILER_STEP = re.compile(r"^ProfilerStep\s*#\s*(\d+)")
 VLLM_EXECUTE_FRAME = re.compile(r"(?:^|/)(?:gpu|cpu|xpu|tpu|npu)?_?model_runner\.py\(\d+\): execute_model$")
 MODULE_FRAME = "nn.Module: "
 FORWARD_FRAME = re.compile(r"\.py\(\d+\): forward$")
+# The step forms' patterns as host_rows asks them, with the literal every match holds
+# (name_guard.py; tests/test_name_guard.py checks each against its regex).
+VLLM_STEP_ROWS = Guarded(VLLM_STEP, "execute_")
+SGLANG_STEP_ROWS = Guarded(SGLANG_STEP, "step[")
+PROFILER_STEP_ROWS = Guarded(PROFILER_STEP, "ProfilerStep")
+VLLM_EXECUTE_ROWS = Guarded(VLLM_EXECUTE_FRAME, "model_runner.py(")
+FORWARD_ROWS = Guarded(FORWARD_FRAME, "): forward")
+MODULE_ROWS = Guarded(re.compile("^" + re.escape(MODULE_FRAME)), MODULE_FRAME)
+EMBEDDING_ROWS = Guarded(re.compile(r"^aten::embedding$"), "aten::embedding")
 # Ops that only run when autograd computes gradients: a step holding them is a training step.
 BACKWARD = Guarded(re.compile(r"^autograd::engine::evaluate_function|Backward\d*$|^## backward|^Optimizer\.step"),
                    "autograd::engine::evaluate_function", "Backward", "## backward", "Optimizer.step")
@@ -121,8 +131,9 @@ def servprof_steps(trace: Trace) -> list[Step]:
 
 def host_rows(trace: Trace, pattern: re.Pattern[str] | Guarded, category: str | None = None) -> np.ndarray:
     """Host duration events whose name matches, in time order."""
-    mask = (trace.mask_name(lambda s: pattern.search(s) is not None, trace.host_names()) & trace.complete()
-            & (trace.stream < 0))
+    ids = host_ids_matching(trace, pattern) if isinstance(pattern, Guarded) else \
+        trace.ids_matching(lambda s: pattern.search(s) is not None, trace.host_names())
+    mask = trace.has_id(trace.name_id, ids) & trace.complete() & (trace.stream < 0)
     if category is not None:
         mask &= trace.mask_category(category)
     rows = np.flatnonzero(mask)
@@ -133,7 +144,7 @@ def host_rows(trace: Trace, pattern: re.Pattern[str] | Guarded, category: str | 
 
 def vllm_steps(trace: Trace) -> list[Step]:
     steps = []
-    for row in host_rows(trace, VLLM_STEP):
+    for row in host_rows(trace, VLLM_STEP_ROWS):
         name = trace.name(row)
         match = VLLM_STEP.match(name)
         assert match is not None
@@ -151,8 +162,8 @@ def _attention_sums(match: re.Match[str]) -> dict[str, int]:
 
 def sglang_steps(trace: Trace) -> list[Step]:
     steps = []
-    outer = host_rows(trace, VLLM_STEP)  # SGLang's own execute_* range around each step, when present
-    for row in host_rows(trace, SGLANG_STEP):
+    outer = host_rows(trace, VLLM_STEP_ROWS)  # SGLang's own execute_* range around each step, when present
+    for row in host_rows(trace, SGLANG_STEP_ROWS):
         match = SGLANG_STEP.match(trace.name(row))
         assert match is not None
         mode = match.group(1).upper()
@@ -207,13 +218,13 @@ def outermost(trace: Trace, rows: np.ndarray, ends: np.ndarray | None = None) ->
 
 
 def vllm_frame_steps(trace: Trace) -> list[Step]:
-    rows = outermost(trace, host_rows(trace, VLLM_EXECUTE_FRAME, "python_function"))
+    rows = outermost(trace, host_rows(trace, VLLM_EXECUTE_ROWS, "python_function"))
     return [step_from_row(trace, row, "step", "vllm_frames", trace.name(row)) for row in rows]
 
 
 def profiler_steps(trace: Trace) -> list[Step]:
     return [step_from_row(trace, row, "step", "profiler_step", trace.name(row))
-            for row in host_rows(trace, PROFILER_STEP)]
+            for row in host_rows(trace, PROFILER_STEP_ROWS)]
 
 
 def forward_steps(trace: Trace) -> list[Step]:
@@ -221,10 +232,10 @@ def forward_steps(trace: Trace) -> list[Step]:
     outermost module (the model, not the sampler or logits processor beside it); on threads
     without module frames (with_stack but not with_modules), the outermost ``...: forward``
     Python frame that does."""
-    modules = outermost(trace, host_rows(trace, re.compile("^" + re.escape(MODULE_FRAME))))
+    modules = outermost(trace, host_rows(trace, MODULE_ROWS))
     with_modules = {(int(r), int(t)) for r, t in zip(trace.rank[modules].tolist(), trace.tid[modules].tolist(),
                                                       strict=True)}
-    forwards = outermost(trace, host_rows(trace, FORWARD_FRAME, "python_function"))
+    forwards = outermost(trace, host_rows(trace, FORWARD_ROWS, "python_function"))
     forwards = np.array([r for r in forwards.tolist() if (int(trace.rank[r]), int(trace.tid[r])) not in with_modules],
                         dtype=np.int64)
     rows = np.concatenate([modules, forwards]).astype(np.int64)
@@ -265,7 +276,7 @@ def label_unknown_kinds(trace: Trace, steps: list[Step]) -> None:
     if not unknown:
         return
     backward = host_rows(trace, BACKWARD)
-    embedding = host_rows(trace, re.compile(r"^aten::embedding$"))
+    embedding = host_rows(trace, EMBEDDING_ROWS)
     for step in unknown:
         if _first_inside(trace, backward, step, same_thread=False) is not None:
             step.kind = "train"

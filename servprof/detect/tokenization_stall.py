@@ -18,6 +18,7 @@ import numpy as np
 from servprof.detect.finding import Finding
 from servprof.detect.gaps import Gap
 from servprof.detect.host_stacks import TOKENIZER_NAMES
+from servprof.detect.name_scan import host_ids_matching
 from servprof.detect.overhead import stop_cutoffs
 from servprof.detect.step_forms import outermost
 from servprof.detect.steps import Step
@@ -77,7 +78,7 @@ def _tokenize_spans(trace: Trace) -> list[tuple[str | None, float, float, int, i
     if spans:
         return spans
     # Foreign traces: outermost tokenizer-named ranges (python frames or ops).
-    rows = np.flatnonzero(trace.mask_name(lambda s: TOKENIZER_NAMES.search(s) is not None, trace.host_names())
+    rows = np.flatnonzero(trace.has_id(trace.name_id, host_ids_matching(trace, TOKENIZER_NAMES))
                           & trace.complete()
                           & (trace.stream < 0))
     rows = rows[np.argsort(trace.ts[rows], kind="stable")]

@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from rich.console import Console
+from rich.console import Console, Group
+from rich.text import Text
 
 from servprof.detect.analysis import Analysis, analyse
 from servprof.detect.devices import DEVICES, UnknownDevice
-from servprof.report.findings_table import print_findings
-from servprof.report.memory_compile import print_section as print_memory_compile
-from servprof.report.utilisation import print_utilisation
+from servprof.report.findings_table import findings_renderables
+from servprof.report.memory_compile import section_renderables as memory_compile_renderables
+from servprof.report.utilisation import utilisation_renderables
 from servprof.trace import Trace, TraceError, load_trace, phase_events, request_phases
 from servprof.trace.loader import SIDECAR_SUFFIXES, trace_files
 
@@ -131,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
     # Piped output gets a fixed, readable width instead of 80 columns.
     console = Console() if sys.stdout.isatty() else Console(width=160)
     if len(runs) > 1:
-        console.print(f"[bold]{source}[/]: {len(runs)} servprof sessions, each analysed on its own (oldest first)")
+        console.print(Text.assemble((str(source), "bold"),
+                                    f": {len(runs)} servprof sessions, each analysed on its own (oldest first)"))
     for item in runs:
         print_analysis(item.analysis, console, session=item.label if len(runs) > 1 else None)
     return 0
@@ -161,12 +163,16 @@ def sessions_report(source: Path, runs: list[Run]) -> dict[str, Any]:
 
 
 def print_analysis(analysis: Analysis | None, console: Console, session: str | None = None) -> None:
+    """The whole terminal report in one console.print of Text and tables (no markup to parse, no
+    highlighting regexes: each print call and each parsed string costs rich set-up time)."""
     if analysis is None:
         return
     s = analysis.summary
     head = f"session {session}: " if session else ""
-    console.print(f"[bold]{head}{s['source']}[/]: {s['events']} events, {s['steps']['count']} model steps "
-                  f"{s['steps']['by_kind']}, device: {s['bandwidth']['device']['name']}", highlight=False)
-    print_utilisation(s, console)  # per-step busy / idle first, then servprof's own overhead
-    print_findings(console, s, [f.to_dict() for f in analysis.findings])  # warnings, missing, findings
-    print_memory_compile(s, console)
+    headline = Text.assemble((f"{head}{s['source']}", "bold"),
+                             f": {s['events']} events, {s['steps']['count']} model steps {s['steps']['by_kind']}, "
+                             f"device: {s['bandwidth']['device']['name']}")
+    console.print(Group(headline,
+                        *utilisation_renderables(s),  # per-step busy / idle first, then servprof's own overhead
+                        *findings_renderables(s, [f.to_dict() for f in analysis.findings]),  # warnings, missing, findings
+                        *memory_compile_renderables(s)))

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from rich.console import Console
-from rich.markup import escape
+from rich.console import Console, Group, RenderableType
 from rich.table import Table
+from rich.text import Text
 
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 
@@ -37,28 +37,44 @@ def findings_table(findings: list[dict[str, Any]], sampled: list[str], title: st
     table.add_column("cost ms", justify="right", no_wrap=True)
     table.add_column("sampled requests" if sampled else "requests", max_width=16)
     table.add_column("finding, and what to do", ratio=1, min_width=30)
+    # Text cells, not markup strings: rich parses a markup string each time it measures or renders a
+    # cell (twice per table), and the findings' own text then needs no escaping.
     for finding in findings:
         severity = str(finding.get("severity", "info"))
         cost = finding.get("cost_ms")
-        text = escape(str(finding.get("title", "")))
+        text = Text(str(finding.get("title", "")))
         if finding.get("fix"):
-            text += f"\n[dim]fix:[/] {escape(str(finding['fix']))}"
-        table.add_row(f"[{SEVERITY_STYLE.get(severity, '')}]{escape(severity)}[/]", escape(str(finding.get("kind", "?"))),
-                      f"{cost:.2f}" if isinstance(cost, int | float) else "?", requests_cell(finding, sampled), text)
+            text.append("\n")
+            text.append("fix:", "dim")
+            text.append(f" {finding['fix']}")
+        table.add_row(Text.assemble((severity, SEVERITY_STYLE.get(severity, ""))), Text(str(finding.get("kind", "?"))),
+                      Text(f"{cost:.2f}" if isinstance(cost, int | float) else "?"), Text(requests_cell(finding, sampled)),
+                      text)
     return table
+
+
+def findings_renderables(summary: dict[str, Any], findings: list[dict[str, Any]],
+                         title: str | None = None) -> list[RenderableType]:
+    """Warnings, what the trace could not show, and the findings table (or why there is none)."""
+    out: list[RenderableType] = []
+    lines = Text()
+    for warning in summary.get("warnings") or []:
+        lines.append_tokens((("warning:", "yellow"), (f" {warning}\n", "")))
+    sampled = [r for r in summary.get("sampled_request_ids") or [] if isinstance(r, str)]
+    missing = [m for m in summary.get("missing") or [] if isinstance(m, dict) and m.get("message")]
+    if not findings:
+        lines.append("No findings: no tokenization stall, decode gap or bandwidth-bound decode op stood out"
+                     + (" in what this trace could show:\n" if missing else ".\n"))
+    for item in missing:
+        lines.append_tokens((("  ", ""), (f"{item.get('what', '')}:", "dim"), (f" {item['message']}\n", "")))
+    if lines:
+        lines.rstrip()  # the renderable's own end closes the last line
+        out.append(lines)
+    if findings:
+        out.append(findings_table(findings, sampled, title))
+    return out
 
 
 def print_findings(console: Console, summary: dict[str, Any], findings: list[dict[str, Any]],
                    title: str | None = None) -> None:
-    """Warnings, what the trace could not show, and the findings table (or why there is none)."""
-    for warning in summary.get("warnings") or []:
-        console.print(f"[yellow]warning:[/] {escape(str(warning))}", highlight=False)
-    sampled = [r for r in summary.get("sampled_request_ids") or [] if isinstance(r, str)]
-    missing = [m for m in summary.get("missing") or [] if isinstance(m, dict) and m.get("message")]
-    if not findings:
-        console.print("No findings: no tokenization stall, decode gap or bandwidth-bound decode op stood out"
-                      + (" in what this trace could show:" if missing else "."))
-    for item in missing:
-        console.print(f"  [dim]{escape(str(item.get('what', '')))}:[/] {escape(str(item['message']))}", highlight=False)
-    if findings:
-        console.print(findings_table(findings, sampled, title))
+    console.print(Group(*findings_renderables(summary, findings, title)))

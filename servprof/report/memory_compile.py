@@ -6,8 +6,9 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, Group, RenderableType
 from rich.table import Table
+from rich.text import Text
 
 MIB = 1024**2
 
@@ -64,7 +65,8 @@ def compile_lines(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
-def print_section(summary: dict[str, Any], console: Console) -> None:
+def section_renderables(summary: dict[str, Any]) -> list[RenderableType]:
+    out: list[RenderableType] = []
     rows = memory_rows(summary)
     if rows:
         table = Table(title="Memory", title_justify="left", show_lines=False)
@@ -73,13 +75,16 @@ def print_section(summary: dict[str, Any], console: Console) -> None:
         for column in columns:
             table.add_column(column, overflow="fold")
         for row in rows:
-            table.add_row(*(row[c] for c in columns))
-        console.print(table)
+            table.add_row(*(Text(row[c]) for c in columns))
+        out.append(table)
     lines = compile_lines(summary)
     if lines:
-        console.print("[bold]torch.compile[/]")
-        for line in lines:
-            console.print(f"  {line}", highlight=False)
+        out.append(Text("\n").join([Text.assemble(("torch.compile", "bold")), *(Text(f"  {line}") for line in lines)]))
+    return out
+
+
+def print_section(summary: dict[str, Any], console: Console) -> None:
+    console.print(Group(*section_renderables(summary)))
 
 
 def html_section(summary: dict[str, Any]) -> str:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, Group, RenderableType
 from rich.table import Table
+from rich.text import Text
 
 UTILISATION_COLUMNS = ("rank", "kind", "steps", "step ms", "busy", "idle inside", "idle between")
 
@@ -42,9 +43,10 @@ def utilisation_caption(summary: dict[str, Any]) -> str:
             f"Steps from {sources}.")
 
 
-def print_utilisation(summary: dict[str, Any], console: Console) -> None:
+def utilisation_renderables(summary: dict[str, Any]) -> list[RenderableType]:
     """The table an operator needs first, then the idle split and servprof's overhead (what is missing
-    is printed with the findings)."""
+    is printed with the findings). Text, not markup strings: nothing for rich to parse or highlight."""
+    out: list[RenderableType] = []
     rows = utilisation_rows(summary)
     if rows:
         table = Table(title="GPU utilisation per step" if (summary.get("utilisation") or {}).get("mode") == "device"
@@ -52,16 +54,21 @@ def print_utilisation(summary: dict[str, Any], console: Console) -> None:
         for column in UTILISATION_COLUMNS:
             table.add_column(column, justify="left" if column in ("rank", "kind") else "right", no_wrap=True)
         for row in rows:
-            table.add_row(*row)
-        console.print(table)
-        console.print(f"[dim]{utilisation_caption(summary)}[/]")
+            table.add_row(*(Text(cell) for cell in row))
+        out.append(table)
+        out.append(Text.assemble((utilisation_caption(summary), "dim")))
     split = idle_split_rows(summary)
     if split:
-        console.print("Idle split per stream (HTA's rule): " + "; ".join(
-            f"rank {r[0]} stream {r[1]}: host_wait {r[2]}, kernel_wait {r[3]}, other {r[4]}" for r in split))
+        out.append(Text("Idle split per stream (HTA's rule): " + "; ".join(
+            f"rank {r[0]} stream {r[1]}: host_wait {r[2]}, kernel_wait {r[3]}, other {r[4]}" for r in split)))
     overhead = summary.get("servprof_overhead")
     if isinstance(overhead, dict) and overhead.get("message"):
-        console.print(f"[dim]servprof overhead:[/] {overhead['message']}")
+        out.append(Text.assemble(("servprof overhead:", "dim"), f" {overhead['message']}"))
+    return out
+
+
+def print_utilisation(summary: dict[str, Any], console: Console) -> None:
+    console.print(Group(*utilisation_renderables(summary)))
 
 
 def idle_split_rows(summary: dict[str, Any]) -> list[list[str]]:
