@@ -33,9 +33,9 @@ NAN = float("nan")
 _FLOW_PHASES = (ord("s"), ord("f"), ord("t"))
 
 
-class Event(msgspec.Struct, gc=False):
-    """What servprof reads of a chrome-trace event. Any JSON value is accepted in each field
-    (the columns convert them, as they did orjson's values); ``args`` stays JSON text."""
+class _EventFields(msgspec.Struct, gc=False):
+    """What servprof reads of a chrome-trace event, but its args. Any JSON value is accepted in
+    each field (the columns convert them, as they did orjson's values)."""
 
     ph: Any = ""
     name: Any = ""
@@ -45,6 +45,11 @@ class Event(msgspec.Struct, gc=False):
     ts: Any = NAN
     dur: Any = 0.0
     id: Any = -1
+
+
+class Event(_EventFields, gc=False):
+    """An event with ``args`` kept as JSON text."""
+
     args: msgspec.Raw = msgspec.Raw(b"{}")
 
 
@@ -56,17 +61,9 @@ class _ArgFields(msgspec.Struct, gc=False):
     external_id: int = msgspec.field(default=-1, name="External id")
 
 
-class TypedEvent(msgspec.Struct, gc=False):
+class TypedEvent(_EventFields, gc=False):
     """An Event whose args hold integers where the columns read them (any other batch: Events)."""
 
-    ph: Any = ""
-    name: Any = ""
-    cat: Any = ""
-    pid: Any = -1
-    tid: Any = -1
-    ts: Any = NAN
-    dur: Any = 0.0
-    id: Any = -1
     args: _ArgFields = msgspec.field(default_factory=_ArgFields)
 
 
