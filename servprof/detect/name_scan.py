@@ -58,18 +58,20 @@ class NameText:
         if guarded.fold:
             text, not_ascii = self._folded_text()
             out |= not_ascii
-        found = [pos for literal in guarded.literals for pos in _occurrences(text, literal)]
+        self._mark_holders(out, text, guarded.literals)
+        return out
+
+    def _mark_holders(self, out: np.ndarray, text: str, literals: tuple[str, ...]) -> None:
+        """Set ``out`` where a name of ``text`` (this NameText's layout) holds one of ``literals``."""
+        found = [pos for literal in literals for pos in _occurrences(text, literal)]
         if found:
             out[np.searchsorted(self.starts, np.array(found, dtype=np.int64), side="right") - 1] = True
-        return out
 
     def holding(self, literals: tuple[str, ...], predicate: Callable[[str], bool]) -> np.ndarray:
         """Per name: ``predicate(name)``, asked only of the names holding one of ``literals`` (the
         others: False). Exact when every name the predicate holds for holds one of them."""
         out = np.zeros(len(self.names), dtype=bool)
-        found = [pos for literal in literals for pos in _occurrences(self.text, literal)]
-        if found:
-            out[np.searchsorted(self.starts, np.array(found, dtype=np.int64), side="right") - 1] = True
+        self._mark_holders(out, self.text, literals)
         names = self.names
         for i in np.flatnonzero(out).tolist():
             out[i] = predicate(names[i])

@@ -64,7 +64,7 @@ def _float_or(value: Any, default: float) -> float:
 
 
 def phase_codes(phases: Sequence[Any]) -> np.ndarray:
-    """ord() of each chrome-trace phase's letter; 0 for anything that does not start with an
+    """ord() of each chrome-trace phase's first character; 0 for anything that does not start with an
     ASCII letter. (Worked out once per distinct phase: a trace has a handful.)"""
     n = len(phases)
     try:  # Every phase one ASCII character (as written): joined with NULs, one C-level pass.
