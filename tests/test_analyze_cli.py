@@ -97,3 +97,28 @@ def test_analyze_does_not_import_torch() -> None:
             "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', code)")
     done = subprocess.run([sys.executable, "-c", code, str(trace)], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip().splitlines()[-1] == "NO-TORCH 0", done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_a_command_whose_module_is_missing_says_what_to_install(monkeypatch, capsys: pytest.CaptureFixture[str]):
+    """A command's own parser (`servprof demo ...`) and the top-level one (`servprof --x demo`)
+    both name the missing extra, whatever the command's arguments, instead of a parse error."""
+    import servprof.cli as cli
+
+    monkeypatch.setitem(cli.COMMANDS, "demo", ("servprof_no_such_module", "stand-in for a missing extra"))
+    assert main(["demo", "--duration", "5"]) == 2
+    assert "servprof demo: unavailable" in capsys.readouterr().err
+    assert main(["demo"]) == 2
+    assert "pip install 'servprof[demo]'" in capsys.readouterr().err
+
+
+def test_a_command_parser_matches_its_sub_parser(capsys: pytest.CaptureFixture[str]):
+    """`servprof analyze` builds only its own parser: its usage and errors are those of the sub-parser."""
+    import servprof.cli as cli
+
+    own = cli.command_parser("analyze")
+    sub = cli.build_parser("analyze")._subparsers._group_actions[0].choices["analyze"]  # type: ignore[union-attr]
+    assert own.format_help() == sub.format_help()
+    with pytest.raises(SystemExit) as exited:
+        main(["analyze"])
+    assert exited.value.code == 2
+    assert "servprof analyze: error: the following arguments are required: path" in capsys.readouterr().err
