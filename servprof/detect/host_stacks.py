@@ -32,6 +32,7 @@ CLASSES = ("untraced", "python", "op", "launch", "runtime", "sync", "tokenize", 
 (UNTRACED, PYTHON, OP, LAUNCH, RUNTIME, SYNC, TOKENIZE, DETOKENIZE, WAIT, COLLECTIVE, COMPILE) = range(len(CLASSES))
 BUSY_CLASSES = (PYTHON, OP, LAUNCH, RUNTIME, SYNC, TOKENIZE, DETOKENIZE, COLLECTIVE, COMPILE)
 TRIM_ROWS = 256 * 1024  # a thread with this many events gives its freed temporaries back as it is swept
+TOP_CHUNK = 1 << 20  # ThreadStack.top_keys reads windows of about so many segments in all at a time
 
 # Host calls that block until the device is done: explicit syncs, blocking copies, reads of a
 # device value on the host (.item(), .tolist(), .cpu(), nonzero's output size).
@@ -215,6 +216,50 @@ class ThreadStack:
         ranked = np.lexsort((first, -totals))[:limit]
         return [{"name": names[int(k) // len(CLASSES)], "class": CLASSES[int(k) % len(CLASSES)],
                  "self_us": round(float(us), 1)} for k, us in zip(keys[ranked], totals[ranked], strict=True)]
+
+    def top_keys(self, a: np.ndarray, b: np.ndarray, limit: int = 5) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """top() of many windows at once (a handful of numpy calls, not a handful per window):
+        (window, key, self_us) of each window's ranked frames, by window, then as top() ranks
+        them; key = name id * len(CLASSES) + class. Each total is summed in the same order as
+        top() sums it (bincount adds in input order), so it is the same float."""
+        lo = np.searchsorted(self.end, a, side="right")
+        size = np.maximum(np.searchsorted(self.start, b, side="left") - lo, 0)
+        if int(size.sum()) <= TOP_CHUNK:
+            return self._top_keys(a, b, lo, size, limit)
+        # Windows in chunks of about TOP_CHUNK segments: long windows on a thread of millions of
+        # events keep the temporaries near one window's, as top() does.
+        chunk = (np.cumsum(size) - size) // TOP_CHUNK
+        parts = []
+        for c in np.unique(chunk).tolist():
+            mine = np.flatnonzero(chunk == c)
+            window, key, us = self._top_keys(a[mine], b[mine], lo[mine], size[mine], limit)
+            parts.append((mine[window], key, us))
+        window, key, us = (np.concatenate(column) for column in zip(*parts, strict=True))
+        return window, key, us
+
+    def _top_keys(self, a: np.ndarray, b: np.ndarray, lo: np.ndarray, size: np.ndarray, limit: int
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        window = np.repeat(np.arange(a.size), size)
+        # Each window's segments lo..hi-1, concatenated.
+        seg = np.arange(window.size) + np.repeat(lo - (np.cumsum(size) - size), size)
+        clip = np.minimum(self.end[seg], b[window]) - np.maximum(self.start[seg], a[window])
+        name = self.name[seg]
+        spent = (clip > 0) & (name >= 0)
+        window, seg, clip = window[spent], seg[spent], clip[spent]
+        if window.size == 0:
+            return window, np.zeros(0, dtype=np.int64), clip
+        key = name[spent].astype(np.int64) * len(CLASSES) + self.cls[seg]
+        per_window = int(key.max()) + 1
+        key += window * per_window
+        keys, first, which = np.unique(key, return_index=True, return_inverse=True)
+        totals = np.bincount(which, weights=clip)
+        owner = keys // per_window
+        # Per window: the most first, ties in order of appearance; then its first ``limit``.
+        ranked = np.lexsort((first, -totals, owner))
+        owner = owner[ranked]
+        keep = np.arange(ranked.size) - np.searchsorted(owner, owner) < limit  # (the rank within its window)
+        ranked, owner = ranked[keep], owner[keep]
+        return owner, keys[ranked] % per_window, totals[ranked]
 
 
 class HostStacks:
