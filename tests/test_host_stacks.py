@@ -12,6 +12,7 @@ import pytest
 from servprof.detect import host_stacks
 from servprof.detect.causes import Explained, GapExplainer
 from servprof.detect.host_stacks import CLASSES, HostStacks, ThreadStack
+from servprof.detect.nesting import depths, levels, nearest, parents, start_order
 from servprof.trace import load_trace
 
 PUBLIC = Path(__file__).parent / "fixtures" / "public"
@@ -122,3 +123,25 @@ def test_top_frames_sums_each_gaps_top_frames() -> None:
     assert explainer.top_frames(explained, groups, a, b) == [
         _summed_one_by_one(explainer, tid, g, a, b) for g in groups]
     assert explainer.top_frames(explained, [], a, b) == []
+
+
+def test_nearest_of_several_stops_is_each_one_alone() -> None:
+    """nesting.nearest with stops of shape (m, events) answers each row as a 1-D call does, and
+    the 1-D call is the nearest stop up the parents (the root when none)."""
+    trace = load_trace(PUBLIC / "sglang_qwen3_8b_decode_bs32_mi300x.json.gz")
+    rows = HostStacks(trace, trace.ranks[0])._rows
+    rows = max(rows.values(), key=lambda r: r.size)
+    rows = rows[start_order(trace.ts[rows], trace.dur[rows])]
+    parent = parents(trace.ts[rows], trace.ts[rows] + trace.dur[rows])
+    by_depth = levels(depths(parent))
+    rng = np.random.default_rng(1)
+    stops = np.stack([rng.random(parent.size) < share for share in (0.0, 0.01, 0.5, 1.0)])
+    together = nearest(parent, stops, by_depth)
+    for stop, pointer in zip(stops, together, strict=True):
+        assert nearest(parent, stop, by_depth).tolist() == pointer.tolist()
+        want = []
+        for k in range(parent.size):
+            while not stop[k] and parent[k] >= 0:
+                k = int(parent[k])
+            want.append(k)
+        assert pointer.tolist() == want

@@ -309,10 +309,15 @@ class HostStacks:
         specific[np.isin(rows, self._d2h)] = SYNC  # a copy to the host blocks until the device is done
         # What an event inherits from the events around it: the innermost specific class (a sync,
         # tokenization, ...), the innermost frame that is not a generic wrapper, a compiled region.
-        specific = specific[nearest(parent, specific >= 0, by_depth)]
-        named = name_ids[nearest(parent, ~nc.generic[name_ids], by_depth)]
         region = nc.compiled_region[name_ids]
-        region = region[nearest(parent, region, by_depth)]
+        if rows.size < TRIM_ROWS:  # the three in one pass over the levels (a level's numpy calls shared)
+            inherit = nearest(parent, np.stack((specific >= 0, ~nc.generic[name_ids], region)), by_depth)
+            specific, named, region = specific[inherit[0]], name_ids[inherit[1]], region[inherit[2]]
+            del inherit
+        else:  # one at a time: one pointer per event alive, not three
+            specific = specific[nearest(parent, specific >= 0, by_depth)]
+            named = name_ids[nearest(parent, ~nc.generic[name_ids], by_depth)]
+            region = region[nearest(parent, region, by_depth)]
         del parent, by_depth
         cls = _base_classes(trace, rows, name_ids, nc)
         cls[(nc.compile[name_ids] | nc.compile[named]) & ((cls == PYTHON) | (cls == OP))] = COMPILE
