@@ -96,14 +96,14 @@ def _class_of_name(name: str) -> int:
     return next((cls for guarded, cls in SPECIFIC if guarded.search(name)), -1)
 
 
-def _classes_of_names(text: NameText) -> np.ndarray:
-    """_class_of_name of every name, each guard asked of all the names at once (name_scan.py)."""
+def _classes_of_names(text: NameText, phase: np.ndarray) -> np.ndarray:
+    """_class_of_name of every name, each guard asked of all the names at once (name_scan.py);
+    ``phase``: the names starting with PHASE_PREFIX."""
     out = np.full(len(text.names), -1, dtype=np.int8)
     for guarded, cls in reversed(SPECIFIC):  # the first that matches is written last
         out[text.search(guarded)] = cls
-    for i, name in enumerate(text.names):
-        if name.startswith(PHASE_PREFIX):
-            out[i] = _class_of_name(name)
+    for i in np.flatnonzero(phase).tolist():
+        out[i] = _class_of_name(text.names[i])
     return out
 
 
@@ -113,16 +113,16 @@ class NameClasses:
 
     def __init__(self, trace: Trace):
         host, text = host_name_text(trace)
-        names = text.names
         size = len(trace.names)
-        self.specific = _per_name(size, host, _classes_of_names(text), -1, np.int8)
+        phase = text.starting_with(PHASE_PREFIX)
+        self.specific = _per_name(size, host, _classes_of_names(text, phase), -1, np.int8)
         self.generic = _per_name(size, host, text.search(GENERIC_FRAMES), False, bool)
         self.compile = _per_name(size, host, text.search(COMPILE_NAMES), False, bool)
         self.compiled_region = _per_name(size, host, text.search(COMPILED_REGION), False, bool)
         self.launch = _per_name(size, host, text.search(LAUNCH_NAMES), False, bool)
         # is_step_annotation of every name: the step forms' patterns are anchored (search is match),
         # and every servprof step phase starts with PHASE_PREFIX.
-        annotation = np.array([n.startswith(PHASE_PREFIX) for n in names], dtype=bool)
+        annotation = phase  # (or-ed into in place: phase is not read again)
         for step_form in (VLLM_STEP_ROWS, SGLANG_STEP_ROWS, PROFILER_STEP_ROWS):
             annotation |= text.search(step_form)
         self.annotation = _per_name(size, host, annotation, False, bool)

@@ -67,6 +67,19 @@ class NameText:
         if found:
             out[np.searchsorted(self.starts, np.array(found, dtype=np.int64), side="right") - 1] = True
 
+    def starting_with(self, prefix: str) -> np.ndarray:
+        """Per name: ``name.startswith(prefix)``. A name begins at its offset in the joined text,
+        so str.find of the prefix there answers every name at once (exact while the prefix holds
+        no separator: a match at a name's offset then never runs past its end)."""
+        if SEPARATOR in prefix or not prefix:
+            return np.fromiter((n.startswith(prefix) for n in self.names), dtype=bool, count=len(self.names))
+        out = np.zeros(len(self.names), dtype=bool)
+        found = np.array(_occurrences(self.text, prefix), dtype=np.int64)
+        if found.size:
+            i = np.searchsorted(self.starts, found, side="right") - 1
+            out[i[self.starts[i] == found]] = True
+        return out
+
     def holding(self, literals: tuple[str, ...], predicate: Callable[[str], bool]) -> np.ndarray:
         """Per name: ``predicate(name)``, asked only of the names holding one of ``literals`` (the
         others: False). Exact when every name the predicate holds for holds one of them."""
