@@ -122,3 +122,12 @@ def test_starting_with_as_startswith(names: list[str]) -> None:
         text = NameText(subset)
         for prefix in ("servprof:", "s", "<built-in", "a\nservprof", "\n", "", "servprof:tokenize|r1x"):
             assert text.starting_with(prefix).tolist() == [n.startswith(prefix) for n in subset], prefix
+
+
+def test_a_guard_asked_again_gives_a_fresh_equal_answer(names: list[str]) -> None:
+    text = NameText(names)
+    for guarded in GUARDED.values():
+        first = text.search(guarded)
+        want = first.tolist()
+        first[:] = ~first  # a caller's changes never reach the next caller
+        assert text.search(guarded).tolist() == want == [guarded.search(n) is not None for n in names]

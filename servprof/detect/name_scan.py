@@ -38,6 +38,7 @@ class NameText:
         self.starts = np.cumsum(lengths) - lengths
         self._folded: str | None = None
         self._not_ascii: np.ndarray | None = None
+        self._searched: dict[Guarded, np.ndarray] = {}  # (Guarded hashes by identity)
 
     def _folded_text(self) -> tuple[str, np.ndarray]:
         """ASCII names lowered (what Guarded compares its lower-case literals with); other names
@@ -91,12 +92,16 @@ class NameText:
         return out
 
     def search(self, guarded: Guarded) -> np.ndarray:
-        """Per name: ``guarded.search(name) is not None``."""
-        out = self.candidates(guarded)
-        search, names = guarded.pattern.search, self.names
-        for i in np.flatnonzero(out).tolist():
-            out[i] = search(names[i]) is not None
-        return out
+        """Per name: ``guarded.search(name) is not None`` (a new array each call). Asked once per
+        guard: the step forms, NameClasses and the detectors ask some of the same guards."""
+        out = self._searched.get(guarded)
+        if out is None:
+            out = self.candidates(guarded)
+            search, names = guarded.pattern.search, self.names
+            for i in np.flatnonzero(out).tolist():
+                out[i] = search(names[i]) is not None
+            self._searched[guarded] = out
+        return out.copy()
 
 
 # One NameText of a trace's host-event names, shared by the detectors that ask guards of them
