@@ -182,7 +182,10 @@ def _device_gaps(trace: Any, rank: int, steps: list[Step], index: dict[int, int]
     continuing = np.array([s.kind in CONTINUING_KINDS for s in on_device])
     # Idle before a new request's prefill: the engine had nothing to run.
     counted = inside | continuing[step_pos]
-    cause_names, cause_code = np.unique(np.array(explained.cause, dtype=object), return_inverse=True)
+    # np.unique of the causes (sorted names, each gap's index among them) without an object array's sort.
+    cause_names = sorted(set(explained.cause))
+    cause_code = np.fromiter(map({c: i for i, c in enumerate(cause_names)}.__getitem__, explained.cause),
+                             dtype=np.int64, count=len(explained.cause))
     summed: dict[tuple[int, bool, str], np.ndarray] = {}
     short = np.flatnonzero(counted & small)
     if short.size:
