@@ -150,9 +150,14 @@ class ThreadStack:
         # Per class: its segments (indices, in time order) and the time they cover before each.
         # Indices into the thread's arrays rather than copies of them: a thread of millions of
         # events has about two segments per event.
-        self._by_class = [(np.zeros(0, dtype=np.int32), np.zeros(1))]  # untraced: what the others leave
+        none = (np.zeros(0, dtype=np.int32), np.zeros(1))
+        self._by_class = [none]  # untraced: what the others leave
         positions = np.arange(self.cls.size, dtype=np.int32)
+        shown = np.bincount(self.cls, minlength=len(CLASSES)).tolist()
         for c in range(1, len(CLASSES)):
+            if not shown[c]:  # (most threads show a few classes: the others cost nothing)
+                self._by_class.append(none)
+                continue
             mine = positions[self.cls == c]
             length = self.end[mine]
             length -= self.start[mine]
