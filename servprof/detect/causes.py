@@ -272,10 +272,10 @@ class GapExplainer:
         order = np.argsort(gap, kind="stable")
         totals: list[dict[tuple[str, str], float]] = [{} for _ in groups]
         for i, k, v in zip(gap[order].tolist(), key[order].tolist(), us[order].tolist(), strict=True):
-            frame, mine = (self.names[k // len(CLASSES)], CLASSES[k % len(CLASSES)]), totals[group[i]]
-            mine[frame] = mine.get(frame, 0.0) + round(v, 1)
+            frame, total = (self.names[k // len(CLASSES)], CLASSES[k % len(CLASSES)]), totals[group[i]]
+            total[frame] = total.get(frame, 0.0) + round(v, 1)
         return [[{"name": n, "class": c, "self_us": round(us, 1)}
-                 for (n, c), us in sorted(mine.items(), key=lambda kv: -kv[1])[:limit]] for mine in totals]
+                 for (n, c), us in sorted(total.items(), key=lambda kv: -kv[1])[:limit]] for total in totals]
 
     def described_later(self, explained: Explained, i: int, a: float, b: float
                         ) -> Callable[[], tuple[str, dict[str, Any]]]:

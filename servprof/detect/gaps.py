@@ -204,7 +204,8 @@ def _device_gaps(trace: Any, rank: int, steps: list[Step], index: dict[int, int]
         later = _describe_device_gap(trace, explainer, described, j, a, b, int(wait_rows[i]))
         out.append(Gap(rank, a, b, b - a, where, explained.cause[i], later, list(step.request_ids),
                        step=index[id(step)]))
-    # Frames are named for the largest sums only (those a finding shows): one search per member gap.
+    # Frames are named for the largest sums only (those a finding shows), from their 20 longest
+    # gaps: one batched search per thread for all of them.
     named = sorted(summed, key=lambda key: -float((hole_b[summed[key]] - hole_a[summed[key]]).sum()))[:MAX_NAMED_SUMS]
     longest = [summed[key][np.argsort(hole_a[summed[key]] - hole_b[summed[key]])[:20]] for key in named]
     frames = dict(zip(named, explainer.top_frames(explained, longest, hole_a, hole_b), strict=True))

@@ -32,7 +32,7 @@ CLASSES = ("untraced", "python", "op", "launch", "runtime", "sync", "tokenize", 
 (UNTRACED, PYTHON, OP, LAUNCH, RUNTIME, SYNC, TOKENIZE, DETOKENIZE, WAIT, COLLECTIVE, COMPILE) = range(len(CLASSES))
 BUSY_CLASSES = (PYTHON, OP, LAUNCH, RUNTIME, SYNC, TOKENIZE, DETOKENIZE, COLLECTIVE, COMPILE)
 TRIM_ROWS = 256 * 1024  # a thread with this many events gives its freed temporaries back as it is swept
-TOP_CHUNK = 1 << 20  # ThreadStack.top_keys reads windows of about so many segments in all at a time
+TOP_CHUNK = 1 << 14  # ThreadStack.top_keys reads windows of about so many segments in all at a time (~1 MB)
 
 # Host calls that block until the device is done: explicit syncs, blocking copies, reads of a
 # device value on the host (.item(), .tolist(), .cpu(), nonzero's output size).
