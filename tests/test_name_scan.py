@@ -111,3 +111,23 @@ def test_ids_holding_as_ids_matching() -> None:
             trace.ids_matching(lambda s: "GraphLaunch" in s).tolist()
         ids, text = host_name_text(trace)
         assert ids[text.holding(rc.STRONG_LITERALS, strong)].tolist() == trace.ids_matching(strong, ids).tolist()
+
+
+def test_starting_with_as_startswith(names: list[str]) -> None:
+    """NameText.starting_with(prefix) is str.startswith name by name: prefixes longer than some
+    names, found inside names (not at their start), holding the separator, and empty."""
+    rng = random.Random(5)
+    extra = ["servprof:", "servprof", "xservprof:tokenize", "servprof:tokenize|r1", "a\nservprof:x", "", "s"]
+    for subset in (names + extra, extra, [], rng.sample(names, k=30) + extra[::-1]):
+        text = NameText(subset)
+        for prefix in ("servprof:", "s", "<built-in", "a\nservprof", "\n", "", "servprof:tokenize|r1x"):
+            assert text.starting_with(prefix).tolist() == [n.startswith(prefix) for n in subset], prefix
+
+
+def test_a_guard_asked_again_gives_a_fresh_equal_answer(names: list[str]) -> None:
+    text = NameText(names)
+    for guarded in GUARDED.values():
+        first = text.search(guarded)
+        want = first.tolist()
+        first[:] = ~first  # a caller's changes never reach the next caller
+        assert text.search(guarded).tolist() == want == [guarded.search(n) is not None for n in names]

@@ -252,16 +252,30 @@ class GapExplainer:
             decided |= pick
         return cause.tolist()
 
-    def top_frames(self, explained: Explained, members: np.ndarray, a: np.ndarray, b: np.ndarray,
-                   limit: int = 5) -> list[dict[str, Any]]:
-        """The frames with the most self time over several gaps (summed), on the thread each was read from."""
-        totals: dict[tuple[str, str], float] = {}
-        for i in members.tolist():
-            for frame in self.stacks.thread(int(explained.tid[i])).top(float(a[i]), float(b[i]), self.names, limit):
-                key = (str(frame["name"]), str(frame["class"]))
-                totals[key] = totals.get(key, 0.0) + float(frame["self_us"])  # type: ignore[arg-type]
-        ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:limit]
-        return [{"name": n, "class": c, "self_us": round(us, 1)} for (n, c), us in ranked]
+    def top_frames(self, explained: Explained, groups: list[np.ndarray], a: np.ndarray, b: np.ndarray,
+                   limit: int = 5) -> list[list[dict[str, Any]]]:
+        """Per group of gaps: the frames with the most self time over its gaps (summed), on the
+        thread each was read from."""
+        if not groups:
+            return []
+        members = np.concatenate(groups)
+        group = np.repeat(np.arange(len(groups)), [g.size for g in groups]).tolist()
+        # Each gap's top frames (ThreadStack.top), all of a thread's gaps at once; summed in the
+        # order of the gaps, then of each gap's ranking, as rounded self time (what top() gives).
+        tids = explained.tid[members]
+        parts = []
+        for t in np.unique(tids).tolist():
+            mine = np.flatnonzero(tids == t)
+            window, key, us = self.stacks.thread(int(t)).top_keys(a[members[mine]], b[members[mine]], limit)
+            parts.append((mine[window], key, us))
+        gap, key, us = (np.concatenate(column) for column in zip(*parts, strict=True)) if len(parts) > 1 else parts[0]
+        order = np.argsort(gap, kind="stable")
+        totals: list[dict[tuple[str, str], float]] = [{} for _ in groups]
+        for i, k, v in zip(gap[order].tolist(), key[order].tolist(), us[order].tolist(), strict=True):
+            frame, total = (self.names[k // len(CLASSES)], CLASSES[k % len(CLASSES)]), totals[group[i]]
+            total[frame] = total.get(frame, 0.0) + round(v, 1)
+        return [[{"name": n, "class": c, "self_us": round(us, 1)}
+                 for (n, c), us in sorted(total.items(), key=lambda kv: -kv[1])[:limit]] for total in totals]
 
     def described_later(self, explained: Explained, i: int, a: float, b: float
                         ) -> Callable[[], tuple[str, dict[str, Any]]]:

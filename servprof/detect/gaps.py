@@ -182,7 +182,10 @@ def _device_gaps(trace: Any, rank: int, steps: list[Step], index: dict[int, int]
     continuing = np.array([s.kind in CONTINUING_KINDS for s in on_device])
     # Idle before a new request's prefill: the engine had nothing to run.
     counted = inside | continuing[step_pos]
-    cause_names, cause_code = np.unique(np.array(explained.cause, dtype=object), return_inverse=True)
+    # np.unique of the causes (sorted names, each gap's index among them) without an object array's sort.
+    cause_names = sorted(set(explained.cause))
+    cause_code = np.fromiter(map({c: i for i, c in enumerate(cause_names)}.__getitem__, explained.cause),
+                             dtype=np.int64, count=len(explained.cause))
     summed: dict[tuple[int, bool, str], np.ndarray] = {}
     short = np.flatnonzero(counted & small)
     if short.size:
@@ -201,8 +204,11 @@ def _device_gaps(trace: Any, rank: int, steps: list[Step], index: dict[int, int]
         later = _describe_device_gap(trace, explainer, described, j, a, b, int(wait_rows[i]))
         out.append(Gap(rank, a, b, b - a, where, explained.cause[i], later, list(step.request_ids),
                        step=index[id(step)]))
-    # Frames are named for the largest sums only (those a finding shows): one search per member gap.
+    # Frames are named for the largest sums only (those a finding shows), from their 20 longest
+    # gaps: one batched search per thread for all of them.
     named = sorted(summed, key=lambda key: -float((hole_b[summed[key]] - hole_a[summed[key]]).sum()))[:MAX_NAMED_SUMS]
+    longest = [summed[key][np.argsort(hole_a[summed[key]] - hole_b[summed[key]])[:20]] for key in named]
+    frames = dict(zip(named, explainer.top_frames(explained, longest, hole_a, hole_b), strict=True))
     for (pos, is_inside, cause), idx in summed.items():
         step = on_device[pos]
         idle = float((hole_b[idx] - hole_a[idx]).sum())
@@ -212,8 +218,7 @@ def _device_gaps(trace: Any, rank: int, steps: list[Step], index: dict[int, int]
         evidence = {"gaps_summed": int(idx.size), "thread": int(explained.tid[idx[0]]),
                     "self_us": {CLASSES[c]: round(float(v), 1) for c, v in enumerate(by_class) if v >= 0.05},
                     "longest_us": round(float((hole_b[idx] - hole_a[idx]).max()), 1),
-                    "top_frames": explainer.top_frames(explained, idx[np.argsort(hole_a[idx] - hole_b[idx])[:20]],
-                                                       hole_a, hole_b) if (pos, is_inside, cause) in named else []}
+                    "top_frames": frames.get((pos, is_inside, cause), [])}
         out.append(Gap(rank, float(hole_a[idx].min()), float(hole_b[idx].max()), idle,
                        "inside_step" if is_inside else "between_steps", cause, (text, evidence),
                        list(step.request_ids), count=int(idx.size), step=index[id(step)]))

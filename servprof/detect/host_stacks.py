@@ -32,6 +32,7 @@ CLASSES = ("untraced", "python", "op", "launch", "runtime", "sync", "tokenize", 
 (UNTRACED, PYTHON, OP, LAUNCH, RUNTIME, SYNC, TOKENIZE, DETOKENIZE, WAIT, COLLECTIVE, COMPILE) = range(len(CLASSES))
 BUSY_CLASSES = (PYTHON, OP, LAUNCH, RUNTIME, SYNC, TOKENIZE, DETOKENIZE, COLLECTIVE, COMPILE)
 TRIM_ROWS = 256 * 1024  # a thread with this many events gives its freed temporaries back as it is swept
+TOP_CHUNK = 1 << 14  # ThreadStack.top_keys reads windows of about so many segments in all at a time (~1 MB)
 
 # Host calls that block until the device is done: explicit syncs, blocking copies, reads of a
 # device value on the host (.item(), .tolist(), .cpu(), nonzero's output size).
@@ -95,14 +96,14 @@ def _class_of_name(name: str) -> int:
     return next((cls for guarded, cls in SPECIFIC if guarded.search(name)), -1)
 
 
-def _classes_of_names(text: NameText) -> np.ndarray:
-    """_class_of_name of every name, each guard asked of all the names at once (name_scan.py)."""
+def _classes_of_names(text: NameText, phase: np.ndarray) -> np.ndarray:
+    """_class_of_name of every name, each guard asked of all the names at once (name_scan.py);
+    ``phase``: the names starting with PHASE_PREFIX."""
     out = np.full(len(text.names), -1, dtype=np.int8)
     for guarded, cls in reversed(SPECIFIC):  # the first that matches is written last
         out[text.search(guarded)] = cls
-    for i, name in enumerate(text.names):
-        if name.startswith(PHASE_PREFIX):
-            out[i] = _class_of_name(name)
+    for i in np.flatnonzero(phase).tolist():
+        out[i] = _class_of_name(text.names[i])
     return out
 
 
@@ -112,16 +113,16 @@ class NameClasses:
 
     def __init__(self, trace: Trace):
         host, text = host_name_text(trace)
-        names = text.names
         size = len(trace.names)
-        self.specific = _per_name(size, host, _classes_of_names(text), -1, np.int8)
+        phase = text.starting_with(PHASE_PREFIX)
+        self.specific = _per_name(size, host, _classes_of_names(text, phase), -1, np.int8)
         self.generic = _per_name(size, host, text.search(GENERIC_FRAMES), False, bool)
         self.compile = _per_name(size, host, text.search(COMPILE_NAMES), False, bool)
         self.compiled_region = _per_name(size, host, text.search(COMPILED_REGION), False, bool)
         self.launch = _per_name(size, host, text.search(LAUNCH_NAMES), False, bool)
         # is_step_annotation of every name: the step forms' patterns are anchored (search is match),
         # and every servprof step phase starts with PHASE_PREFIX.
-        annotation = np.array([n.startswith(PHASE_PREFIX) for n in names], dtype=bool)
+        annotation = phase  # (or-ed into in place: phase is not read again)
         for step_form in (VLLM_STEP_ROWS, SGLANG_STEP_ROWS, PROFILER_STEP_ROWS):
             annotation |= text.search(step_form)
         self.annotation = _per_name(size, host, annotation, False, bool)
@@ -149,9 +150,14 @@ class ThreadStack:
         # Per class: its segments (indices, in time order) and the time they cover before each.
         # Indices into the thread's arrays rather than copies of them: a thread of millions of
         # events has about two segments per event.
-        self._by_class = [(np.zeros(0, dtype=np.int32), np.zeros(1))]  # untraced: what the others leave
+        none = (np.zeros(0, dtype=np.int32), np.zeros(1))
+        self._by_class = [none]  # untraced: what the others leave
         positions = np.arange(self.cls.size, dtype=np.int32)
+        shown = np.bincount(self.cls, minlength=len(CLASSES)).tolist()
         for c in range(1, len(CLASSES)):
+            if not shown[c]:  # (most threads show a few classes: the others cost nothing)
+                self._by_class.append(none)
+                continue
             mine = positions[self.cls == c]
             length = self.end[mine]
             length -= self.start[mine]
@@ -216,6 +222,50 @@ class ThreadStack:
         return [{"name": names[int(k) // len(CLASSES)], "class": CLASSES[int(k) % len(CLASSES)],
                  "self_us": round(float(us), 1)} for k, us in zip(keys[ranked], totals[ranked], strict=True)]
 
+    def top_keys(self, a: np.ndarray, b: np.ndarray, limit: int = 5) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """top() of many windows at once (a handful of numpy calls, not a handful per window):
+        (window, key, self_us) of each window's ranked frames, by window, then as top() ranks
+        them; key = name id * len(CLASSES) + class. Each total is summed in the same order as
+        top() sums it (bincount adds in input order), so it is the same float."""
+        lo = np.searchsorted(self.end, a, side="right")
+        size = np.maximum(np.searchsorted(self.start, b, side="left") - lo, 0)
+        if int(size.sum()) <= TOP_CHUNK:
+            return self._top_keys(a, b, lo, size, limit)
+        # Windows in chunks of about TOP_CHUNK segments: long windows on a thread of millions of
+        # events keep the temporaries near one window's, as top() does.
+        chunk = (np.cumsum(size) - size) // TOP_CHUNK
+        parts = []
+        for c in np.unique(chunk).tolist():
+            mine = np.flatnonzero(chunk == c)
+            window, key, us = self._top_keys(a[mine], b[mine], lo[mine], size[mine], limit)
+            parts.append((mine[window], key, us))
+        window, key, us = (np.concatenate(column) for column in zip(*parts, strict=True))
+        return window, key, us
+
+    def _top_keys(self, a: np.ndarray, b: np.ndarray, lo: np.ndarray, size: np.ndarray, limit: int
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        window = np.repeat(np.arange(a.size), size)
+        # Each window's segments lo..hi-1, concatenated.
+        seg = np.arange(window.size) + np.repeat(lo - (np.cumsum(size) - size), size)
+        clip = np.minimum(self.end[seg], b[window]) - np.maximum(self.start[seg], a[window])
+        name = self.name[seg]
+        spent = (clip > 0) & (name >= 0)
+        window, seg, clip = window[spent], seg[spent], clip[spent]
+        if window.size == 0:
+            return window, np.zeros(0, dtype=np.int64), clip
+        key = name[spent].astype(np.int64) * len(CLASSES) + self.cls[seg]
+        per_window = int(key.max()) + 1
+        key += window * per_window
+        keys, first, which = np.unique(key, return_index=True, return_inverse=True)
+        totals = np.bincount(which, weights=clip)
+        owner = keys // per_window
+        # Per window: the most first, ties in order of appearance; then its first ``limit``.
+        ranked = np.lexsort((first, -totals, owner))
+        owner = owner[ranked]
+        keep = np.arange(ranked.size) - np.searchsorted(owner, owner) < limit  # (the rank within its window)
+        ranked, owner = ranked[keep], owner[keep]
+        return owner, keys[ranked] % per_window, totals[ranked]
+
 
 class HostStacks:
     """The host threads of one rank, swept lazily (only the threads a question is about)."""
@@ -264,10 +314,15 @@ class HostStacks:
         specific[np.isin(rows, self._d2h)] = SYNC  # a copy to the host blocks until the device is done
         # What an event inherits from the events around it: the innermost specific class (a sync,
         # tokenization, ...), the innermost frame that is not a generic wrapper, a compiled region.
-        specific = specific[nearest(parent, specific >= 0, by_depth)]
-        named = name_ids[nearest(parent, ~nc.generic[name_ids], by_depth)]
         region = nc.compiled_region[name_ids]
-        region = region[nearest(parent, region, by_depth)]
+        if rows.size < TRIM_ROWS:  # the three in one pass over the levels (a level's numpy calls shared)
+            inherit = nearest(parent, np.stack((specific >= 0, ~nc.generic[name_ids], region)), by_depth)
+            specific, named, region = specific[inherit[0]], name_ids[inherit[1]], region[inherit[2]]
+            del inherit
+        else:  # one at a time: one pointer per event alive, not three
+            specific = specific[nearest(parent, specific >= 0, by_depth)]
+            named = name_ids[nearest(parent, ~nc.generic[name_ids], by_depth)]
+            region = region[nearest(parent, region, by_depth)]
         del parent, by_depth
         cls = _base_classes(trace, rows, name_ids, nc)
         cls[(nc.compile[name_ids] | nc.compile[named]) & ((cls == PYTHON) | (cls == OP))] = COMPILE

@@ -38,6 +38,7 @@ class NameText:
         self.starts = np.cumsum(lengths) - lengths
         self._folded: str | None = None
         self._not_ascii: np.ndarray | None = None
+        self._searched: dict[Guarded, np.ndarray] = {}  # (Guarded hashes by identity)
 
     def _folded_text(self) -> tuple[str, np.ndarray]:
         """ASCII names lowered (what Guarded compares its lower-case literals with); other names
@@ -67,6 +68,19 @@ class NameText:
         if found:
             out[np.searchsorted(self.starts, np.array(found, dtype=np.int64), side="right") - 1] = True
 
+    def starting_with(self, prefix: str) -> np.ndarray:
+        """Per name: ``name.startswith(prefix)``. A name begins at its offset in the joined text,
+        so str.find of the prefix there answers every name at once (exact while the prefix holds
+        no separator: a match at a name's offset then never runs past its end)."""
+        if SEPARATOR in prefix or not prefix:
+            return np.fromiter((n.startswith(prefix) for n in self.names), dtype=bool, count=len(self.names))
+        out = np.zeros(len(self.names), dtype=bool)
+        found = np.array(_occurrences(self.text, prefix), dtype=np.int64)
+        if found.size:
+            i = np.searchsorted(self.starts, found, side="right") - 1
+            out[i[self.starts[i] == found]] = True
+        return out
+
     def holding(self, literals: tuple[str, ...], predicate: Callable[[str], bool]) -> np.ndarray:
         """Per name: ``predicate(name)``, asked only of the names holding one of ``literals`` (the
         others: False). Exact when every name the predicate holds for holds one of them."""
@@ -78,12 +92,16 @@ class NameText:
         return out
 
     def search(self, guarded: Guarded) -> np.ndarray:
-        """Per name: ``guarded.search(name) is not None``."""
-        out = self.candidates(guarded)
-        search, names = guarded.pattern.search, self.names
-        for i in np.flatnonzero(out).tolist():
-            out[i] = search(names[i]) is not None
-        return out
+        """Per name: ``guarded.search(name) is not None`` (a new array each call). Asked once per
+        guard: the step forms, NameClasses and the detectors ask some of the same guards."""
+        out = self._searched.get(guarded)
+        if out is None:
+            out = self.candidates(guarded)
+            search, names = guarded.pattern.search, self.names
+            for i in np.flatnonzero(out).tolist():
+                out[i] = search(names[i]) is not None
+            self._searched[guarded] = out
+        return out.copy()
 
 
 # One NameText of a trace's host-event names, shared by the detectors that ask guards of them

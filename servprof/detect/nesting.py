@@ -112,12 +112,14 @@ def extend_ends(end: np.ndarray, parent: np.ndarray, by_depth: Levels) -> None:
 
 def nearest(parent: np.ndarray, stop: np.ndarray, by_depth: Levels) -> np.ndarray:
     """Per event: the nearest event, itself or an ancestor, where ``stop`` holds (the root of its
-    tree when none does), parents first, one depth level at a time."""
+    tree when none does), parents first, one depth level at a time. ``stop`` of shape (m, events):
+    m such questions at once (one pass over the levels: a level's numpy calls are shared)."""
     order, bounds = by_depth
-    pointer = np.arange(parent.size, dtype=INDEX)
+    pointer = np.empty(stop.shape, dtype=INDEX)
+    pointer[...] = np.arange(parent.size, dtype=INDEX)
     for level in range(1, len(bounds) - 1):
         children = order[bounds[level]:bounds[level + 1]]
-        pointer[children] = np.where(stop[children], children, pointer[parent[children]])
+        pointer[..., children] = np.where(stop[..., children], children, pointer[..., parent[children]])
     return pointer
 
 
