@@ -24,7 +24,7 @@ import numpy as np
 import orjson
 
 from servprof.detect.bandwidth_fix import fix_text
-from servprof.detect.bandwidth_points import PointTally, group_key
+from servprof.detect.bandwidth_points import PointTally, group_key, percentile
 from servprof.detect.byte_models import MODELLED, op_cost
 from servprof.detect.devices import (
     BASIS_ASSUMED,
@@ -40,7 +40,7 @@ from servprof.detect.name_scan import ids_holding
 from servprof.detect.steps import Step, step_index
 from servprof.detect.threads import thread_groups
 from servprof.detect.tier import BANDWIDTH_NOTE, is_light
-from servprof.trace.model import Trace
+from servprof.trace.model import Trace, distinct
 
 MIN_SHARE_OF_STEP = 0.05  # memory-bound ops under this share of the time judged are not where it goes
 LOW_BANDWIDTH_SHARE = 0.5  # memory-bound ops reaching under half of peak bandwidth leave it on the table
@@ -57,7 +57,9 @@ def detect_bandwidth_bound(trace: Trace, steps: list[Step], device: str | None
     warnings, contradicted = device_warnings(device, spec, properties, on_device)
     if contradicted:
         spec = with_mismatch(spec)
-    rows = np.flatnonzero(trace.mask_name(lambda s: s in MODELLED) & trace.complete() & (trace.stream < 0))
+    # (Only host events' names are tried: the rows kept are host events, and kernel names are many.)
+    rows = np.flatnonzero(trace.mask_name(MODELLED.__contains__, trace.host_names()) & trace.complete()
+                          & (trace.stream < 0))
     taken, costs = _outermost_modelled(trace, rows)
     decode_steps = [s for s in steps if s.kind == "decode"]
     scope = "decode steps" if decode_steps else WHOLE_TRACE
@@ -310,20 +312,23 @@ def _op_floor_us(times: Any) -> float:
     """What the shortest ops of this trace take at all (5th percentile of the modelled ops' times):
     the device's fixed cost per op here (launch, dispatch, the profiler's own per-op cost). Too few
     ops to tell (under MIN_OPS_FOR_FLOOR): 0, and no op counts as overhead-bound."""
-    return float(np.percentile(times, 5)) if len(times) >= MIN_OPS_FOR_FLOOR else 0.0
+    return percentile(times, 5) if len(times) >= MIN_OPS_FOR_FLOOR else 0.0
 
 
 def _graph_replay_kernels(trace: Trace) -> dict[str, Any]:
     dev = np.flatnonzero(trace.device_mask())
     launch = trace.launch_row_for(dev)
     graph_ids = ids_holding(trace, ("GraphLaunch",), lambda s: True)
-    replayed = dev[(launch >= 0) & np.isin(trace.name_id[np.maximum(launch, 0)], graph_ids)]
+    if not graph_ids.size:  # no graph launch: nothing replayed (what the steps below give, without them)
+        return {"kernels": 0, "kernel_ms": 0.0, "launches": 0, "top_kernels": []}
+    is_replayed = (launch >= 0) & trace.has_id(trace.name_id[np.maximum(launch, 0)], graph_ids)
+    replayed = dev[is_replayed]
     # Time per kernel name, summed in order; the most first, ties in order of appearance.
     names, first, which = np.unique(trace.name_id[replayed], return_index=True, return_inverse=True)
     totals = np.bincount(which, weights=trace.dur[replayed], minlength=names.size)
     top = [(trace.names[int(names[i])], float(totals[i])) for i in np.lexsort((first, -totals))[:8]]
     return {"kernels": int(replayed.size), "kernel_ms": round(float(trace.dur[replayed].sum()) / 1000, 3),
-            "launches": int(np.unique(launch[np.isin(dev, replayed)]).size),
+            "launches": int(distinct(launch[is_replayed]).size),
             "top_kernels": [{"name": n[:160], "us": round(us, 1)} for n, us in top]}
 
 

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from servprof.trace.model import Trace
+from servprof.trace.model import Trace, distinct
 
 HTA_CONSECUTIVE_KERNEL_DELAY_US = 30.0
 
@@ -86,19 +86,13 @@ def idle_split(
     return out
 
 
-def _distinct(values: np.ndarray) -> np.ndarray:
-    """np.unique(values), without the import of numpy.ma it brings (~3 ms of a fresh process)."""
-    ordered = np.sort(values)
-    return ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))] if ordered.size else ordered
-
-
 def _drop_last_profiler_step(trace: Trace, rows: np.ndarray, launch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     steps = np.flatnonzero(trace.mask_name(lambda s: s.startswith("ProfilerStep")) & (trace.stream < 0))
     step_names = trace.name_id[steps]
     if step_names.size == 0 or (step_names == step_names[0]).all():  # fewer than two ProfilerStep names
         return rows, launch
     keep = np.ones(rows.shape, dtype=bool)
-    for rank in _distinct(trace.rank[rows]):
+    for rank in distinct(trace.rank[rows]):
         rank_steps = steps[trace.rank[steps] == rank]
         if rank_steps.size < 2:
             continue

@@ -6,6 +6,7 @@ of its events): everything here is array operations over them, sums taken in the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -14,7 +15,7 @@ from servprof.detect.memory_series import MemorySeries
 from servprof.detect.nesting import open_at, start_order
 from servprof.detect.steps import Step, step_index
 from servprof.detect.threads import thread_groups
-from servprof.trace.model import Trace
+from servprof.trace.model import Trace, distinct
 
 TOP = 5
 NO_OP = "(no op)"
@@ -30,17 +31,20 @@ def attribution(trace: Trace, series: MemorySeries, steps: list[Step], enclosing
     allocating = delta > 0
     if enclosing is None:
         enclosing = enclosing_ops(trace, rows)
-    op_names = [trace.names[i] if i >= 0 else NO_OP for i in enclosing[allocating].tolist()]
-    top_ops = _top(op_names, delta[allocating])
+    names = trace.names
+    top_ops = _top_labelled(enclosing[allocating], delta[allocating], lambda i: names[i] if i >= 0 else NO_OP)
     mine = [s for s in steps if s.rank == series.rank]
     where = step_index(mine, trace.rank[rows], trace.ts[rows]) if mine else np.full(rows.shape, -1)
-    kinds = [s.kind for s in mine]
-    phase = [kinds[i] if i >= 0 else "outside_steps" for i in where.tolist()]
+    # Each event's phase (its step's kind, "outside_steps" at -1, the last entry), grouped through
+    # the few step indices present rather than a string per event.
+    kinds = [s.kind for s in mine] + ["outside_steps"]
+    present = sorted({kinds[i] for i in distinct(where).tolist()})
+    code_of = {kind: code for code, kind in enumerate(present)}
+    which = np.array([code_of.get(kind, -1) for kind in kinds], dtype=np.int64)[where]
     by_phase = {}
-    names, which = np.unique(np.array(phase, dtype=object), return_inverse=True) if phase else ([], where)
-    for code, name in enumerate(names):
+    for code, name in enumerate(present):
         size = delta[which == code]
-        by_phase[str(name)] = {"allocated_bytes": _sum(np.maximum(size, 0.0)), "kept_bytes": _sum(size)}
+        by_phase[name] = {"allocated_bytes": _sum(np.maximum(size, 0.0)), "kept_bytes": _sum(size)}
     return {"top_ops": [{"op": op, "allocated_bytes": int(b)} for op, b in top_ops],
             "by_phase": {k: {n: int(v) for n, v in d.items()} for k, d in sorted(by_phase.items())},
             "top_requests": [{"request_id": r, "allocated_bytes": int(b)}
@@ -58,9 +62,28 @@ def _top(keys: list[str], sizes: np.ndarray) -> list[tuple[str, float]]:
     """The keys with the largest sums of their sizes (summed in order), the first seen first among equals."""
     if not keys:
         return []
-    names, first, which = np.unique(np.array(keys, dtype=object), return_index=True, return_inverse=True)
-    totals = np.bincount(which, weights=sizes, minlength=len(names))
-    return [(str(names[i]), float(totals[i])) for i in np.lexsort((first, -totals))[:TOP]]
+    # Codes in order of first appearance (no object array to sort): a code's order is its first's.
+    index: dict[str, int] = {}
+    codes = np.fromiter((index.setdefault(k, len(index)) for k in keys), dtype=np.int64, count=len(keys))
+    totals = np.bincount(codes, weights=sizes, minlength=len(index))
+    names = list(index)
+    return [(names[i], float(totals[i])) for i in np.lexsort((np.arange(totals.size), -totals))[:TOP]]
+
+
+def _top_labelled(ids: np.ndarray, sizes: np.ndarray, label: Callable[[int], str]) -> list[tuple[str, float]]:
+    """_top([label(i) for i in ids], sizes), labelling each distinct id once instead of each event."""
+    if not ids.size:
+        return []
+    distinct_ids, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+    # Ids in order of first appearance; ids with one label (two interned strings of one text) are one key.
+    by_first = np.argsort(first, kind="stable")
+    index: dict[str, int] = {}
+    code = np.empty(distinct_ids.size, dtype=np.int64)
+    for i, value in zip(by_first.tolist(), distinct_ids[by_first].tolist(), strict=True):
+        code[i] = index.setdefault(label(value), len(index))
+    totals = np.bincount(code[inverse.ravel()], weights=sizes, minlength=len(index))
+    names = list(index)
+    return [(names[i], float(totals[i])) for i in np.lexsort((np.arange(totals.size), -totals))[:TOP]]
 
 
 def _by_request(steps: list[Step], where: np.ndarray, delta: np.ndarray) -> list[tuple[str, float]]:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from servprof.trace.model import Trace
+from servprof.trace.model import Trace, distinct
 
 MEMORY_EVENT = "[memory]"
 DEVICE_TYPES = {0: "cpu", 1: "cuda", 12: "xpu", 13: "mps", 20: "privateuse1"}  # c10::DeviceType
@@ -104,9 +104,9 @@ def _from_events(trace: Trace) -> list[MemorySeries]:
     ranks = trace.rank[rows]
     out = []
     usable = np.isfinite(allocated) & np.isfinite(delta)
-    for rank in np.unique(ranks):
-        for kind in np.unique(kinds[np.isfinite(kinds)]):
-            for index in np.unique(indices[np.isfinite(indices)]):
+    for rank in distinct(ranks):
+        for kind in distinct(kinds[np.isfinite(kinds)]):
+            for index in distinct(indices[np.isfinite(indices)]):
                 mine = usable & (ranks == rank) & (kinds == kind) & (indices == index)
                 if not mine.any():
                     continue

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import NamedTuple
+from weakref import WeakKeyDictionary
 
 import numpy as np
 
@@ -41,28 +42,41 @@ def split_auto(phase: str) -> tuple[str, bool]:
     return phase, False
 
 
+# Each trace's phase events, found once: the step search, tokenization and loop stalls all ask.
+_FOUND: WeakKeyDictionary[Trace, list[PhaseEvent]] = WeakKeyDictionary()
+
+
 def phase_events(trace: Trace) -> list[PhaseEvent]:
     """Every ``servprof:<phase>|<ids>`` range, in start order. Automatic phases
     (``servprof:auto.<phase>``) are left out on a rank where the server marked that phase
     itself: explicit markers win."""
+    found = _FOUND.get(trace)
+    if found is None:
+        found = _FOUND[trace] = _phase_events(trace)
+    return list(found)  # (a list of its own: a caller may change it)
+
+
+def _phase_events(trace: Trace) -> list[PhaseEvent]:
     ids = trace.ids_matching(lambda s: s.startswith(PHASE_PREFIX))
     if ids.size == 0:
         return []
     parsed: dict[int, tuple[str, list[str]] | None] = {int(i): parse_phase_event_name(trace.names[int(i)]) for i in ids}
     rows = np.flatnonzero(trace.has_id(trace.name_id, ids) & trace.complete())
     rows = rows[np.argsort(trace.ts[rows], kind="stable")]
-    out = []
-    for row in rows:
-        parsed_name = parsed[int(trace.name_id[row])]
+    out, ranks = [], []
+    # (Columns as lists: one conversion each, not a numpy scalar per row and column.)
+    for row, name_id, start, dur, tid, rank in zip(rows.tolist(), trace.name_id[rows].tolist(),
+                                                   trace.ts[rows].tolist(), trace.dur[rows].tolist(),
+                                                   trace.tid[rows].tolist(), trace.rank[rows].tolist(), strict=True):
+        parsed_name = parsed[name_id]
         if parsed_name is None:
             continue
         name, request_ids = parsed_name
         name, auto = split_auto(name)
-        start = float(trace.ts[row])
-        out.append(PhaseEvent(int(row), name, tuple(request_ids), start, start + float(trace.dur[row]),
-                              int(trace.tid[row]), auto))
-    explicit = {(int(trace.rank[e.row]), e.phase) for e in out if not e.auto}
-    return [e for e in out if not e.auto or (int(trace.rank[e.row]), e.phase) not in explicit]
+        out.append(PhaseEvent(row, name, tuple(request_ids), start, start + dur, tid, auto))
+        ranks.append(rank)
+    explicit = {(rank, e.phase) for e, rank in zip(out, ranks, strict=True) if not e.auto}
+    return [e for e, rank in zip(out, ranks, strict=True) if not e.auto or (rank, e.phase) not in explicit]
 
 
 def request_phases(trace: Trace) -> dict[str, list[dict[str, float | str]]]:
