@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from servprof.detect.bandwidth_points import percentile
-from servprof.detect.memory_attribution import NO_OP, _top, _top_labelled
+from servprof.detect.memory_attribution import NO_OP, _top_labelled
 from servprof.trace import load_trace
-from servprof.trace.model import distinct
+from servprof.trace.model import distinct, distinct_first_inverse
 from servprof.trace.phases import _phase_events, phase_events
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -28,6 +28,17 @@ def test_distinct_is_np_unique(values: np.ndarray) -> None:
     got = distinct(values)
     assert got.dtype == np.unique(values).dtype
     assert got.tolist() == np.unique(values).tolist()
+
+
+@pytest.mark.parametrize("values", [
+    np.zeros(0, dtype=np.int64), np.array([3], dtype=np.int32), np.array([2, -1, 2, 7, -1, 0, 2], dtype=np.int64),
+    np.repeat(np.arange(5, dtype=np.int64), 3)[::-1], np.random.default_rng(11).integers(-4, 4, 500),
+])
+def test_distinct_first_inverse_is_np_unique(values: np.ndarray) -> None:
+    got = distinct_first_inverse(values)
+    want = np.unique(values, return_index=True, return_inverse=True)
+    for mine, numpy_s in zip(got, want, strict=True):
+        assert mine.tolist() == numpy_s.ravel().tolist()
 
 
 def test_distinct_random() -> None:
@@ -65,7 +76,9 @@ def test_top_as_before() -> None:
         keys = [rand.choice(["b", "a", "c", "zz", "(no op)", "é"]) for _ in range(size)]
         # Ties on purpose: integral sizes from a small set.
         sizes = np.array([float(rand.choice([1, 2, 3, 1e9, 0.1])) for _ in range(size)])
-        assert _top(keys, sizes) == _top_by_object_unique(keys, sizes)
+        # (_top, which took the keys themselves, is now _top_labelled of their positions: the
+        # per-request tally calls it so.)
+        assert _top_labelled(np.arange(size), sizes, keys.__getitem__) == _top_by_object_unique(keys, sizes)
 
 
 def test_top_labelled_as_top_of_labels() -> None:

@@ -23,7 +23,7 @@ from servprof.detect.name_scan import NameText, host_name_text
 from servprof.detect.nesting import depths, extend_ends, levels, nearest, parents, segments, start_order
 from servprof.detect.step_forms import PROFILER_STEP_ROWS, SGLANG_STEP_ROWS, VLLM_STEP_ROWS
 from servprof.trace.columns import give_back_freed_memory
-from servprof.trace.model import RUNTIME_CATEGORIES, Trace
+from servprof.trace.model import RUNTIME_CATEGORIES, Trace, distinct_first_inverse
 from servprof.trace.phases import PHASE_PREFIX
 
 HOST_CATEGORIES = ("cpu_op", "user_annotation", "python_function", *RUNTIME_CATEGORIES)
@@ -216,7 +216,7 @@ class ThreadStack:
         if key.size == 0:
             return []
         # Self time per (frame, class), summed in time order; the most first, ties in order of appearance.
-        keys, first, which = np.unique(key, return_index=True, return_inverse=True)
+        keys, first, which = distinct_first_inverse(key)
         totals = np.bincount(which, weights=clip[spent])
         ranked = np.lexsort((first, -totals))[:limit]
         return [{"name": names[int(k) // len(CLASSES)], "class": CLASSES[int(k) % len(CLASSES)],
@@ -256,7 +256,7 @@ class ThreadStack:
         key = name[spent].astype(np.int64) * len(CLASSES) + self.cls[seg]
         per_window = int(key.max()) + 1
         key += window * per_window
-        keys, first, which = np.unique(key, return_index=True, return_inverse=True)
+        keys, first, which = distinct_first_inverse(key)
         totals = np.bincount(which, weights=clip)
         owner = keys // per_window
         # Per window: the most first, ties in order of appearance; then its first ``limit``.

@@ -15,7 +15,7 @@ from servprof.detect.memory_series import MemorySeries
 from servprof.detect.nesting import open_at, start_order
 from servprof.detect.steps import Step, step_index
 from servprof.detect.threads import thread_groups
-from servprof.trace.model import Trace, distinct
+from servprof.trace.model import Trace, distinct, distinct_first_inverse
 
 TOP = 5
 NO_OP = "(no op)"
@@ -58,30 +58,20 @@ def _sum(values: np.ndarray) -> float:
     return float(total[0])
 
 
-def _top(keys: list[str], sizes: np.ndarray) -> list[tuple[str, float]]:
-    """The keys with the largest sums of their sizes (summed in order), the first seen first among equals."""
-    if not keys:
-        return []
-    # Codes in order of first appearance (no object array to sort): a code's order is its first's.
-    index: dict[str, int] = {}
-    codes = np.fromiter((index.setdefault(k, len(index)) for k in keys), dtype=np.int64, count=len(keys))
-    totals = np.bincount(codes, weights=sizes, minlength=len(index))
-    names = list(index)
-    return [(names[i], float(totals[i])) for i in np.lexsort((np.arange(totals.size), -totals))[:TOP]]
-
-
 def _top_labelled(ids: np.ndarray, sizes: np.ndarray, label: Callable[[int], str]) -> list[tuple[str, float]]:
-    """_top([label(i) for i in ids], sizes), labelling each distinct id once instead of each event."""
+    """The labels with the largest sums of their events' sizes (summed in order), the first seen
+    first among equals; each distinct id is labelled once, and ids with one label (two interned
+    strings of one text) are one key."""
     if not ids.size:
         return []
-    distinct_ids, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
-    # Ids in order of first appearance; ids with one label (two interned strings of one text) are one key.
+    distinct_ids, first, inverse = distinct_first_inverse(ids)
+    # Ids in order of first appearance, so a label's code is in order of its first appearance.
     by_first = np.argsort(first, kind="stable")
     index: dict[str, int] = {}
     code = np.empty(distinct_ids.size, dtype=np.int64)
     for i, value in zip(by_first.tolist(), distinct_ids[by_first].tolist(), strict=True):
         code[i] = index.setdefault(label(value), len(index))
-    totals = np.bincount(code[inverse.ravel()], weights=sizes, minlength=len(index))
+    totals = np.bincount(code[inverse], weights=sizes, minlength=len(index))
     names = list(index)
     return [(names[i], float(totals[i])) for i in np.lexsort((np.arange(totals.size), -totals))[:TOP]]
 
@@ -99,7 +89,7 @@ def _by_request(steps: list[Step], where: np.ndarray, delta: np.ndarray) -> list
     position = np.arange(int(per_event.sum())) - np.repeat(np.cumsum(per_event) - per_event, per_event)
     ids = [rid for s in steps for rid in s.request_ids]
     entry = np.repeat(first_id[where[taken]], per_event) + position
-    return _top([ids[i] for i in entry.tolist()], np.repeat(share, per_event))
+    return _top_labelled(entry, np.repeat(share, per_event), ids.__getitem__)
 
 
 def enclosing_ops_by_series(trace: Trace, series: list[MemorySeries]) -> list[np.ndarray | None]:

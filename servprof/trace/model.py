@@ -25,6 +25,17 @@ def distinct(values: np.ndarray) -> np.ndarray:
     return ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))] if ordered.size else ordered
 
 
+def distinct_first_inverse(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``np.unique(values, return_index=True, return_inverse=True)`` of a 1-D array holding no
+    NaN (each value's first index, and each element's place among the values), without numpy.ma."""
+    order = np.argsort(values, kind="stable")  # (stable: the first of equal values comes first)
+    ordered = values[order]
+    new = np.concatenate(([True], ordered[1:] != ordered[:-1])) if ordered.size else np.zeros(0, dtype=bool)
+    inverse = np.empty(values.size, dtype=np.intp)
+    inverse[order] = np.cumsum(new) - 1
+    return ordered[new], order[new], inverse
+
+
 class Trace:
     """Events of one or more ranks; row i of every column is the same event.
 
