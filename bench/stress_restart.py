@@ -3,10 +3,12 @@ stops a profiler back to back (``profile_all_threads``), light or deep (every op
 
 torch 2.13 CPU, 2 cores: deep capture crashed the process in 2 of 3 runs of 90-100 s (SIGSEGV in
 ``_disable_profiler`` or heap corruption in a worker's op), with or without servprof's ranges in
-the workers; light capture ran 2,564 sessions without one. Prints the sessions run; a crash is
-the process dying (run it under ``timeout``; faulthandler prints every thread's stack).
+the workers; light capture ran 2,564 sessions without one. With ``--drain`` (servprof's own
+stop: op collection off for DRAIN_S first, servprof/tiers.py) deep capture does not crash
+(docs/middleware.md). Prints the sessions run; a crash is the process dying (run it under
+``timeout``; faulthandler prints every thread's stack).
 
-    KINETO_LOG_LEVEL=6 .venv/bin/python bench/stress_restart.py --seconds 90 --tier deep [--no-ranges] [--pause]
+    KINETO_LOG_LEVEL=6 .venv/bin/python bench/stress_restart.py --seconds 90 --tier deep [--drain] [--no-ranges] [--pause]
 """
 
 from __future__ import annotations
@@ -24,9 +26,8 @@ from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile
 
 from servprof.auto.emit import close_range, open_range
-from servprof.auto.session import pause_collection
 from servprof.phases import phase
-from servprof.tiers import LightProfile
+from servprof.tiers import DEEP, LIGHT, LightProfile, drain_ops, pause_collection
 
 
 def main() -> None:
@@ -36,6 +37,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=6)
     parser.add_argument("--no-ranges", action="store_true", help="workers run the model only (no servprof range)")
     parser.add_argument("--pause", action="store_true", help="switch collection off before some stops (the budget's cut)")
+    parser.add_argument("--drain", action="store_true",
+                        help="servprof's drain before every deep stop (servprof.tiers.drain_ops)")
     args = parser.parse_args()
     faulthandler.enable()
     stop = threading.Event()
@@ -67,6 +70,8 @@ def main() -> None:
             time.sleep(random.random() * 0.05)
             if args.pause and random.random() < 0.3:
                 pause_collection()
+            if args.drain:
+                drain_ops(LIGHT if light else DEEP)
             prof.stop()
             if random.random() < 0.5:
                 prof.export_chrome_trace(str(Path(out) / f"{sessions}.json"))

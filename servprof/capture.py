@@ -42,7 +42,7 @@ from servprof.session import (  # noqa: F401 - re-exported: the session's states
 )
 from servprof.settings import Settings
 from servprof.store import StoreError, TraceStore
-from servprof.tiers import DEEP, LIGHT, new_profiler
+from servprof.tiers import DEEP, LIGHT, drain_ops, new_profiler, stop_profiler
 
 POLL_S = 0.005  # how often the bounds of a running session are checked
 SHUTDOWN_FLUSH_S = 5.0  # the longest a shutdown waits for the observers to export their spans and metrics
@@ -241,7 +241,7 @@ class CaptureController:
         if self._profiler is not None:
             prof, self._profiler = self._profiler, None
             with contextlib.suppress(Exception):
-                prof.stop()
+                stop_profiler(prof, self.session.tier if self.session is not None else DEEP)
         with self._lock:
             session, self.session = self.session, None
         if session is not None and not session.finished.is_set():
@@ -268,9 +268,10 @@ class CaptureController:
                 if autograd_profiler._is_profiler_enabled:
                     self.warmup_error = FOREIGN_PROFILER
                 else:
-                    warm, _tier, _note = new_profiler(None)
+                    # Light where torch allows: Kineto's init is the same, and a light stop needs no drain.
+                    warm, tier, _note = new_profiler(None, LIGHT)
                     warm.start()
-                    warm.stop()
+                    stop_profiler(warm, tier)
             except Exception as exc:  # noqa: BLE001
                 self.warmup_error = f"warm-up failed: {exc}"
             self.warm = True
@@ -357,7 +358,9 @@ class CaptureController:
         assert prof is not None
         instruments = session.instruments
         # The watchdog stops first: whatever the loop waits for from here on is servprof's stop/export.
-        serving = instruments.stop(why == "max_session_events") if instruments is not None else {}
+        # A deep session's op collection goes off now: its ops in flight end before the stop.
+        serving = instruments.stop(why == "max_session_events", drain=session.tier == DEEP) \
+            if instruments is not None else {}
         metadata = {**serving, "session_id": session.session_id, "request_ids": [r.request_id for r in session.records],
                     "wall_start_ns": session.wall_start_ns, "perf_start_ns": session.perf_start_ns,
                     "stop_reason": why, "reason": session.reason, "event_loop_tid": session.event_loop_tid,
@@ -368,8 +371,9 @@ class CaptureController:
         if session.probes is not None:
             metadata.update(session.probes.finish(session.wall_start_ns, self.first_model_request_ns))
         prof.add_metadata_json("servprof", orjson.dumps(metadata).decode())
-        session.capture_end_ns = time.perf_counter_ns()
         session.steps_captured = session.steps()
+        drain_ops(session.tier, instruments.cut_perf_ns if instruments is not None else None)
+        session.capture_end_ns = time.perf_counter_ns()
         prof.stop()  # holds the GIL ~5-9 us per captured event: why the sessions are bounded
         session.perf_end_ns = time.perf_counter_ns()
         session.timed("stop", session.capture_end_ns)
@@ -397,7 +401,7 @@ class CaptureController:
             prof, self._profiler = self._profiler, None
             # Already failing: the first error is the one worth reporting.
             with contextlib.suppress(Exception):
-                prof.stop()
+                stop_profiler(prof, session.tier)
         if session.instruments is not None:
             with contextlib.suppress(Exception):
                 session.instruments.remove()

@@ -16,14 +16,26 @@ while CUPTI still delivers kernels, copies and runtime launches on CUDA
 The scopes reach the profiler through a private API, checked once against the installed torch
 (``light_problem``): where it is missing or changed, sessions fall back to deep capture with
 the event budget, and the log and ``/servprof/status`` say so once.
+
+Every profiler servprof stops is drained first (``drain_ops``): torch 2.13's ``stop()`` frees a
+``profile_all_threads`` session's record queue while ops that began before it may still be running
+on serving threads (the GIL released), and their end callbacks then write into freed memory:
+SIGSEGV in ``_disable_profiler`` or heap corruption later in a serving thread (upstream:
+pytorch/pytorch#185741, #187483 wait for those callbacks; 2.13 does not). A deep window records
+every op, so before its stop servprof switches op collection off (ops starting later run no
+profiler callback), waits for the GPU work already queued (ops waiting on it end with it; not run
+on a GPU here) and lets the ops in flight end for ``DRAIN_S``. bench/stress_restart.py: plain deep
+start/stop under 6 model threads crashed within seconds; drained, it ran thousands of sessions.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 import torch
@@ -31,7 +43,16 @@ import torch.autograd.profiler as autograd_profiler
 from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile
 
+try:  # torch >= 2.3: switch a running profiler's collection off from any thread, at once
+    from torch._C._autograd import _toggle_collection_dynamic
+except ImportError:  # pragma: no cover - older torch: the stop alone bounds the session
+    _toggle_collection_dynamic = None
+
 LIGHT, DEEP = "light", "deep"
+# An op running when collection is switched off ends within this (a CPU op of a small model takes
+# µs, a big matmul on a few cores tens of ms; GPU ops return at launch). Only the capture thread
+# waits it out, without the GIL: serving goes on, its last DRAIN_S are not recorded.
+DRAIN_S = 0.05
 TIERS = (LIGHT, DEEP)
 LOG = logging.getLogger("servprof")
 KINETO_QUIET_LEVEL = "6"  # above USDT (5) and ERROR (4): Kineto prints nothing
@@ -103,7 +124,7 @@ def profiler_class(tier: str) -> tuple[type[profile], str, str | None]:
 
 def new_profiler(settings: Any, tier: str = DEEP) -> tuple[profile, str, str | None]:
     """(profiler, the tier it captures, why that is not the tier asked for); ``settings`` None:
-    the warm-up's plain profiler."""
+    the warm-up's profiler (no shapes, memory or stacks)."""
     # Kineto reads KINETO_LOG_LEVEL once, at the first profiler start in the process (not when
     # torch is imported): unless the user chose a level, its `USDT ... profiler_start/stop` lines
     # (one pair per session) stay out of the server's log. This level hides Kineto's own errors too.
@@ -119,6 +140,47 @@ def new_profiler(settings: Any, tier: str = DEEP) -> tuple[profile, str, str | N
                with_stack=bool(settings and settings.with_stack and not light),
                experimental_config=_ExperimentalConfig(profile_all_threads=True))
     return prof, tier, note
+
+
+def pause_collection(device: bool = True) -> bool:
+    """Stop recording events in every thread now, the profiler still running (its stop() and
+    export come later, on the capture thread). Ranges already open still get their end. Costs
+    ~60 µs once; torch logs one warning line about GPU tracks for it. ``device=False``: CPU ops
+    only (kernels still running are recorded until the stop)."""
+    if _toggle_collection_dynamic is None:
+        return False
+    activities = {torch._C._profiler.ProfilerActivity.CPU}
+    if device and torch.cuda.is_available():
+        activities.add(torch._C._profiler.ProfilerActivity.CUDA)
+    try:
+        _toggle_collection_dynamic(False, activities)
+    except Exception:  # noqa: BLE001 - the profiler stopped meanwhile: nothing left to pause
+        return False
+    return True
+
+
+def drain_ops(tier: str, cut_perf_ns: int | None = None) -> None:
+    """Before a deep profiler's stop(): its op collection off for DRAIN_S (switched off here unless
+    ``cut_perf_ns`` says when it went off), so that no op still runs a profiler callback then. See
+    the module's docstring."""
+    if tier != DEEP:
+        return
+    if cut_perf_ns is None and pause_collection(device=False):
+        cut_perf_ns = time.perf_counter_ns()
+    if cut_perf_ns is None:
+        return
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        # An op that waits for the GPU (.item(), a copy to the host) lasts as long as the work queued
+        # before it: once that is done (the GIL released meanwhile), such a wait ends too.
+        with contextlib.suppress(Exception):
+            torch.cuda.synchronize()
+    time.sleep(max(0.0, DRAIN_S - (time.perf_counter_ns() - cut_perf_ns) / 1e9))
+
+
+def stop_profiler(prof: profile, tier: str = DEEP) -> None:
+    """``prof.stop()`` on a failure or warm-up path (a tier not known: drained as a deep one)."""
+    drain_ops(tier)
+    prof.stop()
 
 
 def light_status() -> dict[str, object]:

@@ -73,7 +73,7 @@ ARG_FIELDS = ["stream", "correlation", "External id", "name", "device", "Input D
 DEVICE_FIELDS = ["name", "totalGlobalMem", "computeMajor", "computeMinor", "numSms", "memoryClockRate",
                  "memoryBusWidth"]
 SERVPROF_FIELDS = ["session_id", "request_ids", "wall_start_ns", "perf_start_ns", "stop_reason", "reason",
-                   "event_loop_tid", "stop_wall_ns"]
+                   "event_loop_tid", "stop_wall_ns", "cut_wall_ns"]
 
 
 def _to_json(document: Any) -> bytes:

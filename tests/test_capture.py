@@ -116,7 +116,17 @@ def test_session_is_bounded_by_decode_steps(tmp_path: Path, bound: dict) -> None
         (session,) = wait_sessions(mw, 1)
     assert session["stop_reason"] == "max_session_steps" and session["tier"] == bound["tier"]
     assert session["max_steps"] == 5
-    assert Path(session["trace_file"]).exists()
+    document = _trace_events(Path(session["trace_file"]))
+    meta, base_ns = document["servprof"], document["baseTimeNanoseconds"]
+    if bound["tier"] == "light":  # annotations only: nothing to drain, no cut (torch logs a line per cut)
+        assert meta["cut_wall_ns"] is None
+        return
+    # A deep session's op collection goes off before its stop (servprof.tiers.drain_ops): no op
+    # starts after the cut, and the analysis reads the trace up to the cut.
+    assert meta["collection_cut"] is True and meta["cut_wall_ns"] < meta["stop_wall_ns"]
+    cut_us = (meta["cut_wall_ns"] - base_ns) / 1000
+    ops = [e for e in document["traceEvents"] if e.get("cat") in ("cpu_op", "user_annotation")]
+    assert ops and max(e["ts"] for e in ops) < cut_us
 
 
 def test_session_is_bounded_by_estimated_events(tmp_path: Path) -> None:
@@ -321,3 +331,28 @@ def test_process_exit_during_a_session_keeps_the_trace(tmp_path: Path) -> None:
     meta = _trace_events(trace)["servprof"]
     meta = orjson.loads(meta) if isinstance(meta, str) else meta
     assert meta["stop_reason"] == "shutdown: process exit" and len(meta["request_ids"]) == 1
+
+
+def test_the_warm_up_starts_and_stops_a_light_profiler_with_no_cut() -> None:
+    """Kineto's one-time init (1-2 s) is the same for either tier; a light stop needs no drain, so
+    a server's start-up log gets no 'Toggling CPU activity' line from torch for a collection cut."""
+    code = textwrap.dedent("""
+        import threading, torch
+        from servprof.capture import get_controller
+        stop = threading.Event()
+        def work():  # serving threads running ops while the warm-up starts and stops the profiler
+            while not stop.is_set():
+                torch.mm(torch.ones(64, 64), torch.ones(64, 64))
+        thread = threading.Thread(target=work)
+        thread.start()
+        controller = get_controller()
+        controller.warm_up_now()
+        stop.set()
+        thread.join()
+        print(controller.warm, controller.warmup_error)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "KINETO_LOG_LEVEL": "6"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "None"]
+    assert "Toggling CPU activity" not in done.stderr

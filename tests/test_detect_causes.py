@@ -241,3 +241,30 @@ def test_nothing_after_servprofs_stop_is_blamed_on_the_app(tmp_path: Path):
     trace.metadata = {}
     blamed = analyse(load_trace(trace.write(tmp_path / "u.json")))
     assert [g for g in blamed.gaps if g.start_us < 2900.0 < g.end_us]
+
+
+def test_nothing_after_servprofs_collection_cut_is_blamed_on_the_app(tmp_path: Path):
+    """Collection switched off at 2,000 µs (a deep session's drain or the budget's cut), stop()
+    at 2,900: a step open at the cut kept its range but none of its ops, so it is cut at the cut,
+    not at the stop, and the report says collection was switched off there."""
+    base_ns = 1_700_000_000_000_000
+    trace = KinetoTrace()
+    trace.metadata = {"baseTimeNanoseconds": base_ns,
+                      "servprof": {"session_id": "s", "cut_wall_ns": base_ns + 2_000_000,
+                                   "stop_wall_ns": base_ns + 2_900_000}}
+    t = 0.0
+    for _ in range(4):
+        trace.host(DECODE, t, 500.0)
+        trace.host("aten::mm", t, 400)  # each starts before the cut: recorded whole
+        t += 600
+    analysis = analyse(load_trace(trace.write(tmp_path / "t.json")))
+    assert [s.end_us for s in analysis.steps] == [500.0, 1100.0, 1700.0, 2000.0]
+    overhead = analysis.summary["servprof_overhead"]
+    assert overhead["stop_us"] == pytest.approx(2000.0)
+    assert overhead["steps_cut"] == 1 and overhead["steps_cut_ms"] == pytest.approx(0.3)
+    assert "switched collection off 2.0 ms into the trace" in overhead["message"]
+    assert not [f for f in analysis.findings if f.end_us > 2000.0]
+    # A cut time that is not before the stop is not a cut: the stop is the cutoff.
+    trace.metadata["servprof"]["cut_wall_ns"] = base_ns + 3_000_000
+    late = analyse(load_trace(trace.write(tmp_path / "u.json"))).summary["servprof_overhead"]
+    assert late["stop_us"] == pytest.approx(2900.0) and "stop() began" in late["message"]

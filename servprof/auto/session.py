@@ -8,41 +8,20 @@ trace's ``servprof`` metadata then), and ``remove`` right after it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from servprof.auto import AutoInstrumentation
 from servprof.budget import CUT_AT, EventBudget, LiveSignals
+from servprof.tiers import pause_collection
 from servprof.watchdog import LoopWatchdog
-
-try:  # torch >= 2.3: switch a running profiler's collection off from any thread, at once
-    from torch._C._autograd import _toggle_collection_dynamic
-except ImportError:  # pragma: no cover - older torch: the stop alone bounds the session
-    _toggle_collection_dynamic = None
 
 AUTO_OFF = ("Automatic phases are off (SERVPROF_AUTO_INSTRUMENT=0): model steps and tokenization are found only "
             "where the server marks them with `servprof.phase(...)`; unset it to have servprof mark them.")
 WATCHDOG_OFF = ("The event-loop watchdog is off (SERVPROF_LOOP_STALL_MS=0): a call that blocks the serving loop "
                 "is not named; set it to e.g. 10.")
 NO_LOOP = ("No sampled request ran on an asyncio event loop in this session, so loop stalls were not watched.")
-
-
-def pause_collection() -> bool:
-    """Stop recording events in every thread now, the profiler still running (its stop() and
-    export come later, on the capture thread). Ranges already open still get their end. Costs
-    ~60 µs once; torch logs one warning line about GPU tracks for it."""
-    if _toggle_collection_dynamic is None:
-        return False
-    activities = {torch._C._profiler.ProfilerActivity.CPU}
-    if torch.cuda.is_available():
-        activities.add(torch._C._profiler.ProfilerActivity.CUDA)
-    try:
-        _toggle_collection_dynamic(False, activities)
-    except Exception:  # noqa: BLE001 - the profiler stopped meanwhile: nothing left to pause
-        return False
-    return True
 
 
 _UNSAFE = str.maketrans({"\\": "/", '"': "'", **{chr(c): " " for c in range(32)}})
@@ -72,8 +51,10 @@ class SessionInstruments:
         self._step_limit: int | None = None
         self._cut_limit: int | None = None
         self._asked_stop = False
-        self.collection_cut = False  # the hooks switched collection off at CUT_AT of the budget
+        self.collection_cut = False  # collection switched off: budget (hooks at CUT_AT, or the stop) or drain
         self.steps_at_cut: float | None = None  # steps recorded before the cut (later ones are not)
+        self.cut_wall_ns: int | None = None  # when collection went off (the trace shows nothing of the app after)
+        self.cut_perf_ns: int | None = None
         self.watchdog = LoopWatchdog(settings.loop_stall_ms, in_flight, open_request_ids)
         self.summary: dict[str, Any] = {}
         self._calls_cut: int | None = None
@@ -99,14 +80,15 @@ class SessionInstruments:
     def live(self) -> LiveSignals:
         return self.auto.live() if self.auto is not None else LiveSignals()
 
-    def stop(self, budget_spent: bool = False) -> dict[str, Any]:
+    def stop(self, budget_spent: bool = False, drain: bool = False) -> dict[str, Any]:
         """Before the profiler's stop(): what goes into the trace's servprof metadata. A session
         ended by its event budget and already past it stops collecting first: at a high event
-        rate even the milliseconds until stop() add steps' worth of events. (Only then: torch
-        logs a warning line for every such cut.)"""
-        if budget_spent and self.auto is not None and \
-                self.budget.estimate(0.0, 0, self.auto.live(), 0.0) >= self.budget.budget(self.settings):
-            self._cut()
+        rate even the milliseconds until stop() add steps' worth of events. So does a deep session
+        (``drain``), whose ops in flight must end before the stop (tiers.drain_ops): CPU ops only,
+        the device's still recorded. (Only then: torch logs a warning line for every such cut.)"""
+        if drain or (budget_spent and self.auto is not None and
+                     self.budget.estimate(0.0, 0, self.auto.live(), 0.0) >= self.budget.budget(self.settings)):
+            self._cut(device=not drain)
         stalls = self.watchdog.stop()
         if self.auto is not None:
             self.auto.stop()
@@ -123,6 +105,7 @@ class SessionInstruments:
             "event_budget": round(self.budget.budget(self.settings)),
             "collection_cut": self.collection_cut,
             "steps_at_cut": self.steps_at_cut,
+            "cut_wall_ns": self.cut_wall_ns,
             "auto": self.auto.summary() if self.auto is not None else {"enabled": False},
             "watchdog": self.watchdog.summary(),
             "missing": missing,
@@ -165,10 +148,12 @@ class SessionInstruments:
         if self._cut_limit is not None and steps > self._cut_limit:
             self._cut(at_step_open=True)
 
-    def _cut(self, at_step_open: bool = False) -> None:
+    def _cut(self, at_step_open: bool = False, device: bool = True) -> None:
         # Stop collecting now (the hooks: the capture thread has not stopped the profiler in time).
         if not self.collection_cut:
-            self.collection_cut = pause_collection()
+            self.collection_cut = pause_collection(device)
+            if self.collection_cut:
+                self.cut_perf_ns, self.cut_wall_ns = time.perf_counter_ns(), time.time_ns()
             if self.collection_cut and self.auto is not None and self.auto.running:
                 # Recorded: whole steps, those still running about half (one starting now: none).
                 hooks = self.auto.steps

@@ -10,7 +10,7 @@ from typing import Any
 # servprof's session metadata (capture.py writes it): key -> the type it must have.
 SERVPROF_FIELDS: dict[str, type] = {
     "session_id": str, "request_ids": list, "wall_start_ns": int, "perf_start_ns": int, "stop_reason": str,
-    "reason": str, "event_loop_tid": int, "stop_wall_ns": int, "tier": str, "tier_note": str,
+    "reason": str, "event_loop_tid": int, "stop_wall_ns": int, "cut_wall_ns": int, "tier": str, "tier_note": str,
 }
 
 
