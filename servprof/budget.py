@@ -22,7 +22,11 @@ session stopped before it passes the budget:
 
 A rate per second or per chunk is learned only from a session that captured
 ``MIN_LEARN_EVENTS`` (or a quarter of a smaller budget); events per step from any session
-with ``MIN_LEARN_STEPS`` steps.
+with ``MIN_LEARN_STEPS`` steps, unless steps still running at its end (counted half: how much of
+each was recorded is not known) are more than its whole ones; and a figure learned is never
+lowered by more than ``PER_STEP_FADE`` per session. Events per step are the model's, they do
+not change with load: a figure too low lets the next session pass its budget by as much (the
+step hooks' cut at ``CUT_AT`` counts steps at that figure too).
 
 A light session (servprof.tiers) records no op: on the CPU its events are the ranges of
 servprof's phases, about ``LIGHT_EVENTS_PER_STEP`` per model step before a session has measured
@@ -50,6 +54,7 @@ PRIOR_EVENTS_PER_MODULE_CALL = 24.0
 MIN_LEARN_EVENTS = 500
 RELIABLE_SHARE = 0.25  # of the budget: a session with fewer events than this and MIN_LEARN_EVENTS teaches no rate
 MIN_LEARN_STEPS = 1.5  # events per step are a property of the model: a step or two tell them
+PER_STEP_FADE = 0.8  # the most a session lowers the events-per-step figure: 1.2 x 1/0.8 = 1.5x the budget at worst
 STEPLESS_GRACE_S = 0.25
 STOP_AT = 0.9  # the share of the budget at which the step hooks ask for the stop
 # ... and at which they switch the profiler's collection off themselves, when the capture thread
@@ -199,17 +204,20 @@ class EventBudget:
         auto = summary.get("auto") or {}
         # A step still running at the stop left only part of its events: half a step each; after
         # a cut (collection switched off by the step hooks) steps went on uncounted in the trace.
-        model_steps = (auto.get("steps") or 0) - (auto.get("running_at_stop") or 0) / 2
+        running = auto.get("running_at_stop") or 0
+        model_steps = (auto.get("steps") or 0) - running / 2
         if summary.get("steps_at_cut") is not None:
             model_steps = summary["steps_at_cut"]
         # Busy capture time only (stop() holds the GIL, so next to nothing is captured during it);
         # chunks at the stop, not now: the sampled streams went on after it.
         stop_s = (session.perf_end_ns - session.capture_end_ns) / 1e9 \
             if session.perf_end_ns and session.capture_end_ns else None
-        self.learn(count, session.settings, session.busy_ns / 1e9, model_steps, session.steps_captured, stop_s)
+        self.learn(count, session.settings, session.busy_ns / 1e9, model_steps, session.steps_captured, stop_s,
+                   running)
 
     def learn(self, events: float, settings: Any, busy_s: float, steps: float, chunks: int,
-              stop_s: float | None = None) -> None:
+              stop_s: float | None = None, running_steps: float = 0.0) -> None:
+        """``steps``: whole steps, plus half of each of the ``running_steps`` still running at the end."""
         budget = self.budget(settings)
         self.history = [*self.history[-9:], {"events": round(events), "budget": round(budget),
                                               "ratio": round(events / budget, 3) if budget else None}]
@@ -224,8 +232,9 @@ class EventBudget:
         if busy_s > 0:
             # Never below half the last rate: a quiet or tiny session cannot open the next one wide.
             self.per_second = max(events / busy_s, (self.per_second or self.assumed_per_s(settings)) / 2)
-        if steps >= MIN_LEARN_STEPS and events >= 100:
-            self.per_step = max(events / steps, (self.per_step or 0.0) / 2)
+        whole_steps = steps - running_steps / 2
+        if steps >= MIN_LEARN_STEPS and events >= 100 and whole_steps >= running_steps:
+            self.per_step = max(events / steps, (self.per_step or 0.0) * PER_STEP_FADE)
         if not reliable:
             return
         if chunks >= 2:
