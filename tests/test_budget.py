@@ -102,3 +102,50 @@ def test_dearer_events_shrink_the_budget_in_events() -> None:
     budget.learn(2000.0, SETTINGS, busy_s=0.1, steps=3, chunks=0, stop_s=0.004)
     assert budget.budget(SETTINGS) == 2000
     assert budget.status()["last_sessions"][-1] == {"events": 2000, "budget": 2000, "ratio": 1.0}
+
+
+def test_steps_running_at_a_cut_count_for_what_they_got_through_and_at_most_half() -> None:
+    """Real step hooks around a real model: a step that just started (the one whose start made the
+    stop due) has next to nothing recorded, one running for a while at most half a step."""
+    import threading
+    import time
+
+    import torch
+
+    from servprof.auto.steps import StepHooks
+
+    inside, leave = threading.Event(), threading.Event()
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+            self.hold = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.hold:  # a step that runs until the test lets it go
+                inside.set()
+                leave.wait(30)
+            return self.linear(x)
+
+    hooks, model = StepHooks(), Model()
+    hooks.start(list, None)
+    try:
+        for _ in range(3):  # whole steps: the typical step time is learned from them
+            model(torch.ones(1, 4))
+        assert hooks.steps == 3 and hooks.open_steps == 0 and hooks.running_done(time.perf_counter_ns()) == 0.0
+        model.hold = True
+        thread = threading.Thread(target=model, args=(torch.ones(1, 4),))
+        thread.start()
+        assert inside.wait(30) and hooks.open_steps == 1
+        opened, step_ns = hooks.open_started_ns, int(hooks.step_s * 1e9)
+        assert hooks.running_done(opened) == 0.0  # cut the moment it started: none of it recorded
+        assert hooks.running_done(opened + step_ns // 4) == pytest.approx(0.25, abs=0.01)
+        assert hooks.running_done(opened + step_ns * 10) == 0.5  # never more than half
+        leave.set()
+        thread.join(30)
+        assert hooks.open_steps == 0 and hooks.open_started_ns == 0
+    finally:
+        leave.set()
+        hooks.stop()
+        hooks.remove()

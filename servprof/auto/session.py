@@ -146,17 +146,18 @@ class SessionInstruments:
         # Steps started so far hold at most steps x per-step events: the one starting now would
         # pass the cut share, so nothing from here on is recorded.
         if self._cut_limit is not None and steps > self._cut_limit:
-            self._cut(at_step_open=True)
+            self._cut()
 
-    def _cut(self, at_step_open: bool = False, device: bool = True) -> None:
-        # Stop collecting now (the hooks: the capture thread has not stopped the profiler in time).
+    def _cut(self, device: bool = True) -> None:
+        # Stop collecting now: the hooks (the capture thread has not stopped the profiler in time),
+        # or the capture thread before its stop (budget spent, a deep session's drain).
         if not self.collection_cut:
             self.collection_cut = pause_collection(device)
             if self.collection_cut:
                 self.cut_perf_ns, self.cut_wall_ns = time.perf_counter_ns(), time.time_ns()
             if self.collection_cut and self.auto is not None and self.auto.running:
-                # Recorded: whole steps, those still running about half (one starting now: none).
+                # Recorded: whole steps, and of those still running what they got through (one
+                # starting now: none).
                 hooks = self.auto.steps
-                starting = 1 if at_step_open else 0
-                self.steps_at_cut = max(0.0, hooks.steps - starting - max(0, hooks.open_steps - starting) / 2)
+                self.steps_at_cut = max(0.0, hooks.steps - hooks.open_steps + hooks.running_done(self.cut_perf_ns))
             self._wake()

@@ -138,6 +138,7 @@ class StepHooks:
         self.call_limit = 1 << 62
         self.steps = self.prefill_steps = self.decode_steps = 0
         self.open_steps = 0  # threads inside a step now
+        self.open_started_ns = 0  # the sum of their steps' start times (perf_counter_ns)
         # The share of a step a running thread gets through while a stop is on its way
         # (STOP_LATENCY_S / the typical step): threads in short steps start their next one.
         self.next_step_share = 1.0
@@ -157,7 +158,7 @@ class StepHooks:
         self._on_calls = on_calls
         self.call_limit = call_limit if call_limit is not None else 1 << 62
         self.steps = self.prefill_steps = self.decode_steps = self.module_calls = self.discovery_steps = 0
-        self.open_steps = 0
+        self.open_steps = self.open_started_ns = 0
         self.models = set()
         self.active = True
         with self._lock:
@@ -191,6 +192,19 @@ class StepHooks:
         handles, self._global_handles = self._global_handles, []
         for handle in handles:
             handle.remove()
+
+    def running_done(self, now_ns: int) -> float:
+        """How many steps' worth the steps running now have got through, at the typical step time,
+        never more than half of each: a step that just started (the one whose start made a stop
+        due, most often) has next to nothing in the trace, and counting a running step as more
+        done than it is would teach too few events per step."""
+        running = self.open_steps
+        if running <= 0:
+            return 0.0
+        if not self.step_s:
+            return running / 2
+        elapsed_s = (running * now_ns - self.open_started_ns) / 1e9
+        return min(running / 2, max(0.0, elapsed_s / self.step_s))
 
     # --- hooks (serving threads) ------------------------------------------------------------------
 
@@ -294,6 +308,7 @@ class StepHooks:
         state.opened_ns = time.perf_counter_ns()
         self.steps += 1
         self.open_steps += 1
+        self.open_started_ns += state.opened_ns
         if len(self.models) < 8:
             self.models.add(type(module).__qualname__)
         if self._on_step is not None:
@@ -303,6 +318,7 @@ class StepHooks:
         handle, state.handle, state.owner = state.handle, None, None
         if handle is not None:
             self.open_steps = max(0, self.open_steps - 1)
+            self.open_started_ns -= state.opened_ns
             if handle is not _UNRECORDED:
                 close_range(handle)
             took = (time.perf_counter_ns() - state.opened_ns) / 1e9
