@@ -22,11 +22,11 @@ session stopped before it passes the budget:
 
 A rate per second or per chunk is learned only from a session that captured
 ``MIN_LEARN_EVENTS`` (or a quarter of a smaller budget); events per step from any session
-with ``MIN_LEARN_STEPS`` steps, unless steps still running at its end (counted half: how much of
-each was recorded is not known) are more than its whole ones; and a figure learned is never
-lowered by more than ``PER_STEP_FADE`` per session. Events per step are the model's, they do
-not change with load: a figure too low lets the next session pass its budget by as much (the
-step hooks' cut at ``CUT_AT`` counts steps at that figure too).
+with ``MIN_LEARN_STEPS`` steps (a step running at its end counted for what it got through, at
+most half: StepHooks.running_done), unless those running steps are more than its whole ones;
+and a figure learned is never lowered by more than ``PER_STEP_FADE`` per session. Events per
+step are the model's, they do not change with load: a figure too low lets the next session pass
+its budget by as much (the step hooks' cut at ``CUT_AT`` counts steps at that figure too).
 
 A light session (servprof.tiers) records no op: on the CPU its events are the ranges of
 servprof's phases, about ``LIGHT_EVENTS_PER_STEP`` per model step before a session has measured
