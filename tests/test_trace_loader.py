@@ -166,3 +166,17 @@ def test_phase_names_round_trip():
     assert parse_phase_event_name("servprof:queue") == ("queue", [])
     assert parse_phase_event_name("servprof:decode_step|,,a,") == ("decode_step", ["a"])
     assert parse_phase_event_name("aten::mm") is None
+
+
+def test_a_null_name_has_one_id_and_text_whatever_else_its_batch_holds() -> None:
+    """An unhashable name (a list) makes the interner fall back to text for that batch: only that
+    name becomes its text, so a null or numeric name gets the same id and text in every batch (the
+    streaming loader's 1 MiB batches against the whole-file reference; found by the fuzzer)."""
+    from servprof.trace.values import Interner
+
+    batched, whole = Interner(), Interner()
+    first = batched.ids([None, 5, "x"]).tolist()
+    second = batched.ids([None, ["a"], 5]).tolist()
+    assert second[0] == first[0] and second[2] == first[1]
+    assert whole.ids([None, 5, "x", None, ["a"], 5]).tolist() == first + second
+    assert batched.strings == whole.strings == ["", "5", "x", "['a']"]

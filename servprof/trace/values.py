@@ -109,8 +109,9 @@ class Interner:
         try:
             # One C-level pass; only values not seen yet cost a Python call (__missing__).
             ids = np.fromiter(map(lookup.__getitem__, values), dtype=np.int32, count=len(values))
-        except TypeError:  # an unhashable name (a list, a dict): fall back to its text
-            ids = np.fromiter(map(lookup.__getitem__, (v if isinstance(v, str) else str(v) for v in values)),
+        except TypeError:  # an unhashable name (a list, a dict): that one becomes its text, the rest
+            # stay as they are (None, a number), so that each gets the same id in every batch
+            ids = np.fromiter(map(lookup.__getitem__, (str(v) if type(v).__hash__ is None else v for v in values)),
                               dtype=np.int32, count=len(values))
         known = len(self.strings)
         if self._texts and known < len(lookup):
