@@ -207,7 +207,7 @@ class EventBudget:
         running = auto.get("running_at_stop") or 0
         model_steps = (auto.get("steps") or 0) - running / 2
         if summary.get("steps_at_cut") is not None:
-            model_steps = summary["steps_at_cut"]
+            model_steps, running = summary["steps_at_cut"], summary.get("running_at_cut") or 0
         # Busy capture time only (stop() holds the GIL, so next to nothing is captured during it);
         # chunks at the stop, not now: the sampled streams went on after it.
         stop_s = (session.perf_end_ns - session.capture_end_ns) / 1e9 \
@@ -217,7 +217,8 @@ class EventBudget:
 
     def learn(self, events: float, settings: Any, busy_s: float, steps: float, chunks: int,
               stop_s: float | None = None, running_steps: float = 0.0) -> None:
-        """``steps``: whole steps, plus half of each of the ``running_steps`` still running at the end."""
+        """``steps``: whole steps, plus what the ``running_steps`` still running at the end had done
+        (at most half of each)."""
         budget = self.budget(settings)
         self.history = [*self.history[-9:], {"events": round(events), "budget": round(budget),
                                               "ratio": round(events / budget, 3) if budget else None}]
@@ -232,8 +233,8 @@ class EventBudget:
         if busy_s > 0:
             # Never below half the last rate: a quiet or tiny session cannot open the next one wide.
             self.per_second = max(events / busy_s, (self.per_second or self.assumed_per_s(settings)) / 2)
-        whole_steps = steps - running_steps / 2
-        if steps >= MIN_LEARN_STEPS and events >= 100 and whole_steps >= running_steps:
+        # Each running step counted at most half: at least as many whole steps as running ones.
+        if steps >= MIN_LEARN_STEPS and events >= 100 and steps >= 1.5 * running_steps:
             self.per_step = max(events / steps, (self.per_step or 0.0) * PER_STEP_FADE)
         if not reliable:
             return

@@ -17,15 +17,16 @@ The scopes reach the profiler through a private API, checked once against the in
 (``light_problem``): where it is missing or changed, sessions fall back to deep capture with
 the event budget, and the log and ``/servprof/status`` say so once.
 
-Every profiler servprof stops is drained first (``drain_ops``): torch 2.13's ``stop()`` frees a
+A deep profiler is drained before its stop (``drain_ops``): torch 2.13's ``stop()`` frees a
 ``profile_all_threads`` session's record queue while ops that began before it may still be running
 on serving threads (the GIL released), and their end callbacks then write into freed memory:
 SIGSEGV in ``_disable_profiler`` or heap corruption later in a serving thread (upstream:
 pytorch/pytorch#185741, #187483 wait for those callbacks; 2.13 does not). A deep window records
-every op, so before its stop servprof switches op collection off (ops starting later run no
-profiler callback), waits for the GPU work already queued (ops waiting on it end with it; not run
-on a GPU here) and lets the ops in flight end for ``DRAIN_S``. bench/stress_restart.py: plain deep
-start/stop under 6 model threads crashed within seconds; drained, it ran thousands of sessions.
+every op (a light one only annotations: a tiny window, not drained), so before its stop servprof
+switches op collection off (ops starting later run no profiler callback), waits for the GPU work
+already queued (ops waiting on it end with it; not run on a GPU here) and lets the ops in flight
+end for ``DRAIN_S``. bench/stress_restart.py: plain deep start/stop under 6 model threads
+crashed within seconds; drained, it ran thousands of sessions.
 """
 
 from __future__ import annotations

@@ -53,6 +53,7 @@ class SessionInstruments:
         self._asked_stop = False
         self.collection_cut = False  # collection switched off: budget (hooks at CUT_AT, or the stop) or drain
         self.steps_at_cut: float | None = None  # steps recorded before the cut (later ones are not)
+        self.running_at_cut = 0  # of which still running then (counted for what they had done)
         self.cut_wall_ns: int | None = None  # when collection went off (the trace shows nothing of the app after)
         self.cut_perf_ns: int | None = None
         self.watchdog = LoopWatchdog(settings.loop_stall_ms, in_flight, open_request_ids)
@@ -105,6 +106,7 @@ class SessionInstruments:
             "event_budget": round(self.budget.budget(self.settings)),
             "collection_cut": self.collection_cut,
             "steps_at_cut": self.steps_at_cut,
+            "running_at_cut": self.running_at_cut,
             "cut_wall_ns": self.cut_wall_ns,
             "auto": self.auto.summary() if self.auto is not None else {"enabled": False},
             "watchdog": self.watchdog.summary(),
@@ -159,5 +161,6 @@ class SessionInstruments:
                 # Recorded: whole steps, and of those still running what they got through (one
                 # starting now: none).
                 hooks = self.auto.steps
+                self.running_at_cut = hooks.open_steps
                 self.steps_at_cut = max(0.0, hooks.steps - hooks.open_steps + hooks.running_done(self.cut_perf_ns))
             self._wake()
