@@ -21,6 +21,11 @@ from servprof.trace import load_trace
 N = 1_000_000  # elements of the add below: 3 x 4 MB = 12 MB moved, 3.58 us at an H100's 3350 GB/s
 ADD = ("aten::add", [[N], [N], []], ["float", "float", "Scalar"], ["", "", "1"])
 ADD_BYTES = 3 * N * 4
+# A GPU op large enough for its time left on the table to matter (findings under 1 ms in all are
+# never critical, under 0.1 ms only info): 3 x 48 MB = 144 MB, 42.99 us at an H100's 3350 GB/s.
+BIG_N = 12 * N
+BIG_ADD = ("aten::add", [[BIG_N], [BIG_N], []], ["float", "float", "Scalar"], ["", "", "1"])
+BIG_BYTES = 3 * BIG_N * 4
 
 
 @pytest.fixture(autouse=True)
@@ -30,10 +35,11 @@ def no_saved_calibration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Pat
 
 
 def _gpu_trace(tmp_path: Path, kernel_us: float, span_us: float, props: list | None = None) -> Path:
-    """One 12 MB add whose kernel takes kernel_us (from 5 us), and a 1-element add whose 30 us kernel
-    ends the device timeline at span_us + 5: a device span of span_us."""
+    """One 144 MB add whose kernel takes kernel_us (from 5 us), and a 1-element add whose 30 us kernel
+    ends the device timeline at span_us + 5: a device span of span_us. (The 1-element add moves 12 B:
+    per-op overhead, never time left to bandwidth.)"""
     synth = SynthTrace([H100] if props is None else props)
-    synth.op(*ADD[:1], 0.0, kernel_us + 20, *ADD[1:], kernel_us=kernel_us)
+    synth.op(*BIG_ADD[:1], 0.0, kernel_us + 20, *BIG_ADD[1:], kernel_us=kernel_us)
     synth.op("aten::add", span_us - 30, 20, [[1], [1], []], ["float", "float", "Scalar"], kernel_us=30.0)
     return synth.write(tmp_path / "t.json.gz")
 
@@ -56,18 +62,18 @@ def test_public_h100_trace_has_no_op_above_peak_and_models_the_issue_ops():
 
 
 def test_an_op_faster_than_the_peak_is_a_model_error_never_a_finding(tmp_path: Path):
-    # 12 MB in 2 us = 6000 GB/s on a 3350 GB/s H100: impossible; the trace names the device.
-    analysis = analyse(load_trace(_gpu_trace(tmp_path, kernel_us=2.0, span_us=100.0)))
+    # 144 MB in 24 us = 6000 GB/s on a 3350 GB/s H100: impossible; the trace names the device.
+    analysis = analyse(load_trace(_gpu_trace(tmp_path, kernel_us=24.0, span_us=1200.0)))
     above = analysis.summary["bandwidth"]["above_peak"]
     assert above["ops"] == 1 and above["error"] == "model"
-    assert above["examples"][0]["achieved_gbs"] == pytest.approx(ADD_BYTES / 2e-6 / 1e9, rel=1e-3)
+    assert above["examples"][0]["achieved_gbs"] == pytest.approx(BIG_BYTES / 24e-6 / 1e9, rel=1e-3)
     assert any("faster than" in w for w in analysis.summary["warnings"])
     for finding in analysis.findings:
-        assert all(op["shapes"] != ADD[1] for op in finding.evidence.get("top_ops", []))
+        assert all(op["shapes"] != BIG_ADD[1] for op in finding.evidence.get("top_ops", []))
 
 
 def test_a_peak_the_trace_contradicts_is_a_device_error_and_a_warning(tmp_path: Path, capsys):
-    path = _gpu_trace(tmp_path, kernel_us=2.0, span_us=100.0)
+    path = _gpu_trace(tmp_path, kernel_us=24.0, span_us=1200.0)
     # Judged against an L4 (300 GB/s) although the trace ran on an H100.
     analysis = analyse(load_trace(path), device="l4")
     assert analysis.summary["bandwidth"]["above_peak"]["error"] == "device"
@@ -84,22 +90,24 @@ def test_device_named_against_a_cpu_trace_is_a_warning(tmp_path: Path):
     assert all(f.severity == "info" for f in analysis.findings)
 
 
-@pytest.mark.parametrize(("span_us", "severity"), [(300.0, "critical"), (1000.0, "warning"), (100_000.0, None)])
+@pytest.mark.parametrize(("span_us", "severity"), [(3600.0, "critical"), (12_000.0, "warning"),
+                                                  (1_200_000.0, None)])
 def test_severity_is_the_share_of_the_trace_span_without_steps(tmp_path: Path, span_us: float, severity):
-    # The add: 100 us for 12 MB = 120 GB/s, 3.6% of the H100's peak; its roofline is 3.58 us, so it
-    # leaves 96.4 us, and the 12-byte add 30 us. Span 300 us: 42% -> critical; 1 ms: 12.6% -> warning;
-    # 100 ms: the ops are 0.13% of the trace -> no finding (before, severity followed the ops' own
-    # time: "critical" at any span).
-    analysis = analyse(load_trace(_gpu_trace(tmp_path, kernel_us=100.0, span_us=span_us)))
+    # The add: 1200 us for 144 MB = 120 GB/s, 3.6% of the H100's peak; its roofline is 43 us, so it
+    # leaves 1157 us (the 12-byte add's 30 us are per-op overhead, not counted). Span 3.6 ms: 32%
+    # -> critical; 12 ms: 9.6% -> warning; 1.2 s: the ops are 0.1% of the trace -> no finding
+    # (before, severity followed the ops' own time: "critical" at any span).
+    analysis = analyse(load_trace(_gpu_trace(tmp_path, kernel_us=1200.0, span_us=span_us)))
     found = [f for f in analysis.findings if f.kind == "bandwidth_bound_decode"]
     if severity is None:
         assert found == []
         return
     (finding,) = found
     assert finding.severity == severity
-    left = 100.0 - ADD_BYTES / (3350e9) * 1e6
+    left = 1200.0 - BIG_BYTES / (3350e9) * 1e6
     assert finding.evidence["time_judged_ms"] == pytest.approx(span_us / 1000, rel=1e-6)
-    assert finding.evidence["left_on_table_share"] == pytest.approx((left + 30 - 12 / 3350e3) / span_us, abs=1e-3)
+    assert finding.evidence["left_on_table_share"] == pytest.approx(left / span_us, abs=1e-3)
+    assert finding.cost_ms == pytest.approx(left / 1000, rel=1e-3) and finding.evidence["overhead_bound_ops"] == 1
     assert finding.evidence["scope"] == "whole trace" and finding.request_ids == []
     assert "3%" in finding.fix or "4%" in finding.fix  # the measured share of peak, in the remedy
     assert "element-wise" in finding.fix
@@ -108,20 +116,20 @@ def test_severity_is_the_share_of_the_trace_span_without_steps(tmp_path: Path, s
 def test_unknown_gpu_is_a_gpu_with_an_unknown_peak_and_says_how_to_calibrate(tmp_path: Path):
     props = [{"id": 0, "name": "NVIDIA RTX PRO 6000 Blackwell Server Edition", "totalGlobalMem": 102e9,
               "computeMajor": 12, "computeMinor": 0, "numSms": 188}]
-    analysis = analyse(load_trace(_gpu_trace(tmp_path, kernel_us=100.0, span_us=300.0, props=props)))
+    analysis = analyse(load_trace(_gpu_trace(tmp_path, kernel_us=1200.0, span_us=3600.0, props=props)))
     device = analysis.summary["bandwidth"]["device"]
     assert device["kind"] == "gpu" and device["basis"] == "unknown" and device["memory_bandwidth_gbs"] is None
     assert "RTX PRO 6000" in device["name"] and "CPU" not in device["name"]
     assert [f for f in analysis.findings if f.kind == "bandwidth_bound_decode"] == []
     (missing,) = [m for m in analysis.summary["missing"] if m["what"] == "device peak"]
     assert "servprof calibrate" in missing["message"]
-    assert analysis.kernels and analysis.kernels[0]["achieved_gbs"] == pytest.approx(ADD_BYTES / 100e-6 / 1e9)
+    assert analysis.kernels and analysis.kernels[0]["achieved_gbs"] == pytest.approx(BIG_BYTES / 1200e-6 / 1e9)
 
 
 def test_unknown_gpu_peak_from_memory_clock_and_bus_width(tmp_path: Path):
     # 2 x 2619 MHz x 5120 bits / 8 = 3352.3 GB/s (an H100 SXM's HBM3, as CUDA reports it).
     props = [{"name": "NVIDIA Future GPU", "memoryClockRate": 2_619_000, "memoryBusWidth": 5120}]
-    analysis = analyse(load_trace(_gpu_trace(tmp_path, kernel_us=100.0, span_us=300.0, props=props)))
+    analysis = analyse(load_trace(_gpu_trace(tmp_path, kernel_us=1200.0, span_us=3600.0, props=props)))
     device = analysis.summary["bandwidth"]["device"]
     assert device["basis"] == "derived" and device["memory_bandwidth_gbs"] == pytest.approx(3352.3, abs=0.1)
     (finding,) = [f for f in analysis.findings if f.kind == "bandwidth_bound_decode"]
@@ -132,12 +140,12 @@ def test_unknown_gpu_uses_a_calibration_of_the_same_name(tmp_path: Path, no_save
     calibrate.save({"name": "NVIDIA Future GPU", "torch_device": "cuda:0", "memory_bandwidth_gbs": 5000.0,
                     "peak_tflops": 1500.0, "measured_at": 1.0})
     props = [{"name": "NVIDIA Future GPU"}]
-    analysis = analyse(load_trace(_gpu_trace(tmp_path, kernel_us=100.0, span_us=300.0, props=props)))
+    analysis = analyse(load_trace(_gpu_trace(tmp_path, kernel_us=1200.0, span_us=3600.0, props=props)))
     device = analysis.summary["bandwidth"]["device"]
     assert device["basis"] == "calibrated" and device["memory_bandwidth_gbs"] == 5000.0
     # A calibration of another device is never used for it.
     other = [{"name": "NVIDIA Other GPU"}]
-    analysis = analyse(load_trace(_gpu_trace(tmp_path, kernel_us=100.0, span_us=300.0, props=other)))
+    analysis = analyse(load_trace(_gpu_trace(tmp_path, kernel_us=1200.0, span_us=3600.0, props=other)))
     assert analysis.summary["bandwidth"]["device"]["basis"] == "unknown"
 
 
@@ -172,7 +180,7 @@ def test_measured_cpu_peak_judges_for_real_unless_the_step_fits_in_cache(tmp_pat
 
 def test_report_json_keeps_the_device_basis_and_the_fix(tmp_path: Path):
     out = tmp_path / "r.json"
-    assert main(["analyze", str(_gpu_trace(tmp_path, kernel_us=100.0, span_us=300.0)), "--json", str(out)]) == 0
+    assert main(["analyze", str(_gpu_trace(tmp_path, kernel_us=1200.0, span_us=3600.0)), "--json", str(out)]) == 0
     report = orjson.loads(out.read_bytes())
     assert report["summary"]["bandwidth"]["device"]["basis"] == "datasheet"
     assert all(f["fix"] for f in report["findings"])
@@ -191,19 +199,19 @@ def test_ops_too_small_to_be_bandwidth_bound_are_per_op_overhead(tmp_path: Path,
     for _ in range(10):
         synth.op("aten::add", t, 50, [[1024], [1024], []], ["float", "float", "Scalar"], kernel_us=40.0)
         t += 52
-    if with_big_op:  # plus the 12 MB add at 3.6% of peak: bandwidth-limited, 96 us left
-        synth.op(*ADD[:1], t, 120, *ADD[1:], kernel_us=100.0)
-        t += 122
+    if with_big_op:  # plus, 9 ms later, the 144 MB add at 3.6% of peak: bandwidth-limited, 1157 us left
+        t += 9000
+        synth.op(*BIG_ADD[:1], t, 1220, *BIG_ADD[1:], kernel_us=1200.0)
     analysis = analyse(load_trace(synth.write(tmp_path / "t.json.gz")))
     assert analysis.summary["bandwidth"]["op_floor_us"] == pytest.approx(2.0)
     (finding,) = [f for f in analysis.findings if f.kind == "bandwidth_bound_decode"]
     assert finding.evidence["overhead_bound_ops"] == 2  # the 1-element and the 4 KB shapes
     if with_big_op:
-        left = 100.0 - ADD_BYTES / 3350e9 * 1e6
-        # Only the big add's 96.4 us count, against the device span: kernels from 5 us to 885 + 100 us.
+        left = 1200.0 - BIG_BYTES / 3350e9 * 1e6
+        # Only the big add's 1157 us count, against the device span: kernels from 5 us to t + 5 + 1200 us.
         assert finding.evidence["ops_below_half_peak"] == 1 and finding.cost_ms == pytest.approx(left / 1000, rel=1e-3)
-        assert finding.evidence["left_on_table_share"] == pytest.approx(left / 980.0, abs=1e-4)
-        assert finding.severity == "warning"  # 9.8%; counting the overhead-bound ops too would make it 57%
+        assert finding.evidence["left_on_table_share"] == pytest.approx(left / (t + 1200.0), abs=1e-4)
+        assert finding.severity == "warning"  # 10.4%; counting the overhead-bound ops too would make it 14.6%
     else:
         assert finding.severity == "info" and "per-op overhead" in finding.title
         assert "per-op overhead" in finding.evidence["severity_capped"] and "fewer, larger ops" in finding.fix
@@ -211,8 +219,31 @@ def test_ops_too_small_to_be_bandwidth_bound_are_per_op_overhead(tmp_path: Path,
 
 def test_a_named_stand_in_for_an_unknown_gpu_is_judged_with_a_warning(tmp_path: Path):
     props = [{"name": "NVIDIA RTX PRO 6000 Blackwell Server Edition"}]
-    analysis = analyse(load_trace(_gpu_trace(tmp_path, kernel_us=100.0, span_us=300.0, props=props)),
+    analysis = analyse(load_trace(_gpu_trace(tmp_path, kernel_us=1200.0, span_us=3600.0, props=props)),
                        device="h100-sxm")
     assert any("does not know" in w for w in analysis.summary["warnings"])
     (finding,) = [f for f in analysis.findings if f.kind == "bandwidth_bound_decode"]
     assert finding.severity == "critical"  # the user's stand-in is not contradicted by the trace
+
+
+@pytest.mark.parametrize(("kernel_us", "severity"), [(None, "info"), (600.0, "warning"), (1200.0, "critical")])
+def test_a_small_cost_is_never_critical_whatever_its_share(tmp_path: Path, kernel_us: float | None, severity: str):
+    """A trace of a few µs of device work (SGLang's graph-capture trace: two 8-byte fills, 11 µs
+    in all) was 'critical, 100% of the trace span'. A cost under 1 ms in all is at most a warning,
+    and per-op overhead (bytes that take under a µs at peak, with too few ops to measure the
+    trace's own floor) is never time left to bandwidth."""
+    synth = SynthTrace([H100])
+    synth.op("aten::fill_", 0.0, 10, [[1], []], ["long int", "Scalar"], kernel_us=5.5)
+    synth.op("aten::fill_", 10.0, 10, [[1], []], ["long int", "Scalar"], kernel_us=5.5)
+    if kernel_us is not None:  # the 144 MB add at 3.6% of peak, most of the device span
+        synth.op(*BIG_ADD[:1], 20.0, kernel_us + 20, *BIG_ADD[1:], kernel_us=kernel_us)
+    analysis = analyse(load_trace(synth.write(tmp_path / "t.json.gz")))
+    assert analysis.summary["bandwidth"]["op_floor_us"] == pytest.approx(1.0)
+    (finding,) = [f for f in analysis.findings if f.kind == "bandwidth_bound_decode"]
+    assert finding.severity == severity
+    assert finding.evidence["overhead_bound_ops"] == 1  # the fills
+    if kernel_us is None:
+        assert finding.evidence["ops_below_half_peak"] == 0 and "per-op overhead" in finding.title
+    else:  # most of the span either way: the cost alone tells warning from critical
+        assert finding.evidence["left_on_table_share"] > 0.2
+        assert finding.cost_ms == pytest.approx((kernel_us - BIG_BYTES / 3350e9 * 1e6) / 1000, rel=1e-3)

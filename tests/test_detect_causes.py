@@ -141,6 +141,85 @@ def test_python_before_the_first_graph_launch_of_a_compiled_forward(tmp_path: Pa
     assert "CUDA graph" in gap.fix
 
 
+@pytest.mark.parametrize("runtime", ["cudaLaunchKernel", "cudaGraphLaunch"])
+def test_a_launch_call_that_takes_milliseconds_is_a_slow_launch_not_launch_bound(tmp_path: Path, runtime: str):
+    """The first launch of a kernel loads its code (CUDA lazy loading, a ROCm code object): the
+    call itself takes milliseconds while the device idles. That is one slow launch, named with the
+    time the call took, not "many short gaps". A graph launch's cost grows with the graph: a long
+    one is not called a slow kernel launch."""
+    trace = KinetoTrace()
+    t = 0.0
+    for k in range(4):
+        trace.host(DECODE, t, 2600)
+        end = eager_step(trace, t, kernels=10)
+        if k == 1:  # the device's queue runs dry; the next launch call takes 2 ms itself
+            trace.host("aten::add_", end + 5, 2030)
+            trace.launch(end + 15, end + 2025, 40.0, runtime=runtime, launch_dur=2000.0)
+        t += 2700
+    analysis = analyse(load_trace(trace.write(tmp_path / "t.json")))
+    slow = _gaps(analysis, "slow_launch")
+    if runtime == "cudaGraphLaunch":
+        assert slow == []
+        return
+    (gap,) = slow
+    worst = gap.evidence["worst_gaps"][0]
+    assert worst["count"] == 1 and worst["idle_us"] == pytest.approx(2025 - 0.0, abs=30)
+    assert worst["self_us"]["launch"] >= 2000
+    assert f"on thread {ENGINE}: cudaLaunchKernel (2.00 ms)" in gap.title
+    assert "first use" in gap.fix and "start-up" in gap.fix
+    assert not _gaps(analysis, "launch_bound") or all(
+        g["count"] > 1 for f in _gaps(analysis, "launch_bound") for g in f.evidence["worst_gaps"])
+
+
+def test_a_gap_while_torch_compile_compiles_is_compiling_not_dispatch(tmp_path: Path):
+    """A recompile in the middle of serving: the launching thread is inside Dynamo's
+    ``entire_frame_compile`` range (its Python and ops inherit the range: compiling) until the
+    compiled graph's first launch. Before, the gap read as "Python before the first graph launch
+    (guards and dispatch)"."""
+    trace = KinetoTrace()
+    t = 0.0
+    for k in range(4):
+        trace.host(DECODE, t, 5000)
+        trace.frame("torch/_dynamo/eval_frame.py(1039): _fn", t, 4900)
+        if k == 2:
+            trace.annotation("entire_frame_compile", t + 10, 4000)
+            trace.frame("torch/_inductor/codegen/wrapper.py(10): generate", t + 20, 2500)
+            trace.frame("myapp/model.py(5): forward", t + 2600, 1300)  # traced again by Dynamo
+        corr = trace.launch(t + 4100, t + 4120, 50, runtime="cudaGraphLaunch")
+        for i in range(1, 8):
+            trace.device(t + 4120 + i * 50, 50, f"graph_kernel_{i}", corr)
+        trace.host("TorchDynamo Cache Lookup", t + 4020, 60)
+        t += 5200
+    analysis = analyse(load_trace(trace.write(tmp_path / "t.json")))
+    (gap,) = _gaps(analysis, "compiling")
+    worst = gap.evidence["worst_gaps"][0]
+    assert worst["self_us"]["compiling"] == pytest.approx(4000, abs=1)  # the whole range, inside the gap
+    assert "torch.compile compiling" in gap.title and "myapp/model.py(5): forward" in gap.title
+    assert "start-up" in gap.fix
+    assert all(f["class"] == "compiling" for f in worst["top_frames"][:2])
+
+
+def test_a_sync_running_as_the_device_went_idle_is_named_though_other_frames_hold_more(tmp_path: Path):
+    """A blocking copy ends a few µs into the gap, then the host runs six ops of 100 µs before it
+    launches again: the cause is the copy (it emptied the queue), and the finding names the copy,
+    not the five ops that hold more self time in the gap."""
+    trace = KinetoTrace()
+    t = 0.0
+    for _ in range(5):
+        trace.host(DECODE, t, 1200)
+        end = eager_step(trace, t, kernels=10)
+        trace.host("cudaMemcpy", end - 100, 105, cat="cuda_runtime")  # returns 5 µs after the device idles
+        for i in range(6):
+            trace.host(f"aten::op_{i}", end + 10 + i * 100, 100)
+        t = end + 700
+    analysis = analyse(load_trace(trace.write(tmp_path / "t.json")))
+    (gap,) = _gaps(analysis, "synchronize")
+    assert gap.title.endswith(f"on thread {ENGINE}: cudaMemcpy")
+    worst = gap.evidence["worst_gaps"][0]
+    assert "cudaMemcpy" not in {f["name"] for f in worst["top_frames"]}  # five ops hold more
+    assert worst["cause_frames"] == [{"name": "cudaMemcpy", "class": "sync", "self_us": 5.0}]
+
+
 def test_a_thousand_tiny_gaps_are_one_launch_bound_cause_summed_per_step(tmp_path: Path):
     """Eager decode: 1,000 kernels of 5 µs per step, each launched as the previous one ends, so the
     device idles ~10 µs before each: no gap is worth listing, together they are half the step."""

@@ -202,3 +202,53 @@ def test_training_steps_are_not_called_decode():
     # No tokenization is expected of a training run: nothing "missing" about it (the trace has no
     # record_shapes, and saying the bandwidth cannot be judged without them is true; nor memory readings).
     assert [m["what"] for m in analysis.summary["missing"]] == ["op shapes", "memory"]
+
+
+def test_a_slow_first_launch_is_named_as_such_never_launch_bound():
+    """HTA's MI250 training step: one hipLaunchKernel (aten::add_ in AccumulateGrad, on the autograd
+    thread) takes 6.5 ms while the GPU sits idle. That gap was called "many short gaps between
+    kernels (launch-bound)"; it is one slow launch, named with the time the call took."""
+    trace = load_trace(public_trace("hta_mi250_minitoy_train_rocm.json.gz"))
+    analysis = analyse(trace)
+    (slow,) = [f for f in analysis.findings if f.kind == "decode_gap" and f.evidence["cause"] == "slow_launch"]
+    worst = slow.evidence["worst_gaps"][0]
+    assert worst["count"] == 1 and worst["idle_us"] > 6000
+    launches = _thread_events(trace, worst["thread"], "hipLaunchKernel")
+    # The call the finding names is on that thread, inside the gap, as long as it says.
+    assert _overlap(trace, launches, worst["start_us"], worst["end_us"]) > 6500
+    assert f"on thread {worst['thread']}: hipLaunchKernel (6.54 ms)" in slow.title
+    assert "first use" in slow.fix and slow.severity == "critical"
+    assert all("launch-bound" not in f.title or f.evidence["worst_gaps"][0]["count"] > 1
+               for f in analysis.findings if f.kind == "decode_gap")
+    # The gaps after a synchronous host-to-device copy name the copy (it ends inside the gap's
+    # first microseconds and holds less self time than the ops after it).
+    (sync,) = [f for f in analysis.findings if f.kind == "decode_gap" and f.evidence["cause"] == "synchronize"]
+    assert sync.title.endswith(": hipMemcpyWithStream")
+    for gap in sync.evidence["worst_gaps"]:
+        copies = _thread_events(trace, gap["thread"], "hipMemcpyWithStream")
+        assert _overlap(trace, copies, gap["start_us"], gap["start_us"] + 1) > 0  # running as the device went idle
+        assert [f["name"] for f in gap["cause_frames"]] == ["hipMemcpyWithStream"]
+    assert_causes_are_in_the_trace(trace, analysis)
+
+
+def test_first_launches_of_miopen_kernels_are_slow_launches():
+    """TraceLens's normalisation layers on MI300X: the first launch of each layer's kernels takes
+    20-330 ms. Every listed gap of more than 10 ms that a launch call fills is a slow launch (the
+    others are host ops: MIOpen building a kernel inside aten::miopen_batch_norm, a 29 ms
+    aten::arange), and no listed gap is launch-bound."""
+    trace = load_trace(public_trace("tracelens_norm_layers_mi300x.json.gz"))
+    analysis = analyse(trace)
+    listed = [g for g in analysis.gaps if "gaps_summed" not in g.evidence]  # (not short ones summed)
+    assert listed and not [g for g in listed if g.cause == "launch_bound"]
+    long_gaps = [g for g in listed if g.idle_us > 10_000
+                 and g.evidence["self_us"].get("launch", 0) >= 0.5 * g.idle_us]
+    assert len(long_gaps) >= 5
+    for gap in long_gaps:
+        assert gap.cause == "slow_launch", (gap.cause, gap.explanation)
+        launch = [f for f in gap.evidence["top_frames"] if f["class"] == "launch"][0]
+        assert launch["self_us"] >= 0.5 * gap.idle_us
+        rows = _thread_events(trace, gap.evidence["thread"], launch["name"])
+        assert _overlap(trace, rows, gap.start_us, gap.end_us) >= launch["self_us"] - 0.5
+    slow = [f for f in analysis.findings if f.kind == "decode_gap" and f.evidence["cause"] == "slow_launch"]
+    assert slow and slow[0].severity == "critical"
+    assert_causes_are_in_the_trace(trace, analysis)

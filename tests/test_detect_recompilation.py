@@ -8,6 +8,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+from _kineto_builder import KinetoTrace
 from _memory_compile_helpers import record_compile_trace
 
 from servprof.detect.analysis import analyse
@@ -93,6 +94,30 @@ def test_compile_workers_on_other_threads_are_part_of_one_stall(tmp_path: Path):
     stalls = compile_stalls(load_trace(path))
     assert len(stalls) == 1 and stalls[0]["compile_id"] == "0/2"
     assert stalls[0]["ms"] == pytest.approx(0.9) and stalls[0]["start_us"] == pytest.approx(100.0)
+
+
+@pytest.mark.parametrize("inside_a_compile", [False, True])
+def test_recording_a_cuda_graph_is_not_called_a_compile(tmp_path: Path, inside_a_compile: bool):
+    """torch.compile(mode='reduce-overhead') records a CUDA graph for each new shape: cudagraph
+    trees time it as ``CUDAGraphNode.record (dynamo_timed)`` (seen in TraceLens's xDiT Flux trace,
+    243 ms in a step). Alone, that is a graph recorded, not "compiled `?`: a first compile"; inside
+    Dynamo's own compile range it stays part of that compile."""
+    trace = KinetoTrace()
+    for step in range(3):
+        trace.annotation(f"ProfilerStep#{step}", step * 1000.0, 900.0)
+        trace.host("aten::mm", step * 1000.0 + 10, 50.0)
+    if inside_a_compile:
+        trace.annotation("entire_frame_compile", 1050.0, 800.0)
+    trace.annotation("CUDAGraphNode.record (dynamo_timed)", 1100.0, 700.0)
+    trace.frame("/tmp/torchinductor_root/ab/cab.py(3980): partition_0", 1110.0, 600.0)
+    (finding,) = _kind(analyse(load_trace(trace.write(tmp_path / "t.json"))), "recompilation")
+    if inside_a_compile:
+        assert finding.evidence["cause"] == "first_compile" and "compiled a function" in finding.title
+        return
+    assert finding.evidence["cause"] == "cudagraph_record" and finding.evidence["function"] is None
+    assert finding.title.startswith("torch.compile recorded a CUDA graph of a function the trace does not name "
+                                    "1 time(s) while serving (1 inside model steps), 1 ms stalled")
+    assert "?" not in finding.title and "reduce-overhead" in finding.fix and "start-up" in finding.fix
 
 
 @pytest.mark.parametrize(("reason", "batch", "cause"), [

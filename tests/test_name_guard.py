@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from servprof.detect import gaps, host_reads, host_stacks, step_forms
+from servprof.detect import compile_ranges, gaps, host_reads, host_stacks, step_forms
 from servprof.detect.name_guard import Guarded
 from servprof.trace import load_trace
 
 FIXTURES = Path(__file__).parent / "fixtures"
-GUARDED = {f"{module.__name__}.{name}": value for module in (gaps, host_reads, host_stacks, step_forms)
+GUARDED = {f"{module.__name__}.{name}": value for module in (compile_ranges, gaps, host_reads, host_stacks, step_forms)
            for name, value in vars(module).items() if isinstance(value, Guarded)}
 CRAFTED = [
     "cudaStreamSynchronize", "hipDeviceSynchronize", "cuCtxSynchronize", "cudaMemcpy", "hipMemcpyWithStream",
@@ -39,6 +39,9 @@ CRAFTED = [
     "execute_context_1(1)_generation_0(0)", "step[DECODE bs=32]", "STEP[extend]", "ProfilerStep#3",
     "vllm/v1/worker/gpu_model_runner.py(2907): execute_model", "model.py(12): forward", "nn.Module: Linear_0",
     "aten::embedding", "cudaStreamWaitEvent", "hipStreamWaitEvent",
+    "entire_frame_compile", "entire_frame_compile\n", "x entire_frame_compile", "CUDAGraphNode.record (dynamo_timed)",
+    "CUDAGraphNode.record (dynamo_timed)\n", "torch/_dynamo/convert_frame.py(1): __call__",
+    "torch/_inductor/compile_fx.py(2): compile_fx_inner", "_compile.compile_inner",
 ]
 
 

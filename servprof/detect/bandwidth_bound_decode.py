@@ -35,7 +35,7 @@ from servprof.detect.devices import (
     trace_device_properties,
     with_mismatch,
 )
-from servprof.detect.finding import WHOLE_TRACE, Finding
+from servprof.detect.finding import WHOLE_TRACE, Finding, severity_for_share
 from servprof.detect.name_scan import ids_holding
 from servprof.detect.steps import Step, step_index
 from servprof.detect.threads import thread_groups
@@ -44,9 +44,12 @@ from servprof.trace.model import Trace, distinct
 
 MIN_SHARE_OF_STEP = 0.05  # memory-bound ops under this share of the time judged are not where it goes
 LOW_BANDWIDTH_SHARE = 0.5  # memory-bound ops reaching under half of peak bandwidth leave it on the table
-CRITICAL_SHARE, WARNING_SHARE = 0.2, 0.05  # of step time (or the trace's span) left on the table
 MAX_TOP_OPS = 10
 MIN_OPS_FOR_FLOOR = 20
+# No op runs in less than about a microsecond, launch and dispatch included (an empty kernel
+# takes ~1-3 µs on the device): an op whose bytes move faster than that at peak is bounded
+# by per-op overhead whatever the trace shows, so the floor is never lower.
+MIN_OP_US = 1.0
 
 
 def detect_bandwidth_bound(trace: Trace, steps: list[Step], device: str | None
@@ -310,9 +313,9 @@ def _missing(points: PointTally, spec: DeviceSpec, replayed: bool) -> list[dict[
 
 def _op_floor_us(times: Any) -> float:
     """What the shortest ops of this trace take at all (5th percentile of the modelled ops' times):
-    the device's fixed cost per op here (launch, dispatch, the profiler's own per-op cost). Too few
-    ops to tell (under MIN_OPS_FOR_FLOOR): 0, and no op counts as overhead-bound."""
-    return percentile(times, 5) if len(times) >= MIN_OPS_FOR_FLOOR else 0.0
+    the device's fixed cost per op here (launch, dispatch, the profiler's own per-op cost), never
+    under MIN_OP_US. Too few ops to tell (under MIN_OPS_FOR_FLOOR): MIN_OP_US."""
+    return max(percentile(times, 5) if len(times) >= MIN_OPS_FOR_FLOOR else 0.0, MIN_OP_US)
 
 
 def _graph_replay_kernels(trace: Trace) -> dict[str, Any]:
@@ -363,7 +366,7 @@ def _findings(grouped: list[dict[str, Any]], spec: DeviceSpec, scope: str, steps
     overhead_left = sum(g["left_on_table_us"] for g in overhead)
     share = achieved / spec.memory_bandwidth_gbs
     left_share = left / time_judged_us
-    severity = "critical" if left_share >= CRITICAL_SHARE else "warning" if left_share >= WARNING_SHARE else "info"
+    severity = severity_for_share(left_share, (left if slow else overhead_left) / 1000.0)
     capped = _cap_reason(spec, working_set)
     if not slow and overhead and not capped:
         capped = ("the ops below peak move too little per call to be bandwidth-bound (their bytes take less time "

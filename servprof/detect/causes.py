@@ -24,6 +24,7 @@ from servprof.detect.host_stacks import (
     CLASSES,
     COLLECTIVE,
     COMPILE,
+    COMPILING,
     DETOKENIZE,
     LAUNCH,
     OP,
@@ -40,6 +41,10 @@ from servprof.detect.tier import DEEP_WINDOW_HOW, LIGHT_TRACE, NEEDS_DEEP, NEEDS
 from servprof.trace.phases import parse_phase_event_name
 
 __all__ = ["CAUSES", "Explained", "GapExplainer", "TOKENIZER_NAMES", "cause_fix"]
+
+# A launch call (or the wait after it for its work to start) this long is not per-launch
+# overhead (a few µs): the launch itself was slow, typically loading the kernel's code.
+SLOW_LAUNCH_US = 50.0
 
 # cause id -> (what it is, in a few words; what to do about it)
 CAUSES: dict[str, tuple[str, str]] = {
@@ -65,8 +70,15 @@ CAUSES: dict[str, tuple[str, str]] = {
         "detokenization",
         "Detokenize outside the engine thread (a separate thread or process) or in larger batches of tokens.",
     ),
+    "compiling": (
+        "torch.compile compiling (or recording a CUDA graph) while the device waited",
+        "Compile before serving, not while: run every shape the server will see (each batch and length bucket) "
+        "once at start-up, before taking traffic; the recompilation finding says what made it compile and how to "
+        "keep it from compiling again.",
+    ),
     "compiled_dispatch": (
-        "Python before the first graph launch of a compiled forward (torch.compile guards and dispatch)",
+        "Python in a compiled forward before its device work (torch.compile's guards, dispatch and generated "
+        "wrapper code)",
         "Capture the whole decode step in a CUDA graph (torch.compile mode='reduce-overhead', vLLM full CUDA "
         "graphs), keep guards from failing (stable input types and shapes, dynamic dims marked), and move "
         "per-step Python out of the compiled call.",
@@ -80,6 +92,14 @@ CAUSES: dict[str, tuple[str, str]] = {
     "host_ops": (
         "a slow host op while the device waited",
         "Move that op out of the step or make it asynchronous (precompute it, cache it, or run it on the device).",
+    ),
+    "slow_launch": (
+        "a launch that itself took long (the launch call, or the wait for its work to start)",
+        "A launch this slow is the driver loading the kernel's code on its first use (CUDA's lazy module loading, "
+        "a ROCm code object, a cuDNN/MIOpen kernel built on first call): run every shape once at start-up, before "
+        "taking traffic (vLLM and SGLang do this when they capture graphs; in your own server, send a request per "
+        "batch size and length bucket), or load modules eagerly (CUDA_MODULE_LOADING=EAGER). If it recurs every "
+        "step, the launch waits on the driver: look for other processes on the GPU and for a starved host CPU.",
     ),
     "launch_bound": (
         "many short gaps between kernels: the GPU ran each kernel faster than the host launched the next "
@@ -185,7 +205,8 @@ class GapExplainer:
         other_tid, other_us = self._instead(a, b, tid, class_us, look_elsewhere)
         waited = np.zeros(n, dtype=bool) if stream_waited is None else np.asarray(stream_waited, dtype=bool)
         causes = self._decide(class_us, other_us, at_start, np.asarray(starved, dtype=bool),
-                              np.asarray(small, dtype=bool), compiled, waited, b - a, self.light)
+                              np.asarray(small, dtype=bool), compiled, waited, b - a, self.light,
+                              np.asarray(next_graph_launch, dtype=bool))
         return Explained(causes, tid, other_tid, class_us, other_us)
 
     def _instead(self, a: np.ndarray, b: np.ndarray, tid: np.ndarray, class_us: np.ndarray, always: bool = False
@@ -212,8 +233,10 @@ class GapExplainer:
 
     @staticmethod
     def _decide(us: np.ndarray, other: np.ndarray, at_start: np.ndarray, starved: np.ndarray, small: np.ndarray,
-                compiled: np.ndarray, waited: np.ndarray, length: np.ndarray, light: bool = False) -> list[str]:
+                compiled: np.ndarray, waited: np.ndarray, length: np.ndarray, light: bool = False,
+                graph_launch: np.ndarray | None = None) -> list[str]:
         """Each gap's cause: the first rule (most specific first) that holds, vectorised over gaps.
+        A graph launch's cost grows with the graph: a long one is not a slow launch of a kernel.
         On a light trace the rules that read the absence of ops (a GIL held elsewhere while this
         thread recorded nothing, Python against op time) are skipped: what no rule explains from
         what was recorded needs a deep window."""
@@ -221,6 +244,7 @@ class GapExplainer:
         busy = us[:, busy_classes]
         top = busy_classes[np.argmax(busy, axis=1)] if len(us) else np.zeros(0, dtype=np.int64)
         other_busy = other[:, busy_classes].sum(axis=1)
+        graph = np.zeros(len(us), dtype=bool) if graph_launch is None else graph_launch
         python = us[:, PYTHON] + us[:, COMPILE]
         host_busy = busy.sum(axis=1) >= 0.5 * length
         gil = (us[:, UNTRACED] >= 0.5 * length) & (other_busy >= 0.2 * length)
@@ -232,11 +256,13 @@ class GapExplainer:
             ((top == TOKENIZE) & (us[:, TOKENIZE] >= 0.2 * length), "tokenization", False),
             ((top == DETOKENIZE) & (us[:, DETOKENIZE] >= 0.2 * length), "detokenization", False),
             ((top == COLLECTIVE) & (us[:, COLLECTIVE] >= 0.2 * length), "collective_wait", False),
+            ((top == COMPILING) & (us[:, COMPILING] >= 0.2 * length), "compiling", False),
             (us[:, WAIT] >= 0.5 * length, "waiting", False),
             (gil & (other[:, TOKENIZE] >= 0.5 * other_busy), "tokenization", True),
             (gil, "gil_contention", True),
             (compiled & (python >= 0.5 * length) & (us[:, LAUNCH] + us[:, RUNTIME] < 0.1 * length), "compiled_dispatch",
              False),
+            (host_busy & (top == LAUNCH) & (us[:, LAUNCH] >= SLOW_LAUNCH_US) & ~graph, "slow_launch", False),
             (small, "launch_bound", False),
             (host_busy & (top == LAUNCH), "launch_bound", False),
             (host_busy & (python >= us[:, OP]), "host_python", True),
@@ -302,11 +328,19 @@ class GapExplainer:
                                        "self_us": {CLASSES[c]: round(float(v), 1) for c, v in
                                                    enumerate(explained.other_us[i]) if v >= 0.05}}
         wanted = {"synchronize": "sync", "tokenization": "tokenize", "detokenization": "detokenize",
-                  "compiled_dispatch": None, "collective_wait": "collective"}.get(cause)
-        frames = evidence["ran_instead"]["top_frames"] if cause in ("gil_contention",) or (
-            cause == "tokenization" and other >= 0) else top
-        named = [f for f in frames if wanted is None or f["class"] == wanted] or frames
-        names = ", ".join(str(f["name"])[:90] for f in named[:3]) or "nothing recorded"
+                  "compiled_dispatch": None, "collective_wait": "collective", "slow_launch": "launch",
+                  "compiling": "compiling"}.get(cause)
+        elsewhere = cause in ("gil_contention",) or (cause == "tokenization" and other >= 0)
+        frames = evidence["ran_instead"]["top_frames"] if elsewhere else top
+        named = [f for f in frames if wanted is None or f["class"] == wanted]
+        if wanted is not None and not named and not elsewhere:
+            # The frame that makes the cause (a sync at the gap's start, a slow launch) can hold
+            # less self time than the top five: name it from all the gap's frames.
+            named = [f for f in stack.top(a, b, self.names, limit=1 << 30) if f["class"] == wanted][:3]
+            if named:
+                evidence["cause_frames"] = named
+        named = named or frames
+        names = ", ".join(_frame_text(f, cause) for f in named[:3]) or "nothing recorded"
         label = CAUSES.get(cause, CAUSES["untraced_host_time"])[0]
         if cause in ("gil_contention",) or (cause == "tokenization" and other >= 0):
             text = f"{label}: thread {other} ran {names} while thread {tid} (the one driving the model) recorded nothing"
@@ -317,6 +351,12 @@ class GapExplainer:
                 text += f"; meanwhile thread {tid} blocked in {blocked[0]['name']} ({float(blocked[0]['self_us']) / 1000:.2f} ms)"
         elif cause == "launch_bound":
             text = label
+        elif cause == "slow_launch":
+            text = f"{label} on thread {tid}: {names}"
+            called = sum(float(f["self_us"]) for f in top if f["class"] == "launch")
+            waited = float(explained.class_us[i][LAUNCH]) - called
+            if waited >= SLOW_LAUNCH_US:
+                text += f"; its work started {waited / 1000:.2f} ms after the call returned"
         elif cause == "untraced_host_time":
             quiet = float(explained.class_us[i][UNTRACED])
             text = f"{label}: thread {tid} recorded nothing for {quiet / 1000:.2f} of {(b - a) / 1000:.2f} ms"
@@ -329,6 +369,12 @@ class GapExplainer:
             if ids:
                 evidence["tokenize_request_ids"] = ids[:20]
         return text, evidence
+
+
+def _frame_text(frame: dict[str, Any], cause: str) -> str:
+    """A frame as a finding names it; a slow launch with the time the call took."""
+    name = str(frame["name"])[:90]
+    return f"{name} ({float(frame['self_us']) / 1000:.2f} ms)" if cause == "slow_launch" else name
 
 
 def _light_text(explained: Explained, i: int, a: float, b: float, evidence: dict[str, Any]) -> str:

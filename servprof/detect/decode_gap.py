@@ -10,19 +10,17 @@ from typing import Any
 import numpy as np
 
 from servprof.detect.causes import cause_fix
-from servprof.detect.finding import Finding
+from servprof.detect.finding import WARNING_SHARE, Finding, severity_for_share
 from servprof.detect.gaps import Gap, find_gaps
 from servprof.detect.steps import Step
 from servprof.detect.tier import NEEDS_DEEP_CAUSE, is_light
 
-__all__ = ["Gap", "detect_decode_gaps", "find_gaps", "severity_for_share", "step_span_us", "step_words"]
+__all__ = ["Gap", "detect_decode_gaps", "find_gaps", "step_span_us", "step_words"]
 
 # A cause is reported when its gaps take a real share of the step time, and recur (or are
 # large alone): one preemption of a few ms by the OS is not something to fix.
-MIN_SHARE = 0.05
+MIN_SHARE = WARNING_SHARE
 MIN_SHARE_SINGLE = 0.2
-CRITICAL_SHARE = 0.2
-CRITICAL_MIN_MS, WARNING_MIN_MS = 1.0, 0.1
 # A gap nothing recorded explains is a finding above info only when most steps have one.
 MIN_RECURRENCE_UNEXPLAINED = 0.5
 UNEXPLAINED = ("untraced_host_time", NEEDS_DEEP_CAUSE)
@@ -51,17 +49,6 @@ def step_span_us(steps: list[Step]) -> float:
         ends = [s.device_end_us if s.on_device else s.end_us for s in mine]
         total += max(e for e in ends if e is not None) - min(s for s in starts if s is not None)
     return total
-
-
-def severity_for_share(share: float, cost_ms: float) -> str:
-    """Critical from a fifth of the step time, warning from a twentieth; a cause that costs under
-    1 ms in all is never critical, and under 0.1 ms only info, whatever its share."""
-    severity = "critical" if share >= CRITICAL_SHARE else ("warning" if share >= MIN_SHARE else "info")
-    if severity == "critical" and cost_ms < CRITICAL_MIN_MS:
-        severity = "warning"
-    if cost_ms < WARNING_MIN_MS:
-        severity = "info"
-    return severity
 
 
 def _recurrence(group: list[Gap], steps: list[Step]) -> float:

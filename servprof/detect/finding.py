@@ -12,6 +12,21 @@ SEVERITY_ORDER = {"info": 0, "warning": 1, "critical": 2}
 # evidence["scope"] of a finding about the trace as a whole (no step, no request): it belongs to the
 # session (its analysis span), not to each sampled request.
 WHOLE_TRACE = "whole trace"
+# A cost's severity from its share of the time judged (step time, or the trace's span); a cost
+# under CRITICAL_MIN_MS in all is never critical, and under WARNING_MIN_MS only info, whatever its
+# share: a share of almost nothing (a trace of a few µs of device work) is not worth fixing.
+CRITICAL_SHARE, WARNING_SHARE = 0.2, 0.05
+CRITICAL_MIN_MS, WARNING_MIN_MS = 1.0, 0.1
+
+
+def severity_for_share(share: float, cost_ms: float) -> Severity:
+    """Critical from a fifth of the time judged, warning from a twentieth, floored by the cost."""
+    severity: Severity = "critical" if share >= CRITICAL_SHARE else "warning" if share >= WARNING_SHARE else "info"
+    if severity == "critical" and cost_ms < CRITICAL_MIN_MS:
+        severity = "warning"
+    if cost_ms < WARNING_MIN_MS:
+        severity = "info"
+    return severity
 
 
 @dataclass

@@ -186,15 +186,20 @@ def _device_gaps(trace: Any, rank: int, steps: list[Step], index: dict[int, int]
     cause_names = sorted(set(explained.cause))
     cause_code = np.fromiter(map({c: i for i, c in enumerate(cause_names)}.__getitem__, explained.cause),
                              dtype=np.int64, count=len(explained.cause))
-    summed: dict[tuple[int, bool, str], np.ndarray] = {}
+    # Summed per step, place, cause and the thread they were read from: a sum's frames are all on
+    # the thread it names (a training step's gaps come from the main and the autograd thread).
+    summed: dict[tuple[int, bool, str, int], np.ndarray] = {}
     short = np.flatnonzero(counted & small)
     if short.size:
-        key = (step_pos[short] * 2 + inside[short]) * len(cause_names) + cause_code[short]
+        threads, thread_code = np.unique(explained.tid[short], return_inverse=True)
+        key = ((step_pos[short] * 2 + inside[short]) * len(cause_names) + cause_code[short]) * threads.size \
+            + thread_code
         order = np.argsort(key, kind="stable")
         keys, first = np.unique(key[order], return_index=True)
         for k, members in zip(keys.tolist(), np.split(short[order], first[1:]), strict=True):
-            pos_inside, code = divmod(k, len(cause_names))
-            summed[(pos_inside // 2, bool(pos_inside % 2), str(cause_names[code]))] = members
+            rest, thread = divmod(k, threads.size)
+            pos_inside, code = divmod(rest, len(cause_names))
+            summed[(pos_inside // 2, bool(pos_inside % 2), str(cause_names[code]), int(threads[thread]))] = members
     listed = np.flatnonzero(counted & ~small)
     described = explained.subset(listed)
     for j, i in enumerate(listed.tolist()):
@@ -209,16 +214,17 @@ def _device_gaps(trace: Any, rank: int, steps: list[Step], index: dict[int, int]
     named = sorted(summed, key=lambda key: -float((hole_b[summed[key]] - hole_a[summed[key]]).sum()))[:MAX_NAMED_SUMS]
     longest = [summed[key][np.argsort(hole_a[summed[key]] - hole_b[summed[key]])[:20]] for key in named]
     frames = dict(zip(named, explainer.top_frames(explained, longest, hole_a, hole_b), strict=True))
-    for (pos, is_inside, cause), idx in summed.items():
+    for key, idx in summed.items():
+        pos, is_inside, cause, thread = key
         step = on_device[pos]
         idle = float((hole_b[idx] - hole_a[idx]).sum())
         label = CAUSES[cause][0]
         text = f"{idx.size} short device gaps (each under {limit[idx[0]]:.0f} µs), {idle:.0f} µs in all: {label}"
         by_class = explained.class_us[idx].sum(axis=0)
-        evidence = {"gaps_summed": int(idx.size), "thread": int(explained.tid[idx[0]]),
+        evidence = {"gaps_summed": int(idx.size), "thread": thread,
                     "self_us": {CLASSES[c]: round(float(v), 1) for c, v in enumerate(by_class) if v >= 0.05},
                     "longest_us": round(float((hole_b[idx] - hole_a[idx]).max()), 1),
-                    "top_frames": frames.get((pos, is_inside, cause), [])}
+                    "top_frames": frames.get(key, [])}
         out.append(Gap(rank, float(hole_a[idx].min()), float(hole_b[idx].max()), idle,
                        "inside_step" if is_inside else "between_steps", cause, (text, evidence),
                        list(step.request_ids), count=int(idx.size), step=index[id(step)]))

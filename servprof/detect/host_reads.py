@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from servprof.detect.causes import CAUSES, cause_fix
-from servprof.detect.finding import Finding
+from servprof.detect.finding import Finding, severity_for_share
 from servprof.detect.host_stacks import _device_to_host_launches
 from servprof.detect.name_guard import Guarded
 from servprof.detect.nesting import start_order
@@ -108,8 +108,6 @@ def detect_host_reads(trace: Trace, steps: list[Step], span_us: float) -> tuple[
         return None, summary
     cost_ms = float(spent.sum()) / 1000
     share = cost_ms * 1000 / span_us if span_us > 0 else 0.0
-    from servprof.detect.decode_gap import severity_for_share
-
     calls = ", ".join(f"{name} x{n}" for name, n in sorted(labels.items(), key=lambda kv: -kv[1]))
     title = (f"the decode loop reads a tensor to the host every step ({calls}: {counts.mean():.1f} per step, "
              f"{spent.mean():.1f} µs per step here, {share:.2%} of step time on this CPU trace); on a GPU "

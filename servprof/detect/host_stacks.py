@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from servprof.detect.compile_ranges import COMPILING_NAMES
 from servprof.detect.name_guard import Guarded
 from servprof.detect.name_scan import NameText, host_name_text
 from servprof.detect.nesting import depths, extend_ends, levels, nearest, parents, segments, start_order
@@ -27,10 +28,13 @@ from servprof.trace.model import RUNTIME_CATEGORIES, Trace, distinct_first_inver
 from servprof.trace.phases import PHASE_PREFIX
 
 HOST_CATEGORIES = ("cpu_op", "user_annotation", "python_function", *RUNTIME_CATEGORIES)
+# compile: torch.compile's per-call machinery (guards, dispatch into compiled code); compiling:
+# everything inside a range torch.compile records while it compiles or records a CUDA graph.
 CLASSES = ("untraced", "python", "op", "launch", "runtime", "sync", "tokenize", "detokenize", "wait",
-           "collective", "compile")
-(UNTRACED, PYTHON, OP, LAUNCH, RUNTIME, SYNC, TOKENIZE, DETOKENIZE, WAIT, COLLECTIVE, COMPILE) = range(len(CLASSES))
-BUSY_CLASSES = (PYTHON, OP, LAUNCH, RUNTIME, SYNC, TOKENIZE, DETOKENIZE, COLLECTIVE, COMPILE)
+           "collective", "compile", "compiling")
+(UNTRACED, PYTHON, OP, LAUNCH, RUNTIME, SYNC, TOKENIZE, DETOKENIZE, WAIT, COLLECTIVE, COMPILE,
+ COMPILING) = range(len(CLASSES))
+BUSY_CLASSES = (PYTHON, OP, LAUNCH, RUNTIME, SYNC, TOKENIZE, DETOKENIZE, COLLECTIVE, COMPILE, COMPILING)
 TRIM_ROWS = 256 * 1024  # a thread with this many events gives its freed temporaries back as it is swept
 TOP_CHUNK = 1 << 14  # ThreadStack.top_keys reads windows of about so many segments in all at a time (~1 MB)
 
@@ -85,7 +89,7 @@ GENERIC_FRAMES = Guarded(re.compile(
 
 # The classes a name gives to everything inside it, the first that matches winning.
 SPECIFIC = ((SYNC_NAMES, SYNC), (DETOKENIZER_NAMES, DETOKENIZE), (TOKENIZER_NAMES, TOKENIZE), (WAIT_NAMES, WAIT),
-            (COLLECTIVE_NAMES, COLLECTIVE))
+            (COLLECTIVE_NAMES, COLLECTIVE), (COMPILING_NAMES, COMPILING))
 PHASE_CLASSES = {"tokenize": TOKENIZE, "detokenize": DETOKENIZE}
 
 

@@ -21,6 +21,13 @@ from typing import Any
 
 import numpy as np
 
+from servprof.detect.compile_causes import classify, describe_cause, fix_for
+from servprof.detect.compile_ranges import (
+    CUDAGRAPH_RANGES,
+    STRONG_LITERALS,
+    WEAK_COMPILE_NAMES,
+    is_compile_range,
+)
 from servprof.detect.finding import Finding, severity_for
 from servprof.detect.intervals import merge
 from servprof.detect.name_scan import host_name_text, ids_holding
@@ -29,39 +36,12 @@ from servprof.detect.tier import DEEP_WINDOW_HOW, is_light
 from servprof.trace.model import Trace
 from servprof.trace.phases import request_phases
 
-STRONG_COMPILE_NAMES = frozenset({
-    "entire_frame_compile", "_compile.compile_inner", "backend_compile", "inductor_compile", "compile_fx_inner",
-    "OutputGraph.call_user_compiler", "create_aot_dispatcher_function", "fx_codegen_and_compile",
-    "bytecode_tracing", "compile_attempt_0", "build_guards"})
-WEAK_COMPILE_NAMES = frozenset({"dynamo"})  # counted only around a strong one (a common word)
-DYNAMO_TIMED = " (dynamo_timed)"
-PY_COMPILE_FRAME = re.compile(r"torch/_dynamo/convert_frame\.py\(\d+\): (?:_compile|compile_inner|__call__)$|"
-                              r"torch/_inductor/compile_fx\.py\(\d+\): compile_fx(?:_inner)?$")
 COMPILE_ID_ARG = re.compile(r"compile_id=\[?(\d+)/(\d+)")
 REGION = re.compile(r"^Torch-Compiled Region: \[?(\d+)/(\d+)")
-SIZE_GUARD = re.compile(r"tensor '([^']+)' size mismatch at index (\d+)\. expected (\d+), actual (\d+)")
-VALUE_GUARD = re.compile(r"(L\[[^\]]+\](?:\[[^\]]+\])*)\s*==\s*([^\s,]+)")
 MAX_STALLS_LISTED = 20
 WARNING_MS, CRITICAL_MS = 50.0, 500.0
 
-FIXES = {
-    "batch_size": ("Pad decode batches to a few bucket sizes (1, 2, 4, 8, ...) and run each once at start-up, "
-                   "or mark the batch dimension dynamic before the first call: torch._dynamo.mark_dynamic(x, 0) "
-                   "(or torch.compile(dynamic=True))."),
-    "dimension": ("Mark the dimension dynamic before the first call: torch._dynamo.mark_dynamic({name}, {dim}), "
-                  "or pad it to a few bucket sizes (dim 0 is usually the batch) and warm each up at start-up."),
-    "value": ("A Python value is baked into the graph ({guard}): pass it as a tensor, or make it a constant; "
-              "each new value compiles again."),
-    "first_compile": ("This shape was compiled while serving: run every shape the server will see (each batch "
-                      "and length bucket) once at start-up, before taking traffic."),
-    "unknown": ("Find the failing guard with TORCH_LOGS=recompiles (or torch._dynamo.utils.guard_failures); "
-                "then mark the changing dimension dynamic (torch._dynamo.mark_dynamic), pad it to buckets, or "
-                "warm those shapes up at start-up."),
-}
-# What every name _compile_rows and _regions_per_step look for holds (name_scan.py asks the
-# predicates of those names only).
-STRONG_LITERALS = (*sorted(STRONG_COMPILE_NAMES), DYNAMO_TIMED, "torch/_dynamo/convert_frame.py(",
-                   "torch/_inductor/compile_fx.py(")
+# What every name _regions_per_step looks for holds (name_scan.py asks the predicate of those names only).
 REGION_LITERAL = "Torch-Compiled Region: "
 GRAPH_BREAK_FIX = ("torch._dynamo.explain(fn)(*inputs) lists each break and its cause; remove it from the "
                    "compiled code (print/logging, .item() or .tolist(), data-dependent Python branches, "
@@ -70,8 +50,7 @@ GRAPH_BREAK_FIX = ("torch._dynamo.explain(fn)(*inputs) lists each break and its 
 
 def _compile_rows(trace: Trace) -> np.ndarray:
     ids, text = host_name_text(trace)
-    strong = ids[text.holding(STRONG_LITERALS, lambda s: s in STRONG_COMPILE_NAMES or s.endswith(DYNAMO_TIMED)
-                              or PY_COMPILE_FRAME.search(s) is not None)]
+    strong = ids[text.holding(STRONG_LITERALS, is_compile_range)]
     return np.flatnonzero(np.isin(trace.name_id, strong) & trace.complete() & (trace.stream < 0))
 
 
@@ -84,6 +63,7 @@ def compile_stalls(trace: Trace) -> list[dict[str, Any]]:
                           & trace.complete() & (trace.stream < 0))
     ids = trace.ids_matching(lambda s: "compile_id=" in s)
     id_rows = np.flatnonzero(np.isin(trace.name_id, ids)) if ids.size else np.zeros(0, dtype=np.int64)
+    recording = trace.ids_matching(lambda s: s.startswith(CUDAGRAPH_RANGES))
     stalls = []
     keys = np.stack([trace.rank[rows].astype(np.int64), trace.pid[rows], trace.tid[rows]], axis=1)
     for key in sorted({tuple(k) for k in keys.tolist()}):
@@ -106,9 +86,12 @@ def compile_stalls(trace: Trace) -> list[dict[str, Any]]:
         for start, end in intervals:
             inside = thread_ids[(trace.ts[thread_ids] >= start) & (trace.ts[thread_ids] <= end)]
             match = next((m for m in (COMPILE_ID_ARG.search(trace.name(int(r))) for r in inside) if m), None)
+            ranges = mine[(trace.ts[mine] >= start) & (trace.ts[mine] <= end)]
             stalls.append({"rank": int(key[0]), "tid": int(key[2]), "start_us": start, "end_us": end,
                            "ms": (end - start) / 1e3,
-                           "compile_id": f"{match.group(1)}/{match.group(2)}" if match else None})
+                           "compile_id": f"{match.group(1)}/{match.group(2)}" if match else None,
+                           # cudagraph trees recording a graph, and no compile range around it
+                           "graph_recording": bool(np.isin(trace.name_id[ranges], recording).all())})
     # Inductor compiles files on worker threads while the compiling thread waits: a stretch that
     # lies within a longer one on another thread of the rank is part of that compile.
     return [s for s, inside in zip(stalls, _within_longer_elsewhere(stalls), strict=True) if not inside]
@@ -156,44 +139,6 @@ def _match_record(stall: dict[str, Any], records: list[dict[str, Any]], base_ns:
     return None
 
 
-def classify(reason: str | None, compile_id: str | None, batch: int | None) -> dict[str, Any]:
-    """What made Dynamo compile: the kind of cause and its particulars."""
-    if not reason:
-        recompile = compile_id is not None and not compile_id.endswith("/0")
-        return {"cause": "unknown" if recompile else "first_compile"}
-    size = SIZE_GUARD.search(reason)
-    if size:
-        name, dim, expected, actual = size.group(1), int(size.group(2)), int(size.group(3)), int(size.group(4))
-        cause = "batch_size" if dim == 0 and actual == batch else "dimension"
-        return {"cause": cause, "tensor": name, "dim": dim, "expected": expected, "actual": actual}
-    value = VALUE_GUARD.search(reason)
-    if value:
-        return {"cause": "value", "guard": f"{value.group(1)} == {value.group(2)}"}
-    return {"cause": "unknown"}
-
-
-def _describe_cause(detail: dict[str, Any]) -> str:
-    cause = detail["cause"]
-    if cause == "batch_size":
-        return f"a new batch size ({detail['actual']})"
-    if cause == "dimension":
-        return f"a new size of {detail['tensor']} dim {detail['dim']} ({detail['expected']} -> {detail['actual']})"
-    if cause == "value":
-        return f"a changed value ({detail['guard']})"
-    if cause == "first_compile":
-        return "a first compile while serving"
-    return "a guard failure torch did not name here"
-
-
-def _fix(detail: dict[str, Any]) -> str:
-    cause = detail["cause"]
-    if cause == "dimension":
-        return FIXES["dimension"].format(name=detail["tensor"].split("[")[-1].strip("'\"]") or "x", dim=detail["dim"])
-    if cause == "value":
-        return FIXES["value"].format(guard=detail["guard"])
-    return FIXES[cause]
-
-
 def detect_recompilation(trace: Trace, steps: list[Step]) -> tuple[list[Finding], dict[str, Any]]:
     records, frames, meta = _records(trace)
     base = next((m.get("baseTimeNanoseconds") for m in trace.metadata.values()
@@ -208,7 +153,7 @@ def detect_recompilation(trace: Trace, steps: list[Step]) -> tuple[list[Finding]
         stall["cut_at_stop"] = stop_us is not None and stall["end_us"] >= stop_us - 1e3
     index = step_index(steps, np.array([s["rank"] for s in stalls]), np.array([s["start_us"] for s in stalls])) \
         if stalls and steps else np.full(len(stalls), -1)
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    groups: dict[tuple[str | None, str], list[dict[str, Any]]] = {}
     windows = _request_windows(trace) if stalls else {}
     for stall, where in zip(stalls, index.tolist(), strict=True):
         step = steps[where] if where >= 0 else None
@@ -224,8 +169,9 @@ def detect_recompilation(trace: Trace, steps: list[Step]) -> tuple[list[Finding]
                       "torch_ms": record["duration_us"] / 1e3 if record else None,
                       "reason": (record or {}).get("recompile_reason")})
         stall["compile_id"] = stall["compile_id"] or (record or {}).get("compile_id")
-        stall["detail"] = classify(stall["reason"], stall["compile_id"], stall["batch"])
-        function = stall["function"] or (f"frame {stall['compile_id'].split('/')[0]}" if stall["compile_id"] else "?")
+        stall["detail"] = classify(stall["reason"], stall["compile_id"], stall["batch"],
+                                   stall.get("graph_recording", False))
+        function = stall["function"] or (f"frame {stall['compile_id'].split('/')[0]}" if stall["compile_id"] else None)
         groups.setdefault((function, stall["detail"]["cause"]), []).append(stall)
     findings = [_recompile_finding(function, group) for (function, _), group in groups.items()]
     before = _before_session(meta, float(trace.ts.min()) if len(trace) else 0.0)
@@ -254,16 +200,16 @@ def _request_windows(trace: Trace) -> dict[str, tuple[float, float]]:
             for rid, phases in request_phases(trace).items() if phases}
 
 
-def _before_session(meta: dict[str, Any], at_us: float) -> dict[tuple[str, str], list[dict[str, Any]]]:
+def _before_session(meta: dict[str, Any], at_us: float) -> dict[tuple[str | None, str], list[dict[str, Any]]]:
     """Compiles torch recorded while serving before this session (not in the trace): shown at
     the trace's start, with torch's own durations and reasons."""
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    groups: dict[tuple[str | None, str], list[dict[str, Any]]] = {}
     for record in meta.get("before_session") or []:
         if not isinstance(record, dict) or not isinstance(record.get("duration_us"), int):
             continue
         compile_id = record.get("compile_id") if isinstance(record.get("compile_id"), str) else None
         reason = record.get("recompile_reason") if isinstance(record.get("recompile_reason"), str) else None
-        function = record.get("co_name") if isinstance(record.get("co_name"), str) else "?"
+        function = record.get("co_name") if isinstance(record.get("co_name"), str) else None
         stall = {"start_us": at_us, "end_us": at_us, "ms": record["duration_us"] / 1e3, "compile_id": compile_id,
                  "in_step": False, "step_kind": None, "batch": None, "request_ids": [], "tid": None,
                  "torch_ms": record["duration_us"] / 1e3, "reason": reason,
@@ -272,22 +218,25 @@ def _before_session(meta: dict[str, Any], at_us: float) -> dict[tuple[str, str],
     return groups
 
 
-def _recompile_finding(function: str, stalls: list[dict[str, Any]], before_session: bool = False) -> Finding:
+def _recompile_finding(function: str | None, stalls: list[dict[str, Any]], before_session: bool = False
+                       ) -> Finding:
     in_steps = [s for s in stalls if s["in_step"]]
     cost = sum(s["ms"] for s in stalls)
     detail = stalls[0]["detail"]
     sizes = sorted({s["detail"]["actual"] for s in stalls if "actual" in s["detail"]})
     requests = list(dict.fromkeys(r for s in stalls for r in s["request_ids"]))
-    what = _describe_cause(detail)
+    what = describe_cause(detail)
     if sizes and detail["cause"] in ("batch_size", "dimension"):
         what += f"; sizes seen: {', '.join(map(str, sizes))}"
+    subject = f"`{function}`" if function else "a function the trace does not name"
+    did = "recorded a CUDA graph of" if detail["cause"] == "cudagraph_record" else "compiled"
     if before_session:
-        title = (f"torch.compile compiled `{function}` {len(stalls)} time(s) while serving before this session "
+        title = (f"torch.compile {did} {subject} {len(stalls)} time(s) while serving before this session "
                  f"({cost:,.0f} ms stalled, torch's own records): {what}")
     else:
         where = f"{len(in_steps)} inside model steps" if in_steps else "outside any model step found"
         cut = " (at least: still compiling when the capture stopped)" if any(s.get("cut_at_stop") for s in stalls) else ""
-        title = (f"torch.compile compiled `{function}` {len(stalls)} time(s) while serving ({where}), "
+        title = (f"torch.compile {did} {subject} {len(stalls)} time(s) while serving ({where}), "
                  f"{cost:,.0f} ms stalled{cut}: {what}")
     torch_ms = [s["torch_ms"] for s in stalls if s["torch_ms"] is not None]
     evidence = {
@@ -302,7 +251,7 @@ def _recompile_finding(function: str, stalls: list[dict[str, Any]], before_sessi
     severity = severity_for(cost, WARNING_MS, CRITICAL_MS) if in_steps or before_session else "info"
     return Finding("recompilation", severity, cost, min(s["start_us"] for s in stalls),
                    max(s["end_us"] for s in stalls), title, request_ids=requests[:100], evidence=evidence,
-                   fix=_fix(detail))
+                   fix=fix_for(detail))
 
 
 def _regions_per_step(trace: Trace, steps: list[Step], frames: dict[str, Any]) -> dict[str, Any]:
