@@ -38,6 +38,22 @@ def test_json_and_html_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert 'fill="#e45756"' in page  # the gaps are drawn on the timeline
 
 
+def test_json_to_stdout_is_the_json_alone_and_warnings_go_to_stderr(tmp_path: Path):
+    """`--json -` writes the report to stdout (for jq and pipes), byte for byte the file's, and
+    nothing else there; warnings the terminal report would show go to stderr. (It used to write a
+    file named '-'.)"""
+    trace = PUBLIC_TRACES / "hta_cuda_event_sync_a100.json.gz"
+    command = [sys.executable, "-m", "servprof.cli", "analyze", str(trace), "--device", "l4"]
+    piped = subprocess.run([*command, "--json", "-"], capture_output=True, cwd=tmp_path, timeout=120)
+    assert piped.returncode == 0 and not (tmp_path / "-").exists()
+    written = subprocess.run([*command, "--json", str(tmp_path / "r.json")], capture_output=True, timeout=120)
+    assert piped.stdout == (tmp_path / "r.json").read_bytes() + b"\n"
+    report = orjson.loads(piped.stdout)
+    assert report["summary"]["warnings"]  # an L4's peak contradicted by this A100 trace
+    assert b"warning:" in piped.stderr and b"warning:" not in piped.stdout
+    assert b"warning:" in written.stdout  # the terminal report, as before
+
+
 def test_every_public_trace_and_fixture_analyses(tmp_path: Path):
     paths = sorted(PUBLIC_TRACES.glob("*.json.gz")) + sorted(fixture("clean").parent.glob("*.json.gz"))
     assert any(p.parent == PUBLIC_TRACES for p in paths), f"no public traces under {PUBLIC_TRACES}"

@@ -34,7 +34,8 @@ PROGRESS_MIN_BYTES = 20 * 1024**2  # show a progress display for inputs bigger t
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", help="a .json / .json.gz trace, or a directory of per-rank traces")
-    parser.add_argument("--json", dest="json_out", metavar="OUT", help="write the JSON report here")
+    parser.add_argument("--json", dest="json_out", metavar="OUT",
+                        help="write the JSON report here ('-': to stdout, instead of the terminal report)")
     parser.add_argument("--html", dest="html_out", metavar="OUT", help="write the HTML report here")
     parser.add_argument("--device", help=f"device to judge kernels against: {', '.join(DEVICES)}, or 'calibrated' "
                                          "(default: the trace's GPU, else the saved calibration, else generic CPU)")
@@ -113,7 +114,12 @@ def run(args: argparse.Namespace) -> int:
                 item.report = build_report(item.analysis, requests)
         report = runs[0].report if len(runs) == 1 else sessions_report(source, runs)
         if args.json_out:
-            Path(args.json_out).write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
+            document = orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
+            if args.json_out == "-":  # as jq and friends expect: the JSON alone on stdout
+                sys.stdout.buffer.write(document + b"\n")
+                sys.stdout.flush()
+            else:
+                Path(args.json_out).write_bytes(document)
         if args.html_out:
             from servprof.report.html import render, render_sessions
 
@@ -129,6 +135,11 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:  # an output path that cannot be written
         print(f"servprof analyze: cannot write {exc.filename}: {exc.strerror}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if args.json_out == "-":  # stdout is the JSON's: what the terminal report would warn of goes to stderr
+        for item in runs:
+            for warning in item.analysis.summary.get("warnings") or []:
+                err.print(Text.assemble(("warning:", "yellow"), f" {warning}"))
+        return 0
     # Piped output gets a fixed, readable width instead of 80 columns.
     console = Console() if sys.stdout.isatty() else Console(width=160)
     if len(runs) > 1:
