@@ -90,18 +90,20 @@ def test_ids_holding_as_ids_matching() -> None:
     NameText of every string, give ids_matching's ids on every fixture."""
     from pathlib import Path
 
+    from servprof.detect import compile_ranges as cr
     from servprof.detect import recompilation as rc
     from servprof.detect.name_scan import host_name_text, ids_holding
     from servprof.trace import load_trace
 
-    def strong(s: str) -> bool:
-        return s in rc.STRONG_COMPILE_NAMES or s.endswith(rc.DYNAMO_TIMED) or rc.PY_COMPILE_FRAME.search(s) is not None
+    def strong(s: str) -> bool:  # the compile ranges' definition, written plainly
+        return s in cr.STRONG_COMPILE_NAMES or s.endswith(cr.DYNAMO_TIMED) or cr.PY_COMPILE_FRAME.search(s) is not None
 
     def region(s: str) -> bool:
         return rc.REGION.match(s) is not None
 
     crafted = ["backend_compile", "xbackend_compile", "f (dynamo_timed)", "torch/_dynamo/convert_frame.py(9): _compile",
-               "Torch-Compiled Region: 0/1", "x Torch-Compiled Region: 0/1", "cudaGraphLaunch"]
+               "Torch-Compiled Region: 0/1", "x Torch-Compiled Region: 0/1", "cudaGraphLaunch",
+               "backend_compile\n", "f (dynamo_timed)\n", "CUDAGraphNode.record (dynamo_timed)"]
     fixtures = Path(__file__).parent / "fixtures"
     for path in sorted((fixtures / "public").glob("*.json.gz")) + sorted(fixtures.glob("*.json.gz")):
         trace = load_trace(path)
@@ -110,7 +112,9 @@ def test_ids_holding_as_ids_matching() -> None:
         assert ids_holding(trace, ("GraphLaunch",), lambda s: True).tolist() == \
             trace.ids_matching(lambda s: "GraphLaunch" in s).tolist()
         ids, text = host_name_text(trace)
-        assert ids[text.holding(rc.STRONG_LITERALS, strong)].tolist() == trace.ids_matching(strong, ids).tolist()
+        assert ids[text.holding(cr.STRONG_LITERALS, strong)].tolist() == trace.ids_matching(strong, ids).tolist()
+        # The one guarded regex (host_stacks' compiling class) answers as the plain definition.
+        assert all(cr.is_compile_range(name) == strong(name) for name in trace.names)
 
 
 def test_starting_with_as_startswith(names: list[str]) -> None:
