@@ -138,3 +138,18 @@ def test_a_command_parser_matches_its_sub_parser(capsys: pytest.CaptureFixture[s
         main(["analyze"])
     assert exited.value.code == 2
     assert "servprof analyze: error: the following arguments are required: path" in capsys.readouterr().err
+
+
+def test_memory_freed_in_a_phase_is_said_so_never_a_negative_kept():
+    """TraceLens's MI300X norm layers: outside the steps the device freed more than it allocated
+    (what the steps had allocated). The memory table said "outside_steps kept -13.9 MiB"."""
+    from servprof.detect.analysis import analyse
+    from servprof.report.memory_compile import memory_rows
+    from servprof.trace import load_trace
+
+    summary = analyse(load_trace(PUBLIC_TRACES / "tracelens_norm_layers_mi300x.json.gz")).summary
+    phases = summary["memory"]["devices"]["device6:0"]["by_phase"]
+    assert phases["outside_steps"]["kept_bytes"] < 0 < phases["step"]["kept_bytes"]  # the JSON keeps the sign
+    (row,) = [r for r in memory_rows(summary) if r["device"] == "device6:0"]
+    freed = -phases["outside_steps"]["kept_bytes"] / 2**20
+    assert f"outside_steps freed {freed:,.1f} MiB" in row["allocated most"] and "kept -" not in row["allocated most"]

@@ -188,13 +188,15 @@ def test_tokenization_found_on_the_loop_with_its_time(observed: dict[str, Any]) 
     # The same call timed without the profiler, interleaved with the requests (23 runs). On this
     # shared machine single timings swing by 2x and the load shifts within a run, so the comparison
     # is between distributions: the fastest sampled call within 1.5x the reference's upper quartile,
-    # and none faster than the fastest reference call less 20%. The servers' slow helpers that run
+    # and none faster than half the fastest reference call (a phase cut short; at 0.8x a quiet
+    # moment during the requests against a loaded one during the reference failed it: 12.9 ms
+    # against 17.7 ms, once in many runs). The servers' slow helpers that run
     # just before the tokenizer (several times its time) must not be in the phase: with one, the
     # fastest sampled call would be several times the typical one.
     reference = sorted(observed["reference_ms"])
     upper_quartile = reference[(3 * len(reference)) // 4]
     assert min(measured) <= 1.5 * upper_quartile, (measured, reference)
-    assert min(measured) >= 0.8 * reference[0], (measured, reference)
+    assert min(measured) >= 0.5 * reference[0], (measured, reference)
 
 
 def blocker_times_ms(name: str, server: Any, prompt: str, repeats: int = 5) -> dict[str, float]:

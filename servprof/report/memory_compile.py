@@ -17,6 +17,12 @@ def _mib(value: Any) -> str:
     return f"{value / MIB:,.1f} MiB" if isinstance(value, (int, float)) else "-"
 
 
+def _kept(phase: str, kept_bytes: float) -> str:
+    """A phase's net bytes: kept when it allocated more than it freed, freed (memory that other
+    phases allocated) when less; never a negative 'kept'."""
+    return f"{phase} kept {_mib(kept_bytes)}" if kept_bytes >= 0 else f"{phase} freed {_mib(-kept_bytes)}"
+
+
 def memory_rows(summary: dict[str, Any]) -> list[dict[str, str]]:
     """One row per device: what the trace and servprof's readings show."""
     memory = summary.get("memory") or {}
@@ -29,7 +35,7 @@ def memory_rows(summary: dict[str, Any]) -> list[dict[str, str]]:
         if between.get("model_requests"):
             growth = (f"{_mib(between['growth_bytes'])} over {between['model_requests']} requests "
                       f"({_mib(between['growth_bytes'] / between['model_requests'])} each)")
-        by_phase = ", ".join(f"{phase} kept {_mib(v['kept_bytes'])}" for phase, v in (info.get("by_phase") or {}).items())
+        by_phase = ", ".join(_kept(phase, v["kept_bytes"]) for phase, v in (info.get("by_phase") or {}).items())
         top = ", ".join(f"{o['op']} {_mib(o['allocated_bytes'])}" for o in (info.get("top_ops") or [])[:3])
         rows.append({"device": device, "source": info.get("source", "history"),
                      "peak allocated": _mib(info.get("peak_allocated_bytes")),
