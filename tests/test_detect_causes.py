@@ -199,6 +199,29 @@ def test_a_gap_while_torch_compile_compiles_is_compiling_not_dispatch(tmp_path: 
     assert all(f["class"] == "compiling" for f in worst["top_frames"][:2])
 
 
+def test_a_step_waiting_for_a_dataloader_worker_is_data_loading_not_waiting(tmp_path: Path):
+    """With num_workers > 0 the step's thread waits in a queue inside the DataLoader's
+    ``__next__`` (with_stack: a ``queue.py: get`` frame, a wait). The range torch.profiler puts
+    around ``__next__`` says what the wait was for: the input batch, not the scheduler."""
+    trace = KinetoTrace()
+    t = 0.0
+    for _ in range(5):
+        trace.annotation("ProfilerStep#1", t, 1500)
+        trace.annotation("enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__", t + 5, 900)
+        trace.frame("torch/utils/data/dataloader.py(1329): _next_data", t + 10, 880)
+        trace.frame("queue.py(180): get", t + 20, 860)
+        end = eager_step(trace, t + 910, kernels=10)
+        t = end + 20
+    analysis = analyse(load_trace(trace.write(tmp_path / "t.json")))
+    (gap,) = _gaps(analysis, "data_loading")
+    assert not _gaps(analysis, "waiting")
+    worst = gap.evidence["worst_gaps"][0]
+    assert worst["data_loading"]["range"] == "enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__"
+    assert worst["data_loading"]["us"] == pytest.approx(900, abs=1) and worst["self_us"]["wait"] >= 800
+    assert f"on thread {ENGINE}: enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__ for 0.90 of" in gap.title
+    assert "num_workers" in gap.fix
+
+
 def test_a_sync_running_as_the_device_went_idle_is_named_though_other_frames_hold_more(tmp_path: Path):
     """A blocking copy ends a few µs into the gap, then the host runs six ops of 100 µs before it
     launches again: the cause is the copy (it emptied the queue), and the finding names the copy,
@@ -347,3 +370,25 @@ def test_nothing_after_servprofs_collection_cut_is_blamed_on_the_app(tmp_path: P
     trace.metadata["servprof"]["cut_wall_ns"] = base_ns + 3_000_000
     late = analyse(load_trace(trace.write(tmp_path / "u.json"))).summary["servprof_overhead"]
     assert late["stop_us"] == pytest.approx(2900.0) and "stop() began" in late["message"]
+
+
+@pytest.mark.parametrize("runtime_tid", ["25738", "engine"])
+def test_a_thread_given_as_text_is_one_thread_and_named_as_the_trace_names_it(tmp_path: Path, runtime_tid: str):
+    """2021 Kineto traces (PyTorch's TensorBoard plugin samples) give the ops' tid as an int and
+    the runtime calls' tid as text ("tid": "25738"): one thread. Read as two, every gap's launching
+    thread "recorded nothing" ("thread -182": servprof's id for the text, found nowhere in the
+    trace). A thread named with other text keeps the name, and the findings use it."""
+    trace = KinetoTrace()
+    ops_tid: int | str = 25738 if runtime_tid == "25738" else runtime_tid
+    t = 0.0
+    for _ in range(5):
+        trace.host(DECODE, t, 60, tid=ops_tid)  # type: ignore[arg-type]
+        end = eager_step(trace, t, kernels=10, tid=runtime_tid)  # type: ignore[arg-type]
+        trace.host("aten::index_select", end + 20, 760, tid=ops_tid)  # type: ignore[arg-type]
+        t = end + 800
+    loaded = load_trace(trace.write(tmp_path / "t.json"))
+    (gap,) = _gaps(analyse(loaded))
+    assert gap.evidence["cause"] == "host_ops" and f"on thread {runtime_tid}: aten::index_select" in gap.title
+    worst = gap.evidence["worst_gaps"][0]
+    assert loaded.thread_label(worst["thread"]) == runtime_tid
+    assert (worst["thread"] == 25738) == (runtime_tid == "25738")  # text of an int is that int, a name stays one

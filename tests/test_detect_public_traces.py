@@ -252,3 +252,24 @@ def test_first_launches_of_miopen_kernels_are_slow_launches():
     slow = [f for f in analysis.findings if f.kind == "decode_gap" and f.evidence["cause"] == "slow_launch"]
     assert slow and slow[0].severity == "critical"
     assert_causes_are_in_the_trace(trace, analysis)
+
+
+def test_a_step_waiting_for_its_dataloader_is_data_loading():
+    """PyTorch's own 2021 ResNet-50 sample (num_workers=0): every step opens with ~65 ms in
+    ``enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__`` while the GPU idles. The gap
+    was "host time the profiler recorded nothing for" on "thread -182" (the runtime calls' tid,
+    written as text, read as another thread); it is data loading, on the thread the trace names."""
+    trace = load_trace(public_trace("kineto_resnet50_dataloader_v100.json.gz"))
+    assert not any(t < -1 and trace.thread_label(t).isdigit() for t in np.unique(trace.tid).tolist())
+    analysis = analyse(trace)
+    (loading,) = [f for f in analysis.findings if f.kind == "decode_gap" and f.evidence["cause"] == "data_loading"]
+    assert loading.severity == "critical" and "between training steps" in loading.title
+    assert "on thread 25738: enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__ for" in loading.title
+    assert "num_workers" in loading.fix
+    ranges = _thread_events(trace, 25738, "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__")
+    for gap in loading.evidence["worst_gaps"]:
+        assert gap["data_loading"]["us"] >= 0.5 * gap["idle_us"]
+        assert _overlap(trace, ranges, gap["start_us"], gap["end_us"]) >= 0.5 * gap["idle_us"]
+    assert not [f for f in analysis.findings if f.kind == "decode_gap" and f.evidence["cause"] == "untraced_host_time"
+                and f.severity != "info"]
+    assert_causes_are_in_the_trace(trace, analysis)

@@ -6,7 +6,9 @@ more than the gap, nothing nested counted twice, generic wrappers left out. When
 thread recorded nothing for most of the gap, the thread that ran instead (and so held
 the GIL) is named; threads asleep (``threading.wait``, a tqdm monitor, a queue ``get``)
 never are. A device sync or blocking copy running when the device went idle is the
-cause of the whole gap: it emptied the device's queue. On a light trace (tier.py: no ops, no
+cause of the whole gap: it emptied the device's queue; a thread inside a DataLoader's
+``__next__`` for most of the gap waited for its input (data_loading.py). What each cause is,
+and its fix: cause_texts.py. On a light trace (tier.py: no ops, no
 Python recorded) no cause is read from what a thread did not record (Python or op time, the
 GIL held elsewhere, nothing at all): such a gap's cause is ``needs_deep_window``.
 """
@@ -19,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from servprof.detect.cause_texts import CAUSES, cause_fix
+from servprof.detect.data_loading import loading_range, loading_us
 from servprof.detect.host_stacks import (
     BUSY_CLASSES,
     CLASSES,
@@ -37,7 +41,7 @@ from servprof.detect.host_stacks import (
     WAIT,
     HostStacks,
 )
-from servprof.detect.tier import DEEP_WINDOW_HOW, LIGHT_TRACE, NEEDS_DEEP, NEEDS_DEEP_CAUSE
+from servprof.detect.tier import NEEDS_DEEP, NEEDS_DEEP_CAUSE
 from servprof.trace.phases import parse_phase_event_name
 
 __all__ = ["CAUSES", "Explained", "GapExplainer", "TOKENIZER_NAMES", "cause_fix"]
@@ -45,113 +49,6 @@ __all__ = ["CAUSES", "Explained", "GapExplainer", "TOKENIZER_NAMES", "cause_fix"
 # A launch call (or the wait after it for its work to start) this long is not per-launch
 # overhead (a few µs): the launch itself was slow, typically loading the kernel's code.
 SLOW_LAUNCH_US = 50.0
-
-# cause id -> (what it is, in a few words; what to do about it)
-CAUSES: dict[str, tuple[str, str]] = {
-    "synchronize": (
-        "a blocking copy or device sync (the host waited for the device)",
-        "Stop reading device values on the host inside the step: keep sampled tokens on the device and read them "
-        "one step behind (copy with non_blocking=True into pinned memory, wait on an event after launching the "
-        "next step), and remove .item() / .tolist() / .cpu() / torch.cuda.synchronize() from the decode loop.",
-    ),
-    "host_read_per_step": (
-        "a read of a device tensor on the host every step",
-        "Keep sampled tokens on the device and read them one step behind, after launching the next step "
-        "(non_blocking copy into pinned memory + an event), instead of .item() / .tolist() / .cpu() right after "
-        "each step: on a GPU each such read is a device sync per step.",
-    ),
-    "tokenization": (
-        "tokenization",
-        "Move tokenization off the thread and process that drive the model: a thread or process pool "
-        "(`await loop.run_in_executor(pool, tokenizer.encode, text)`), or in vLLM its tokenizer workers "
-        "(`--renderer-num-workers`, more `--api-server-count`); use a fast (Rust) tokenizer.",
-    ),
-    "detokenization": (
-        "detokenization",
-        "Detokenize outside the engine thread (a separate thread or process) or in larger batches of tokens.",
-    ),
-    "compiling": (
-        "torch.compile compiling (or recording a CUDA graph) while the device waited",
-        "Compile before serving, not while: run every shape the server will see (each batch and length bucket) "
-        "once at start-up, before taking traffic; the recompilation finding says what made it compile and how to "
-        "keep it from compiling again.",
-    ),
-    "compiled_dispatch": (
-        "Python in a compiled forward before its device work (torch.compile's guards, dispatch and generated "
-        "wrapper code)",
-        "Capture the whole decode step in a CUDA graph (torch.compile mode='reduce-overhead', vLLM full CUDA "
-        "graphs), keep guards from failing (stable input types and shapes, dynamic dims marked), and move "
-        "per-step Python out of the compiled call.",
-    ),
-    "host_python": (
-        "Python on the launching thread while the device waited",
-        "The GPU waits for Python: capture decode with CUDA graphs or torch.compile, raise the batch so each "
-        "launch does more work, and move per-step Python (input preparation, bookkeeping) off the critical path "
-        "(asynchronous scheduling).",
-    ),
-    "host_ops": (
-        "a slow host op while the device waited",
-        "Move that op out of the step or make it asynchronous (precompute it, cache it, or run it on the device).",
-    ),
-    "slow_launch": (
-        "a launch that itself took long (the launch call, or the wait for its work to start)",
-        "A launch this slow is the driver loading the kernel's code on its first use (CUDA's lazy module loading, "
-        "a ROCm code object, a cuDNN/MIOpen kernel built on first call): run every shape once at start-up, before "
-        "taking traffic (vLLM and SGLang do this when they capture graphs; in your own server, send a request per "
-        "batch size and length bucket), or load modules eagerly (CUDA_MODULE_LOADING=EAGER). If it recurs every "
-        "step, the launch waits on the driver: look for other processes on the GPU and for a starved host CPU.",
-    ),
-    "launch_bound": (
-        "many short gaps between kernels: the GPU ran each kernel faster than the host launched the next "
-        "(launch-bound)",
-        "Capture decode with CUDA graphs (vLLM: keep CUDA graphs on; Hugging Face: a static cache with "
-        "torch.compile(mode='reduce-overhead')), fuse small kernels, or raise the batch so each kernel does "
-        "more work.",
-    ),
-    "stream_wait": (
-        "the stream waited on an event before running work already queued (a dependency on another stream or "
-        "process)",
-        "Find what that event waits for (work on another stream, another process, a copy) and overlap or reorder "
-        "it; drop the dependency if it is not needed.",
-    ),
-    "kernel_wait": (
-        "idle between kernels that were already queued (inter-kernel latency or a wait on another stream)",
-        "Fuse the small kernels (torch.compile) or replay them from a CUDA graph, and check cross-stream waits.",
-    ),
-    "gil_contention": (
-        "another thread held the GIL",
-        "Move that thread's work out of the process that drives the GPU (a separate process), or make it release "
-        "the GIL; keep the engine thread's process for launching device work.",
-    ),
-    "collective_straggler": (
-        "a collective that ran far longer than its median on this rank: it waited for a slower rank",
-        "Look at the straggler rank's trace (the one that arrived last): balance work across ranks and remove "
-        "host stalls there (GC, data loading, a sync); this rank's time in the collective is waiting, not work.",
-    ),
-    "collective_wait": (
-        "the host waited in a collective call",
-        "Look at the other ranks' traces for the one that arrived late, and overlap the collective with work.",
-    ),
-    "waiting": (
-        "the launching thread was waiting for work (a queue, a lock, another process)",
-        "Look at what feeds this thread (the scheduler or API-server process): with asynchronous scheduling the "
-        "next step is prepared while the current one runs.",
-    ),
-    "untraced_host_time": (
-        "host time the profiler recorded nothing for",
-        "Record with with_stack=True to see the Python frames; look for sleeps, waits on other processes, or "
-        "too few CPU cores for the server's threads (the thread was off the CPU).",
-    ),
-    NEEDS_DEEP_CAUSE: (
-        f"{NEEDS_DEEP} ({LIGHT_TRACE})",
-        f"To see which ops or Python ran in these gaps: {DEEP_WINDOW_HOW}.",
-    ),
-}
-
-
-def cause_fix(cause: str) -> str:
-    return CAUSES.get(cause, CAUSES["untraced_host_time"])[1]
-
 
 @dataclass
 class Explained:
@@ -202,11 +99,12 @@ class GapExplainer:
             at_start[sel] = stack.class_at(a[sel])
             compiled[sel] |= stack.compiled_at(end[sel])
         class_us[:, LAUNCH] += b - end  # after the launch call returned: the launch's own latency
+        loading = loading_us(self.stacks.trace, self.stacks.rank, a, b, tid)
         other_tid, other_us = self._instead(a, b, tid, class_us, look_elsewhere)
         waited = np.zeros(n, dtype=bool) if stream_waited is None else np.asarray(stream_waited, dtype=bool)
         causes = self._decide(class_us, other_us, at_start, np.asarray(starved, dtype=bool),
                               np.asarray(small, dtype=bool), compiled, waited, b - a, self.light,
-                              np.asarray(next_graph_launch, dtype=bool))
+                              np.asarray(next_graph_launch, dtype=bool), loading)
         return Explained(causes, tid, other_tid, class_us, other_us)
 
     def _instead(self, a: np.ndarray, b: np.ndarray, tid: np.ndarray, class_us: np.ndarray, always: bool = False
@@ -234,7 +132,7 @@ class GapExplainer:
     @staticmethod
     def _decide(us: np.ndarray, other: np.ndarray, at_start: np.ndarray, starved: np.ndarray, small: np.ndarray,
                 compiled: np.ndarray, waited: np.ndarray, length: np.ndarray, light: bool = False,
-                graph_launch: np.ndarray | None = None) -> list[str]:
+                graph_launch: np.ndarray | None = None, loading: np.ndarray | None = None) -> list[str]:
         """Each gap's cause: the first rule (most specific first) that holds, vectorised over gaps.
         A graph launch's cost grows with the graph: a long one is not a slow launch of a kernel.
         On a light trace the rules that read the absence of ops (a GIL held elsewhere while this
@@ -245,6 +143,7 @@ class GapExplainer:
         top = busy_classes[np.argmax(busy, axis=1)] if len(us) else np.zeros(0, dtype=np.int64)
         other_busy = other[:, busy_classes].sum(axis=1)
         graph = np.zeros(len(us), dtype=bool) if graph_launch is None else graph_launch
+        loading = np.zeros(len(us)) if loading is None else loading  # inside a DataLoader's __next__
         python = us[:, PYTHON] + us[:, COMPILE]
         host_busy = busy.sum(axis=1) >= 0.5 * length
         gil = (us[:, UNTRACED] >= 0.5 * length) & (other_busy >= 0.2 * length)
@@ -252,6 +151,7 @@ class GapExplainer:
         rules = [
             (~starved & waited, "stream_wait", False),
             (~starved, "kernel_wait", False),
+            (loading >= 0.5 * length, "data_loading", False),
             ((at_start == SYNC) | ((top == SYNC) & (us[:, SYNC] >= 0.2 * length)), "synchronize", False),
             ((top == TOKENIZE) & (us[:, TOKENIZE] >= 0.2 * length), "tokenization", False),
             ((top == DETOKENIZE) & (us[:, DETOKENIZE] >= 0.2 * length), "detokenization", False),
@@ -316,6 +216,7 @@ class GapExplainer:
         cause = explained.cause[i]
         tid = int(explained.tid[i])
         stack = self.stacks.thread(tid)
+        label_of = self.stacks.trace.thread_label  # (the thread as the trace names it, in the text)
         top = stack.top(a, b, self.names)
         evidence: dict[str, Any] = {
             "thread": tid,
@@ -343,27 +244,35 @@ class GapExplainer:
         names = ", ".join(_frame_text(f, cause) for f in named[:3]) or "nothing recorded"
         label = CAUSES.get(cause, CAUSES["untraced_host_time"])[0]
         if cause in ("gil_contention",) or (cause == "tokenization" and other >= 0):
-            text = f"{label}: thread {other} ran {names} while thread {tid} (the one driving the model) recorded nothing"
+            text = (f"{label}: thread {label_of(other)} ran {names} while thread {label_of(tid)} (the one driving "
+                    "the model) recorded nothing")
         elif cause in ("kernel_wait", "stream_wait"):
             text = label
             blocked = [f for f in top if f["class"] == "sync"]
             if blocked:
-                text += f"; meanwhile thread {tid} blocked in {blocked[0]['name']} ({float(blocked[0]['self_us']) / 1000:.2f} ms)"
+                text += (f"; meanwhile thread {label_of(tid)} blocked in {blocked[0]['name']} "
+                         f"({float(blocked[0]['self_us']) / 1000:.2f} ms)")
         elif cause == "launch_bound":
             text = label
+        elif cause == "data_loading":
+            spent = float(loading_us(self.stacks.trace, self.stacks.rank, np.array([a]), np.array([b]),
+                                     np.array([tid]))[0])
+            name = loading_range(self.stacks.trace, self.stacks.rank, tid, a, b)
+            evidence["data_loading"] = {"range": name, "us": round(spent, 1)}
+            text = f"{label} on thread {label_of(tid)}: {name} for {spent / 1000:.2f} of {(b - a) / 1000:.2f} ms"
         elif cause == "slow_launch":
-            text = f"{label} on thread {tid}: {names}"
+            text = f"{label} on thread {label_of(tid)}: {names}"
             called = sum(float(f["self_us"]) for f in top if f["class"] == "launch")
             waited = float(explained.class_us[i][LAUNCH]) - called
             if waited >= SLOW_LAUNCH_US:
                 text += f"; its work started {waited / 1000:.2f} ms after the call returned"
         elif cause == "untraced_host_time":
             quiet = float(explained.class_us[i][UNTRACED])
-            text = f"{label}: thread {tid} recorded nothing for {quiet / 1000:.2f} of {(b - a) / 1000:.2f} ms"
+            text = f"{label}: thread {label_of(tid)} recorded nothing for {quiet / 1000:.2f} of {(b - a) / 1000:.2f} ms"
         elif cause == NEEDS_DEEP_CAUSE:
-            text = _light_text(explained, i, a, b, evidence)
+            text = _light_text(explained, i, a, b, evidence, label_of)
         else:
-            text = f"{label} on thread {tid}: {names}"
+            text = f"{label} on thread {label_of(tid)}: {names}"
         if cause == "tokenization":
             ids = sorted({rid for f in frames for rid in _phase_ids(str(f["name"]))})
             if ids:
@@ -377,14 +286,15 @@ def _frame_text(frame: dict[str, Any], cause: str) -> str:
     return f"{name} ({float(frame['self_us']) / 1000:.2f} ms)" if cause == "slow_launch" else name
 
 
-def _light_text(explained: Explained, i: int, a: float, b: float, evidence: dict[str, Any]) -> str:
+def _light_text(explained: Explained, i: int, a: float, b: float, evidence: dict[str, Any],
+                label_of: Callable[[int], str]) -> str:
     """A light trace's gap: what was recorded (time only, never a cause), and that the cause needs a deep window."""
     quiet = float(explained.class_us[i][UNTRACED])
-    text = (f"{NEEDS_DEEP}: thread {int(explained.tid[i])} recorded no range for {quiet / 1000:.2f} of "
+    text = (f"{NEEDS_DEEP}: thread {label_of(int(explained.tid[i]))} recorded no range for {quiet / 1000:.2f} of "
             f"{(b - a) / 1000:.2f} ms (a light trace records no ops)")
     instead = evidence.get("ran_instead")
     if instead and instead["top_frames"]:
-        text += f"; meanwhile thread {instead['thread']} was in {str(instead['top_frames'][0]['name'])[:90]}"
+        text += f"; meanwhile thread {label_of(instead['thread'])} was in {str(instead['top_frames'][0]['name'])[:90]}"
     return text
 
 

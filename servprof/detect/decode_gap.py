@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from servprof.detect.causes import cause_fix
+from servprof.detect.cause_texts import cause_fix
 from servprof.detect.finding import WARNING_SHARE, Finding, severity_for_share
 from servprof.detect.gaps import Gap, find_gaps
 from servprof.detect.steps import Step

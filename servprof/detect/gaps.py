@@ -241,7 +241,7 @@ def _describe_device_gap(trace: Any, explainer: GapExplainer, explained: Explain
             w = wait_row
             evidence["stream_wait"] = {"call": trace.name(w), "thread": int(trace.tid[w]), "ts": float(trace.ts[w])}
             lead = (a - float(trace.ts[w])) / 1000
-            text += f" ({trace.name(w)} on thread {int(trace.tid[w])}, {abs(lead):.3f} ms " \
+            text += f" ({trace.name(w)} on thread {trace.thread_label(int(trace.tid[w]))}, {abs(lead):.3f} ms " \
                     f"{'before' if lead >= 0 else 'after'} the device went idle)"
         return text, evidence
     return describe

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from servprof.detect.causes import CAUSES, cause_fix
+from servprof.detect.cause_texts import CAUSES, cause_fix
 from servprof.detect.finding import Finding, severity_for_share
 from servprof.detect.host_stacks import _device_to_host_launches
 from servprof.detect.name_guard import Guarded

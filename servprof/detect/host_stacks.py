@@ -276,6 +276,7 @@ class HostStacks:
 
     def __init__(self, trace: Trace, rank: int, classes: NameClasses | None = None):
         self.trace = trace
+        self.rank = rank
         self.classes = classes or NameClasses(trace)
         mask = (trace.complete() & (trace.rank == rank) & (trace.stream < 0) & (trace.dur > 0)
                 & trace.mask_category(*HOST_CATEGORIES))

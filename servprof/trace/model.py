@@ -95,6 +95,14 @@ class Trace:
     def cat(self, row: int) -> str:
         return self.names[int(self.cat_id[row])]
 
+    def thread_label(self, tid: int) -> str:
+        """A thread as the trace itself names it: a tid the trace gave as text ("25738" in 2021
+        Kineto traces, kept as -(string id + 2)) is that text, never servprof's negative id."""
+        tid = int(tid)
+        if tid <= -2 and -tid - 2 < len(self.names):
+            return self.names[-tid - 2]
+        return str(tid)
+
     def args(self, row: int) -> dict[str, Any]:
         value = self.raw_args[int(row)]
         # A fresh dict for rows without args: the loader shares one empty dict between them.

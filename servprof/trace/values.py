@@ -135,26 +135,35 @@ class Interner:
 
 def process_column(values: Sequence[Any], names: Interner) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """pid/tid values as int64, with the rows holding a name (or an int past int64) and those
-    names' ids in ``names``; the column holds 0 on those rows until the caller sets them."""
+    names' ids in ``names``; the column holds 0 on those rows until the caller sets them.
+
+    Each value is what numpy makes of it as an int64, whatever else its batch holds: a tid written
+    as text ("25738", as 2021 Kineto traces write their runtime events' tids, beside the int
+    25738 of the same thread's ops) is that thread; a value numpy cannot take ("stream 7",
+    "Spans", null, an int past int64) is a name."""
     column = as_array(values, np.int64)
     if column is not None:
         return column, _NO_ROWS, _NO_ROWS
     # Usually a handful of named processes among thousands of integer ones: find them by type in
-    # one C-level pass (bools and floats count as names, as any value that is not an int does),
-    # then intern only those.
+    # one C-level pass, then ask numpy of those one by one (as the whole batch was asked above).
     types = np.fromiter(map(type, values), dtype=object, count=len(values))
-    named = np.flatnonzero(np.not_equal(types, int))
     patched = list(values)
-    for i in named.tolist():
-        patched[i] = 0
+    named: list[int] = []
+    for i in np.flatnonzero(np.not_equal(types, int)).tolist():
+        number = as_array((values[i],), np.int64)
+        if number is None:
+            named.append(i)
+            patched[i] = 0
+        else:
+            patched[i] = int(number[0])
     column = as_array(patched, np.int64)
     if column is None:  # an int past int64 among them: a name too
-        named = np.array([i for i, v in enumerate(values)
-                          if type(v) is not int or not INT64_MIN <= v <= INT64_MAX], dtype=np.int64)
-        for i in named.tolist():
+        big = [i for i, v in enumerate(patched) if type(v) is int and not INT64_MIN <= v <= INT64_MAX]
+        for i in big:
             patched[i] = 0
+        named = sorted(named + big)
         column = np.array(patched, dtype=np.int64)
-    return column, named.astype(np.int64), names.ids([str(values[i]) for i in named.tolist()])
+    return column, np.array(named, dtype=np.int64), names.ids([str(values[i]) for i in named])
 
 
 NO_ARGS: dict[str, Any] = {}

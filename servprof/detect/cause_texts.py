@@ -1,0 +1,118 @@
+"""What each cause of a gap is, in a few words, and what to do about it: the words every
+decode_gap finding (causes.py, gaps.py, host_reads.py) is written from."""
+
+from __future__ import annotations
+
+from servprof.detect.tier import DEEP_WINDOW_HOW, LIGHT_TRACE, NEEDS_DEEP, NEEDS_DEEP_CAUSE
+
+# cause id -> (what it is, in a few words; what to do about it)
+CAUSES: dict[str, tuple[str, str]] = {
+    "synchronize": (
+        "a blocking copy or device sync (the host waited for the device)",
+        "Stop reading device values on the host inside the step: keep sampled tokens on the device and read them "
+        "one step behind (copy with non_blocking=True into pinned memory, wait on an event after launching the "
+        "next step), and remove .item() / .tolist() / .cpu() / torch.cuda.synchronize() from the decode loop.",
+    ),
+    "host_read_per_step": (
+        "a read of a device tensor on the host every step",
+        "Keep sampled tokens on the device and read them one step behind, after launching the next step "
+        "(non_blocking copy into pinned memory + an event), instead of .item() / .tolist() / .cpu() right after "
+        "each step: on a GPU each such read is a device sync per step.",
+    ),
+    "tokenization": (
+        "tokenization",
+        "Move tokenization off the thread and process that drive the model: a thread or process pool "
+        "(`await loop.run_in_executor(pool, tokenizer.encode, text)`), or in vLLM its tokenizer workers "
+        "(`--renderer-num-workers`, more `--api-server-count`); use a fast (Rust) tokenizer.",
+    ),
+    "detokenization": (
+        "detokenization",
+        "Detokenize outside the engine thread (a separate thread or process) or in larger batches of tokens.",
+    ),
+    "data_loading": (
+        "the thread waited for its next batch of input (a DataLoader's __next__)",
+        "Have the batch ready before the step asks for it: DataLoader(num_workers>0, pin_memory=True, "
+        "persistent_workers=True, prefetch_factor=...), heavy preprocessing (decoding, resizing, augmenting) in the "
+        "workers or on the device; in a server, prepare the next inputs while the current step runs.",
+    ),
+    "compiling": (
+        "torch.compile compiling (or recording a CUDA graph) while the device waited",
+        "Compile before serving, not while: run every shape the server will see (each batch and length bucket) "
+        "once at start-up, before taking traffic; the recompilation finding says what made it compile and how to "
+        "keep it from compiling again.",
+    ),
+    "compiled_dispatch": (
+        "Python in a compiled forward before its device work (torch.compile's guards, dispatch and generated "
+        "wrapper code)",
+        "Capture the whole decode step in a CUDA graph (torch.compile mode='reduce-overhead', vLLM full CUDA "
+        "graphs), keep guards from failing (stable input types and shapes, dynamic dims marked), and move "
+        "per-step Python out of the compiled call.",
+    ),
+    "host_python": (
+        "Python on the launching thread while the device waited",
+        "The GPU waits for Python: capture decode with CUDA graphs or torch.compile, raise the batch so each "
+        "launch does more work, and move per-step Python (input preparation, bookkeeping) off the critical path "
+        "(asynchronous scheduling).",
+    ),
+    "host_ops": (
+        "a slow host op while the device waited",
+        "Move that op out of the step or make it asynchronous (precompute it, cache it, or run it on the device).",
+    ),
+    "slow_launch": (
+        "a launch that itself took long (the launch call, or the wait for its work to start)",
+        "A launch this slow is the driver loading the kernel's code on its first use (CUDA's lazy module loading, "
+        "a ROCm code object, a cuDNN/MIOpen kernel built on first call): run every shape once at start-up, before "
+        "taking traffic (vLLM and SGLang do this when they capture graphs; in your own server, send a request per "
+        "batch size and length bucket), or load modules eagerly (CUDA_MODULE_LOADING=EAGER). If it recurs every "
+        "step, the launch waits on the driver: look for other processes on the GPU and for a starved host CPU.",
+    ),
+    "launch_bound": (
+        "many short gaps between kernels: the GPU ran each kernel faster than the host launched the next "
+        "(launch-bound)",
+        "Capture decode with CUDA graphs (vLLM: keep CUDA graphs on; Hugging Face: a static cache with "
+        "torch.compile(mode='reduce-overhead')), fuse small kernels, or raise the batch so each kernel does "
+        "more work.",
+    ),
+    "stream_wait": (
+        "the stream waited on an event before running work already queued (a dependency on another stream or "
+        "process)",
+        "Find what that event waits for (work on another stream, another process, a copy) and overlap or reorder "
+        "it; drop the dependency if it is not needed.",
+    ),
+    "kernel_wait": (
+        "idle between kernels that were already queued (inter-kernel latency or a wait on another stream)",
+        "Fuse the small kernels (torch.compile) or replay them from a CUDA graph, and check cross-stream waits.",
+    ),
+    "gil_contention": (
+        "another thread held the GIL",
+        "Move that thread's work out of the process that drives the GPU (a separate process), or make it release "
+        "the GIL; keep the engine thread's process for launching device work.",
+    ),
+    "collective_straggler": (
+        "a collective that ran far longer than its median on this rank: it waited for a slower rank",
+        "Look at the straggler rank's trace (the one that arrived last): balance work across ranks and remove "
+        "host stalls there (GC, data loading, a sync); this rank's time in the collective is waiting, not work.",
+    ),
+    "collective_wait": (
+        "the host waited in a collective call",
+        "Look at the other ranks' traces for the one that arrived late, and overlap the collective with work.",
+    ),
+    "waiting": (
+        "the launching thread was waiting for work (a queue, a lock, another process)",
+        "Look at what feeds this thread (the scheduler or API-server process): with asynchronous scheduling the "
+        "next step is prepared while the current one runs.",
+    ),
+    "untraced_host_time": (
+        "host time the profiler recorded nothing for",
+        "Record with with_stack=True to see the Python frames; look for sleeps, waits on other processes, or "
+        "too few CPU cores for the server's threads (the thread was off the CPU).",
+    ),
+    NEEDS_DEEP_CAUSE: (
+        f"{NEEDS_DEEP} ({LIGHT_TRACE})",
+        f"To see which ops or Python ran in these gaps: {DEEP_WINDOW_HOW}.",
+    ),
+}
+
+
+def cause_fix(cause: str) -> str:
+    return CAUSES.get(cause, CAUSES["untraced_host_time"])[1]

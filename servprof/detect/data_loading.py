@@ -1,0 +1,47 @@
+"""Time a thread spent waiting for its next batch of input: inside ``enumerate(DataLoader)#...``,
+the range torch.profiler records around every ``DataLoader.__next__`` (its single-process
+iterator loads the batch right there; the multi-process one waits for a worker's). A device gap
+the launching thread spent there is data loading, whatever the range holds (ops, Python frames,
+a queue wait): the profiler's own mark says so."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from servprof.detect.intervals import covered, merge
+from servprof.detect.name_scan import ids_holding
+
+DATALOADER_RANGE = "enumerate(DataLoader)#"
+
+
+def _rows(trace: Any, rank: int) -> np.ndarray:
+    ids = ids_holding(trace, (DATALOADER_RANGE,), lambda s: s.startswith(DATALOADER_RANGE))
+    if ids.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.flatnonzero(trace.has_id(trace.name_id, ids) & trace.complete() & (trace.rank == rank)
+                          & (trace.stream < 0))
+
+
+def loading_us(trace: Any, rank: int, a: np.ndarray, b: np.ndarray, tid: np.ndarray) -> np.ndarray:
+    """Per window [a, b] on thread ``tid``: how much of it that thread spent inside a DataLoader's
+    ``__next__`` (the ranges' union, on the rank)."""
+    out = np.zeros(np.shape(a))
+    rows = _rows(trace, rank) if out.size else np.zeros(0, dtype=np.int64)
+    if rows.size == 0:
+        return out
+    for t in sorted(set(np.unique(tid).tolist()) & set(np.unique(trace.tid[rows]).tolist())):
+        mine = rows[trace.tid[rows] == t]
+        start, end = merge(trace.ts[mine], trace.ts[mine] + trace.dur[mine])
+        sel = tid == t
+        out[sel] = covered(start, end, a[sel], b[sel])
+    return out
+
+
+def loading_range(trace: Any, rank: int, tid: int, a: float, b: float) -> str:
+    """The name of the DataLoader range on thread ``tid`` that covers most of [a, b]."""
+    rows = _rows(trace, rank)
+    rows = rows[trace.tid[rows] == tid]
+    overlap = np.minimum(trace.ts[rows] + trace.dur[rows], b) - np.maximum(trace.ts[rows], a)
+    return trace.name(int(rows[np.argmax(overlap)])) if rows.size else DATALOADER_RANGE
