@@ -102,7 +102,7 @@ def analyze_run(trace_path: Path, out: Path | None) -> Callable[[], int]:
 
     def once() -> int:
         sink = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")  # (--json - writes to stdout's buffer)
-        with contextlib.redirect_stdout(sink):
+        with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(io.StringIO()):  # (its warnings)
             status = main(["analyze", str(trace_path), "--json", "-" if out is None else str(out)])
         if status != 0:
             raise RuntimeError(f"servprof analyze exited {status}")

@@ -180,3 +180,27 @@ def test_a_null_name_has_one_id_and_text_whatever_else_its_batch_holds() -> None
     assert second[0] == first[0] and second[2] == first[1]
     assert whole.ids([None, 5, "x", None, ["a"], 5]).tolist() == first + second
     assert batched.strings == whole.strings == ["", "5", "x", "['a']"]
+
+
+def test_a_pid_or_tid_reads_the_same_whatever_else_its_batch_holds():
+    """The streaming loader reads a file in batches; a tid written as text ("25738", as 2021
+    Kineto traces write their runtime calls') read as the number 25738 in a batch of texts and
+    as a name in a batch that also held ints: one thread became two. Each value now reads alone
+    as it does in any batch: a number when numpy takes it as an int64, else its text."""
+    from servprof.trace.values import Interner, process_column
+
+    values = [25738, "25738", "stream 7", None, 2**70, True, 1.5, " 3", "Spans", -4, "25738", [1]]
+
+    def read(batch: list) -> list:
+        names = Interner()
+        column, rows, ids = process_column(batch, names)
+        out: list = column.tolist()
+        for row, i in zip(rows.tolist(), ids.tolist(), strict=True):
+            out[row] = ("name", names.strings[i])
+        return out
+
+    whole = read(values)
+    assert whole == [item for value in values for item in read([value])]
+    assert whole[:4] == [25738, 25738, ("name", "stream 7"), ("name", "None")]
+    assert whole[4] == ("name", str(2**70)) and whole[-2:] == [25738, ("name", "[1]")]
+    assert read(["25738", "25738"]) == read([25738, "25738"])[1:] * 2

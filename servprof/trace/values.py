@@ -149,13 +149,28 @@ def process_column(values: Sequence[Any], names: Interner) -> tuple[np.ndarray, 
     types = np.fromiter(map(type, values), dtype=object, count=len(values))
     patched = list(values)
     named: list[int] = []
-    for i in np.flatnonzero(np.not_equal(types, int)).tolist():
-        number = as_array((values[i],), np.int64)
-        if number is None:
+    others = np.flatnonzero(np.not_equal(types, int)).tolist()
+    numbers = as_array([values[i] for i in others], np.int64)  # all numbers as text: one call
+    if numbers is not None:
+        for i, number in zip(others, numbers.tolist(), strict=True):
+            patched[i] = number
+        others = []
+    seen: dict[tuple[type, Any], int | None] = {}  # (a tid repeats on every event of its thread)
+    for i in others:
+        value = values[i]
+        key = (type(value), value) if type(value).__hash__ is not None else None
+        if key is None or key not in seen:
+            number = as_array((value,), np.int64)
+            converted = None if number is None else int(number[0])
+            if key is not None:
+                seen[key] = converted
+        else:
+            converted = seen[key]
+        if converted is None:
             named.append(i)
             patched[i] = 0
         else:
-            patched[i] = int(number[0])
+            patched[i] = converted
     column = as_array(patched, np.int64)
     if column is None:  # an int past int64 among them: a name too
         big = [i for i, v in enumerate(patched) if type(v) is int and not INT64_MIN <= v <= INT64_MAX]
