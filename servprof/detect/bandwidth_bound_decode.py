@@ -24,7 +24,7 @@ import numpy as np
 import orjson
 
 from servprof.detect.bandwidth_fix import fix_text
-from servprof.detect.bandwidth_points import PointTally, group_key, percentile
+from servprof.detect.bandwidth_points import PointTally, group_key, op_floor_us
 from servprof.detect.byte_models import MODELLED, op_cost
 from servprof.detect.devices import (
     BASIS_ASSUMED,
@@ -45,11 +45,6 @@ from servprof.trace.model import Trace, distinct
 MIN_SHARE_OF_STEP = 0.05  # memory-bound ops under this share of the time judged are not where it goes
 LOW_BANDWIDTH_SHARE = 0.5  # memory-bound ops reaching under half of peak bandwidth leave it on the table
 MAX_TOP_OPS = 10
-MIN_OPS_FOR_FLOOR = 20
-# No op runs in less than about a microsecond, launch and dispatch included (an empty kernel
-# takes ~1-3 µs on the device): an op whose bytes move faster than that at peak is bounded
-# by per-op overhead whatever the trace shows, so the floor is never lower.
-MIN_OP_US = 1.0
 
 
 def detect_bandwidth_bound(trace: Trace, steps: list[Step], device: str | None
@@ -254,7 +249,7 @@ def _summarise(points: PointTally, spec: DeviceSpec, scope: str, trace: Trace, w
         g["bound"] = _bound(g["intensity"], spec)
         g["left_on_table_us"] = max(0.0, g["time_us"] - g["roofline_us"]) if spec.memory_bandwidth_gbs else 0.0
         grouped.append(g)
-    floor_us = _op_floor_us(points.judged_times)
+    floor_us = op_floor_us(points.judged_times)
     for g in grouped:
         g["overhead_bound"] = g["roofline_us"] / g["calls"] < floor_us
     grouped.sort(key=lambda g: -g["time_us"])
@@ -309,13 +304,6 @@ def _missing(points: PointTally, spec: DeviceSpec, replayed: bool) -> list[dict[
             "bandwidth findings are at most info: run `servprof calibrate` on the machine that ran the trace "
             "(or pass --device) for a measured one.")}]
     return []
-
-
-def _op_floor_us(times: Any) -> float:
-    """What the shortest ops of this trace take at all (5th percentile of the modelled ops' times):
-    the device's fixed cost per op here (launch, dispatch, the profiler's own per-op cost), never
-    under MIN_OP_US. Too few ops to tell (under MIN_OPS_FOR_FLOOR): MIN_OP_US."""
-    return max(percentile(times, 5) if len(times) >= MIN_OPS_FOR_FLOOR else 0.0, MIN_OP_US)
 
 
 def _graph_replay_kernels(trace: Trace) -> dict[str, Any]:

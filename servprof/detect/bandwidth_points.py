@@ -18,6 +18,11 @@ from servprof.detect.byte_models import op_family
 KEPT_POINTS = 10_000  # the points kept for Analysis.kernels: the first ones...
 ROOFLINE_POINTS = 2_000  # ... and the first this many that can be plotted (FLOPs and time above 0)
 WORST_ABOVE_PEAK = 5
+MIN_OPS_FOR_FLOOR = 20
+# No op runs in less than about a microsecond, launch and dispatch included (an empty kernel
+# takes ~1-3 µs on the device): an op whose bytes move faster than that at peak is bounded
+# by per-op overhead whatever the trace shows, so the floor is never lower.
+MIN_OP_US = 1.0
 
 
 class PointTally:
@@ -105,3 +110,10 @@ def percentile(values: Any, q: float) -> float:
     a, b, t = float(ordered[below]), float(ordered[below + 1]), virtual - below
     diff = b - a
     return b - diff * (1 - t) if t >= 0.5 else a + diff * t  # numpy's _lerp
+
+
+def op_floor_us(times: Any) -> float:
+    """What the shortest ops of this trace take at all (5th percentile of the modelled ops' times):
+    the device's fixed cost per op here (launch, dispatch, the profiler's own per-op cost), never
+    under MIN_OP_US. Too few ops to tell (under MIN_OPS_FOR_FLOOR): MIN_OP_US."""
+    return max(percentile(times, 5) if len(times) >= MIN_OPS_FOR_FLOOR else 0.0, MIN_OP_US)
