@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from servprof.detect.cause_texts import CAUSES, cause_fix
-from servprof.detect.data_loading import loading_range, loading_us
+from servprof.detect.data_loading import loader_rows, loading_range, loading_us
 from servprof.detect.host_stacks import (
     BUSY_CLASSES,
     CLASSES,
@@ -73,6 +73,7 @@ class GapExplainer:
         self.stacks = stacks
         self.names = stacks.trace.names
         self.light = light  # a light trace (tier.py): no cause is read from ops that were not recorded
+        self.loader_rows = loader_rows(stacks.trace, stacks.rank)  # (once: every explain and describe reads them)
 
     def explain(self, a: np.ndarray, b: np.ndarray, tid: np.ndarray, starved: np.ndarray, small: np.ndarray,
                 next_graph_launch: np.ndarray, launch_end: np.ndarray | None = None,
@@ -99,7 +100,7 @@ class GapExplainer:
             at_start[sel] = stack.class_at(a[sel])
             compiled[sel] |= stack.compiled_at(end[sel])
         class_us[:, LAUNCH] += b - end  # after the launch call returned: the launch's own latency
-        loading = loading_us(self.stacks.trace, self.stacks.rank, a, b, tid)
+        loading = loading_us(self.stacks.trace, self.loader_rows, a, b, tid)
         other_tid, other_us = self._instead(a, b, tid, class_us, look_elsewhere)
         waited = np.zeros(n, dtype=bool) if stream_waited is None else np.asarray(stream_waited, dtype=bool)
         causes = self._decide(class_us, other_us, at_start, np.asarray(starved, dtype=bool),
@@ -255,9 +256,9 @@ class GapExplainer:
         elif cause == "launch_bound":
             text = label
         elif cause == "data_loading":
-            spent = float(loading_us(self.stacks.trace, self.stacks.rank, np.array([a]), np.array([b]),
+            spent = float(loading_us(self.stacks.trace, self.loader_rows, np.array([a]), np.array([b]),
                                      np.array([tid]))[0])
-            name = loading_range(self.stacks.trace, self.stacks.rank, tid, a, b)
+            name = loading_range(self.stacks.trace, self.loader_rows, tid, a, b)
             evidence["data_loading"] = {"range": name, "us": round(spent, 1)}
             text = f"{label} on thread {label_of(tid)}: {name} for {spent / 1000:.2f} of {(b - a) / 1000:.2f} ms"
         elif cause == "slow_launch":

@@ -16,7 +16,8 @@ from servprof.detect.name_scan import ids_holding
 DATALOADER_RANGE = "enumerate(DataLoader)#"
 
 
-def _rows(trace: Any, rank: int) -> np.ndarray:
+def loader_rows(trace: Any, rank: int) -> np.ndarray:
+    """The rank's DataLoader ranges (rows), found once by the caller for all its questions."""
     ids = ids_holding(trace, (DATALOADER_RANGE,), lambda s: s.startswith(DATALOADER_RANGE))
     if ids.size == 0:
         return np.zeros(0, dtype=np.int64)
@@ -24,12 +25,11 @@ def _rows(trace: Any, rank: int) -> np.ndarray:
                           & (trace.stream < 0))
 
 
-def loading_us(trace: Any, rank: int, a: np.ndarray, b: np.ndarray, tid: np.ndarray) -> np.ndarray:
+def loading_us(trace: Any, rows: np.ndarray, a: np.ndarray, b: np.ndarray, tid: np.ndarray) -> np.ndarray:
     """Per window [a, b] on thread ``tid``: how much of it that thread spent inside a DataLoader's
-    ``__next__`` (the ranges' union, on the rank)."""
+    ``__next__`` (the union of ``rows``, loader_rows' answer)."""
     out = np.zeros(np.shape(a))
-    rows = _rows(trace, rank) if out.size else np.zeros(0, dtype=np.int64)
-    if rows.size == 0:
+    if rows.size == 0 or out.size == 0:
         return out
     for t in sorted(set(np.unique(tid).tolist()) & set(np.unique(trace.tid[rows]).tolist())):
         mine = rows[trace.tid[rows] == t]
@@ -39,9 +39,8 @@ def loading_us(trace: Any, rank: int, a: np.ndarray, b: np.ndarray, tid: np.ndar
     return out
 
 
-def loading_range(trace: Any, rank: int, tid: int, a: float, b: float) -> str:
-    """The name of the DataLoader range on thread ``tid`` that covers most of [a, b]."""
-    rows = _rows(trace, rank)
+def loading_range(trace: Any, rows: np.ndarray, tid: int, a: float, b: float) -> str:
+    """The name of the DataLoader range (of ``rows``) on thread ``tid`` that covers most of [a, b]."""
     rows = rows[trace.tid[rows] == tid]
     overlap = np.minimum(trace.ts[rows] + trace.dur[rows], b) - np.maximum(trace.ts[rows], a)
     return trace.name(int(rows[np.argmax(overlap)])) if rows.size else DATALOADER_RANGE

@@ -145,7 +145,8 @@ def process_column(values: Sequence[Any], names: Interner) -> tuple[np.ndarray, 
     if column is not None:
         return column, _NO_ROWS, _NO_ROWS
     # Usually a handful of named processes among thousands of integer ones: find them by type in
-    # one C-level pass, then ask numpy of those one by one (as the whole batch was asked above).
+    # one C-level pass, then ask numpy of those (as the whole batch was asked above): all at once,
+    # else once per distinct value.
     types = np.fromiter(map(type, values), dtype=object, count=len(values))
     patched = list(values)
     named: list[int] = []
