@@ -171,6 +171,30 @@ def test_a_launch_call_that_takes_milliseconds_is_a_slow_launch_not_launch_bound
         g["count"] > 1 for f in _gaps(analysis, "launch_bound") for g in f.evidence["worst_gaps"])
 
 
+@pytest.mark.parametrize("call", ["cudaFree", "cudaEventCreateWithFlags"])
+def test_a_gap_spent_in_runtime_calls_names_them_never_python_nobody_recorded(tmp_path: Path, call: str):
+    """The caching allocator giving memory back (cudaFree syncs the device) or the first event a
+    process creates: the thread spent the gap in a runtime call that launches nothing. No Python
+    was recorded (no with_stack): the gap is not "Python on the launching thread"."""
+    trace = KinetoTrace()
+    t = 0.0
+    for k in range(4):
+        trace.host(DECODE, t, 4600)
+        end = eager_step(trace, t, kernels=10)
+        if k == 1:
+            trace.host("aten::empty", end + 5, 3010)
+            trace.host(call, end + 10, 3000, cat="cuda_runtime")
+            trace.launch(end + 3020, end + 3030, 40.0)
+        t += 4700
+    analysis = analyse(load_trace(trace.write(tmp_path / "t.json")))
+    (gap,) = _gaps(analysis, "runtime_calls")
+    worst = gap.evidence["worst_gaps"][0]
+    assert worst["count"] == 1 and worst["self_us"]["runtime"] >= 3000 * 0.99
+    assert f"on thread {ENGINE}: {call} (3.00 ms)" in gap.title
+    assert "cudaFree" in gap.fix and "start-up" in gap.fix
+    assert not _gaps(analysis, "host_python")
+
+
 def test_a_gap_while_torch_compile_compiles_is_compiling_not_dispatch(tmp_path: Path):
     """A recompile in the middle of serving: the launching thread is inside Dynamo's
     ``entire_frame_compile`` range (its Python and ops inherit the range: compiling) until the
@@ -392,3 +416,52 @@ def test_a_thread_given_as_text_is_one_thread_and_named_as_the_trace_names_it(tm
     worst = gap.evidence["worst_gaps"][0]
     assert loaded.thread_label(worst["thread"]) == runtime_tid
     assert (worst["thread"] == 25738) == (runtime_tid == "25738")  # text of an int is that int, a name stays one
+
+
+def _steps_with_a_long_first(trace: KinetoTrace, first_cause: str, marker: str = DECODE) -> None:
+    """Six steps: every one ends with a 1 ms blocking read; the first also holds 30 ms of
+    ``first_cause`` (a slow launch, or a host op) while the device idles."""
+    t = 0.0
+    for k in range(6):
+        end = eager_step(trace, t, kernels=10)
+        if k == 0 and first_cause == "slow_launch":
+            trace.host("aten::add_", end + 5, 30_010)
+            trace.launch(end + 10, end + 30_020, 40.0, launch_dur=30_000.0)
+            end += 30_060
+        elif k == 0:
+            trace.host("aten::nonzero_static", end + 5, 30_000)
+            trace.launch(end + 30_010, end + 30_020, 40.0)
+            end += 30_060
+        trace.host("cudaStreamSynchronize", end + 5, 1000, cat="cuda_runtime")
+        trace.launch(end + 1010, end + 1020, 40.0)
+        trace.host(marker, t, end + 1015 - t)
+        t = end + 1100
+
+
+@pytest.mark.parametrize("first_cause", ["slow_launch", "host_ops"])
+def test_a_long_first_step_is_reported_apart_and_hides_nothing(tmp_path: Path, first_cause: str):
+    """A first decode step 3x longer than the later ones: its gaps say so (a slow launch there is a
+    one-time warm-up cost, never critical; a host op is not called warm-up), and the later steps'
+    blocking reads are judged against the later steps' time, not hidden by the first one's."""
+    trace = KinetoTrace()
+    _steps_with_a_long_first(trace, first_cause)
+    analysis = analyse(load_trace(trace.write(tmp_path / "t.json")))
+    steps = analysis.steps
+    assert steps[0].time_us > 3 * steps[1].time_us
+    (first,) = _gaps(analysis, first_cause)
+    assert first.evidence["first_step_only"] and first.evidence["warm_up"] == (first_cause == "slow_launch")
+    assert "inside the first of the decode steps (" in first.title
+    assert ("a one-time warm-up cost" in first.title) == (first_cause == "slow_launch")
+    if first_cause == "slow_launch":
+        assert first.severity == "warning"
+    (reads,) = [f for f in _gaps(analysis, "synchronize") if not f.evidence["first_step_only"]]
+    later = steps[-1].device_end_us - steps[1].device_start_us
+    assert reads.evidence["share_of_step_time"] == pytest.approx(reads.cost_ms * 1000 / later, abs=1e-3)
+    assert reads.severity == "critical"
+
+
+def test_a_first_prefill_is_longer_by_nature_not_reported_apart(tmp_path: Path):
+    trace = KinetoTrace()
+    _steps_with_a_long_first(trace, "host_ops", marker="servprof:prefill|r1")
+    analysis = analyse(load_trace(trace.write(tmp_path / "t.json")))
+    assert not any(f.evidence.get("first_step_only") for f in _gaps(analysis))

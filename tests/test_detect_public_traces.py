@@ -273,3 +273,49 @@ def test_a_step_waiting_for_its_dataloader_is_data_loading():
     assert not [f for f in analysis.findings if f.kind == "decode_gap" and f.evidence["cause"] == "untraced_host_time"
                 and f.severity != "info"]
     assert_causes_are_in_the_trace(trace, analysis)
+
+
+def test_a_training_loop_without_step_markers_is_read_from_its_dataloader_fetches():
+    """PyTorch's 2021 sample recorded with the older torch.autograd.profiler API: no ProfilerStep,
+    no stack, no annotation (servprof found no step and said only what to add). Each of its six
+    iterations opens with a DataLoader fetch: six training steps. The first iteration is warm-up,
+    and what held the GPU up there is named from the calls the trace shows: a 1.56 s
+    cudaLaunchKernel (a slow launch) and long runtime calls (cudaEventCreateWithFlags, cudaFree),
+    which were called "Python on the launching thread" though the trace records no Python."""
+    trace = load_trace(public_trace("kineto_resnet50_autograd_api_v100.json.gz"))
+    fetch = "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__"
+    fetches = np.flatnonzero(trace.mask_name(lambda s: s == fetch) & trace.complete())
+    analysis = analyse(trace)
+    assert [(s.source, s.kind) for s in analysis.steps] == [("data_loader", "train")] * 6
+    assert [s.start_us for s in analysis.steps] == sorted(trace.ts[fetches].tolist())
+    assert "model steps" not in {m["what"] for m in analysis.summary["missing"]}
+    causes = {f.evidence["cause"]: f for f in analysis.findings if f.kind == "decode_gap"}
+    # The steady state's cause, no longer hidden by the 4.4 s first iteration: every later step
+    # waits ~30-70 ms for its batch (num_workers=0), judged against the later steps' time.
+    loading = causes["data_loading"]
+    assert loading.severity == "critical" and not loading.evidence["first_step_only"]
+    assert {gap["thread"] for gap in loading.evidence["worst_gaps"]} == {analysis.steps[0].tid}
+    assert loading.evidence["gaps"] == 5 and analysis.findings[0] is loading  # critical first
+    # The first iteration's one-time costs: said to be there, warnings.
+    first = analysis.steps[0].time_us / 1000
+    for cause in ("slow_launch", "runtime_calls"):
+        finding = causes[cause]
+        assert finding.evidence["first_step_only"] and finding.evidence["warm_up"]
+        assert finding.severity == "warning"
+        assert f"inside the first of the training steps ({first:.2f} ms" in finding.title
+        assert "a one-time warm-up cost" in finding.title
+        assert all(analysis.steps[0].start_us <= g["start_us"] <= analysis.steps[1].start_us
+                   for g in finding.evidence["worst_gaps"])
+    launch = causes["slow_launch"].evidence["worst_gaps"][0]
+    longest = _thread_events(trace, launch["thread"], "cudaLaunchKernel")
+    longest = longest[np.argmax(trace.dur[longest])]
+    named = [f for f in launch["top_frames"] if f["name"] == "cudaLaunchKernel"][0]
+    # The call named is the longest launch, for the part of it inside the gap.
+    assert trace.dur[longest] - 1000 < named["self_us"] <= trace.dur[longest]
+    assert f"cudaLaunchKernel ({named['self_us'] / 1000:.2f} ms)" in causes["slow_launch"].title
+    runtime = causes["runtime_calls"]
+    assert "cudaEventCreateWithFlags (" in runtime.title and "cudaMalloc" in runtime.fix
+    for gap in runtime.evidence["worst_gaps"]:
+        assert gap["self_us"]["runtime"] == max(gap["self_us"].values())
+    assert not trace.mask_category("python_function").any() and "host_python" not in causes
+    assert_causes_are_in_the_trace(trace, analysis)

@@ -157,3 +157,73 @@ def test_async_steps_are_timed_on_the_device(tmp_path: Path):
     # Each step's last kernel ends 10 µs after the previous starts + 190: 310 µs before the next step.
     assert [r["idle_between_ms"] for r in rows] == [0.0] + [pytest.approx(0.31)] * 4
     assert all(r["idle_inside_ms"] == pytest.approx(9 * 0.01) for r in rows)
+
+
+def _unmarked_forward(trace: KinetoTrace, t: float, lookups: int = 1, ops: int = 80) -> None:
+    """One forward as torch.profiler records it with no marker, stack or schedule: its token
+    (and position) lookups back to back, then ``ops`` host ops each launching a kernel."""
+    for k in range(lookups):
+        trace.host("aten::embedding", t + k * 4, 3)
+    for i in range(ops):
+        begin = t + 10 + i * 5.0
+        trace.host("aten::linear", begin, 4)
+        trace.launch(begin + 1, begin + 20, 4)
+
+
+@pytest.mark.parametrize("lookups", [1, 2])
+def test_a_loop_with_no_marker_is_read_from_each_forwards_first_lookup(tmp_path: Path, lookups: int):
+    """generate() profiled with no schedule, with_stack or annotation: each forward opens with its
+    token-embedding lookup (GPT-2 looks positions up right after: one forward, not two steps)."""
+    trace = KinetoTrace()
+    for k in range(5):
+        _unmarked_forward(trace, k * 1000.0, lookups)
+    analysis = _analyse(trace, tmp_path)
+    assert [(s.source, s.kind) for s in analysis.steps] == [("embedding", "step")] * 5
+    assert [s.start_us for s in analysis.steps] == [k * 1000.0 for k in range(5)]
+    assert [s.end_us for s in analysis.steps[:4]] == [k * 1000.0 for k in range(1, 5)]  # to the next forward
+    assert analysis.summary["utilisation"]["sources"] == {"0": "each forward's first aten::embedding (no step marked)"}
+
+
+def test_the_last_unmarked_step_ends_with_its_work_not_the_threads_later_work(tmp_path: Path):
+    trace = KinetoTrace()
+    for k in range(4):
+        _unmarked_forward(trace, k * 1000.0)
+    trace.host("aten::copy_", 3500.0, 50_000)  # the thread goes on to something else
+    last = _analyse(trace, tmp_path).steps[-1]
+    assert last.start_us == 3000.0 and last.end_us == 3000.0 + 2 * 1000.0
+
+
+def test_a_profiler_step_around_a_whole_unmarked_generate_is_not_the_step(tmp_path: Path):
+    trace = KinetoTrace()
+    trace.annotation("ProfilerStep#0", 0.0, 6000)
+    for k in range(5):
+        _unmarked_forward(trace, 100 + k * 1000.0)
+    assert [s.source for s in _analyse(trace, tmp_path).steps] == ["embedding"] * 5
+
+
+def test_gradient_accumulation_keeps_the_profiler_step(tmp_path: Path):
+    """A training step holding several forwards (micro-batches): the step is the profiler's, not
+    each forward (nor each forward re-run by activation checkpointing)."""
+    trace = KinetoTrace()
+    for k in range(3):
+        t = k * 10_000.0
+        trace.annotation(f"ProfilerStep#{k}", t, 9000)
+        for micro in range(3):
+            trace.frame("nn.Module: LlamaForCausalLM_0", t + 100 + micro * 2500, 1000)
+            eager_step(trace, t + 110 + micro * 2500, kernels=4)
+            trace.host("autograd::engine::evaluate_function: MmBackward0", t + 1200 + micro * 2500, 400, tid=2)
+    assert [(s.source, s.kind) for s in _analyse(trace, tmp_path).steps] == [("profiler_step", "train")] * 3
+
+
+def test_a_training_loop_with_no_marker_is_read_from_its_dataloader_fetches(tmp_path: Path):
+    trace = KinetoTrace()
+    for k in range(4):
+        t = k * 5000.0
+        trace.host("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", t, 1000)
+        trace.host("aten::stack", t + 100, 500)  # (collate, inside the fetch)
+        _unmarked_forward(trace, t + 1100)
+        trace.host("autograd::engine::evaluate_function: MmBackward0", t + 2000, 400, tid=2)
+        trace.host("Optimizer.step#SGD.step", t + 3000, 500)
+    steps = _analyse(trace, tmp_path).steps
+    assert [(s.source, s.kind) for s in steps] == [("data_loader", "train")] * 4
+    assert [s.start_us for s in steps] == [k * 5000.0 for k in range(4)]

@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from servprof.detect import compile_ranges, gaps, host_reads, host_stacks, step_forms
+from servprof.detect import compile_ranges, gaps, host_reads, host_stacks, step_forms, step_landmarks
 from servprof.detect.name_guard import Guarded
 from servprof.trace import load_trace
 
 FIXTURES = Path(__file__).parent / "fixtures"
-GUARDED = {f"{module.__name__}.{name}": value for module in (compile_ranges, gaps, host_reads, host_stacks, step_forms)
+GUARDED = {f"{module.__name__}.{name}": value for module in (compile_ranges, gaps, host_reads, host_stacks, step_forms,
+                                                                           step_landmarks)
            for name, value in vars(module).items() if isinstance(value, Guarded)}
 CRAFTED = [
     "cudaStreamSynchronize", "hipDeviceSynchronize", "cuCtxSynchronize", "cudaMemcpy", "hipMemcpyWithStream",
@@ -42,6 +43,7 @@ CRAFTED = [
     "entire_frame_compile", "entire_frame_compile\n", "x entire_frame_compile", "CUDAGraphNode.record (dynamo_timed)",
     "CUDAGraphNode.record (dynamo_timed)\n", "torch/_dynamo/convert_frame.py(1): __call__",
     "torch/_inductor/compile_fx.py(2): compile_fx_inner", "_compile.compile_inner",
+    "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", "x enumerate(DataLoader)#",
 ]
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from servprof.detect.bandwidth_bound_decode import detect_bandwidth_bound
 from servprof.detect.decode_gap import detect_decode_gaps, find_gaps
-from servprof.detect.finding import KINDS, WHOLE_TRACE, Finding
+from servprof.detect.finding import KINDS, SEVERITY_ORDER, WHOLE_TRACE, Finding
 from servprof.detect.loop_stall import detect_loop_stalls
 from servprof.detect.memory import detect_memory
 from servprof.detect.overhead import overhead_summary
@@ -47,7 +47,7 @@ def _analyse(trace: Trace, requests: list[dict[str, Any]] | None, device: str | 
     compile_findings, compile_summary = detect_recompilation(trace, steps)
     stall_findings, stall_summary = detect_loop_stalls(trace, token_findings)
     findings = sorted([*gap_findings, *token_findings, *bw_findings, *memory_findings, *compile_findings,
-                       *stall_findings], key=lambda f: f.cost_ms, reverse=True)
+                       *stall_findings], key=lambda f: (SEVERITY_ORDER[f.severity], f.cost_ms), reverse=True)
     sampled = sampled_request_ids(trace, requests)
     _attribute_to_session(findings, requests, trace)
     for finding in findings:

@@ -66,6 +66,15 @@ CAUSES: dict[str, tuple[str, str]] = {
         "batch size and length bucket), or load modules eagerly (CUDA_MODULE_LOADING=EAGER). If it recurs every "
         "step, the launch waits on the driver: look for other processes on the GPU and for a starved host CPU.",
     ),
+    "runtime_calls": (
+        "CUDA/HIP runtime calls (not kernel launches) on the launching thread while the device waited",
+        "These calls set the device up rather than run the model: cudaMalloc / cudaFree are PyTorch's caching "
+        "allocator growing or giving memory back (torch.cuda.empty_cache(), or memory pressure making it free "
+        "and retry: keep its cache, set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, leave more headroom); "
+        "the first event, stream, cuBLAS/cuDNN handle or module a process creates pays the driver's set-up. Run "
+        "every shape once at start-up, before taking traffic; if they recur every step, find the code that "
+        "allocates or creates them per step.",
+    ),
     "launch_bound": (
         "many short gaps between kernels: the GPU ran each kernel faster than the host launched the next "
         "(launch-bound)",

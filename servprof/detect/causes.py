@@ -49,6 +49,7 @@ __all__ = ["CAUSES", "Explained", "GapExplainer", "TOKENIZER_NAMES", "cause_fix"
 # A launch call (or the wait after it for its work to start) this long is not per-launch
 # overhead (a few µs): the launch itself was slow, typically loading the kernel's code.
 SLOW_LAUNCH_US = 50.0
+TIMED_FRAMES = ("slow_launch", "runtime_calls")  # causes whose frames are named with the time each took
 
 @dataclass
 class Explained:
@@ -165,8 +166,9 @@ class GapExplainer:
              False),
             (host_busy & (top == LAUNCH) & (us[:, LAUNCH] >= SLOW_LAUNCH_US) & ~graph, "slow_launch", False),
             (small, "launch_bound", False),
+            (host_busy & (top == RUNTIME), "runtime_calls", False),
             (host_busy & (top == LAUNCH), "launch_bound", False),
-            (host_busy & (python >= us[:, OP]), "host_python", True),
+            (host_busy & (python > 0) & (python >= us[:, OP]), "host_python", True),
             (host_busy, "host_ops", True),
         ]
         cause = np.full(len(us), NEEDS_DEEP_CAUSE if light else "untraced_host_time", dtype=object)
@@ -231,7 +233,7 @@ class GapExplainer:
                                                    enumerate(explained.other_us[i]) if v >= 0.05}}
         wanted = {"synchronize": "sync", "tokenization": "tokenize", "detokenization": "detokenize",
                   "compiled_dispatch": None, "collective_wait": "collective", "slow_launch": "launch",
-                  "compiling": "compiling"}.get(cause)
+                  "compiling": "compiling", "runtime_calls": "runtime"}.get(cause)
         elsewhere = cause in ("gil_contention",) or (cause == "tokenization" and other >= 0)
         frames = evidence["ran_instead"]["top_frames"] if elsewhere else top
         named = [f for f in frames if wanted is None or f["class"] == wanted]
@@ -282,9 +284,9 @@ class GapExplainer:
 
 
 def _frame_text(frame: dict[str, Any], cause: str) -> str:
-    """A frame as a finding names it; a slow launch with the time the call took."""
+    """A frame as a finding names it; a slow launch or runtime call with the time it took."""
     name = str(frame["name"])[:90]
-    return f"{name} ({float(frame['self_us']) / 1000:.2f} ms)" if cause == "slow_launch" else name
+    return f"{name} ({float(frame['self_us']) / 1000:.2f} ms)" if cause in TIMED_FRAMES else name
 
 
 def _light_text(explained: Explained, i: int, a: float, b: float, evidence: dict[str, Any],

@@ -24,6 +24,16 @@ MIN_SHARE_SINGLE = 0.2
 # A gap nothing recorded explains is a finding above info only when most steps have one.
 MIN_RECURRENCE_UNEXPLAINED = 0.5
 UNEXPLAINED = ("untraced_host_time", NEEDS_DEEP_CAUSE)
+# A rank's first training or decode step that took this many times the median of its later ones
+# of that kind (a prefill is longer by nature) is reported apart, so that it neither hides the
+# steady state's causes nor passes for them: the other steps' gaps are judged against the other
+# steps' time, its own against all of it (as without it). Causes that are one-time costs by what
+# they are (a kernel's code loaded, the device's memory set up, torch.compile compiling) are
+# warm-up there, and never critical.
+FIRST_STEP_FACTOR = 3.0
+FIRST_STEP_MIN_STEPS = 3
+FIRST_STEP_KINDS = ("train", "decode")
+WARM_UP_CAUSES = ("slow_launch", "runtime_calls", "compiling")
 
 # --- findings ---------------------------------------------------------------------------------
 
@@ -59,6 +69,29 @@ def _recurrence(group: list[Gap], steps: list[Step]) -> float:
     return len(hit) / pool if pool else 0.0
 
 
+def long_first_steps(steps: list[Step]) -> set[int]:
+    """Indices of the steps reported apart: per rank and kind (training or decode), the first, when
+    it took FIRST_STEP_FACTOR times the median of at least FIRST_STEP_MIN_STEPS - 1 later ones."""
+    by_rank_kind: dict[tuple[int, str], list[int]] = {}
+    for i, step in enumerate(steps):
+        if step.kind in FIRST_STEP_KINDS:
+            by_rank_kind.setdefault((step.rank, step.kind), []).append(i)
+    out: set[int] = set()
+    for indices in by_rank_kind.values():
+        if len(indices) < FIRST_STEP_MIN_STEPS:
+            continue
+        first, *later = sorted(indices, key=lambda i: steps[i].start_us)
+        if steps[first].time_us > FIRST_STEP_FACTOR * float(np.median([steps[i].time_us for i in later])):
+            out.add(first)
+    return out
+
+
+def _first_step_text(steps: list[Step], group: list[Gap]) -> str:
+    first = steps[group[0].step]
+    later = [s.time_us for s in steps if s.rank == first.rank and s.kind == first.kind and s is not first]
+    return f"{first.time_us / 1000:.2f} ms, the later ones {float(np.median(later)) / 1000:.2f} ms at the median"
+
+
 def detect_decode_gaps(trace: Any, steps: list[Step], found: tuple[list[Gap], dict[str, Any]] | None = None
                        ) -> tuple[list[Finding], dict[str, Any]]:
     """Findings (one per cause and place) from the gaps; ``found`` is find_gaps' result when the caller has it."""
@@ -72,18 +105,25 @@ def detect_decode_gaps(trace: Any, steps: list[Step], found: tuple[list[Gap], di
         "idle_split": [s.to_dict() for s in idle_split(trace)],
     }
     findings: list[Finding] = []
-    span = step_span_us(steps)
-    by_cause: dict[tuple[str, str], list[Gap]] = {}
+    long_first = long_first_steps(steps)
+    spans = {False: step_span_us([s for i, s in enumerate(steps) if i not in long_first]),
+             True: step_span_us(steps)}
+    by_cause: dict[tuple[str, str, bool], list[Gap]] = {}
     for gap in gaps:
-        by_cause.setdefault((gap.cause, gap.where), []).append(gap)
-    for (cause, where), group in by_cause.items():
+        by_cause.setdefault((gap.cause, gap.where, gap.where == "inside_step" and gap.step in long_first),
+                            []).append(gap)
+    for (cause, where, in_first), group in by_cause.items():
         idle = np.array([g.idle_us for g in group])
         count = sum(g.count for g in group)
-        share = float(idle.sum()) / span if span > 0 else 1.0
+        judged = spans[in_first]  # the time these gaps are a share of
+        share = float(idle.sum()) / judged if judged > 0 else 1.0
         if share < MIN_SHARE or (count < 2 and share < MIN_SHARE_SINGLE):
             summary.setdefault("unreported_gaps", []).extend(g.to_dict() for g in group[:50])
             continue
         severity = severity_for_share(share, float(idle.sum()) / 1000.0)
+        warm_up = in_first and cause in WARM_UP_CAUSES
+        if warm_up and severity == "critical":
+            severity = "warning"
         recurrence = _recurrence(group, steps)
         if cause in UNEXPLAINED and recurrence < MIN_RECURRENCE_UNEXPLAINED:
             # Nothing recorded says why, and it is not the loop's habit: a preemption or a busy host.
@@ -91,6 +131,9 @@ def detect_decode_gaps(trace: Any, steps: list[Step], found: tuple[list[Gap], di
         worst = sorted(group, key=lambda g: -g.idle_us)
         words = step_words([steps[g.step] for g in group if 0 <= g.step < len(steps)] or steps)
         where_text = f"between {words}" if where == "between_steps" else f"inside {words}"
+        if in_first:
+            where_text = f"inside the first of the {words} ({_first_step_text(steps, group)}" + \
+                ("; a one-time warm-up cost)" if warm_up else ")")
         what = "waiting for another rank" if cause == "collective_straggler" else "of device idle" \
             if stats.get("mode") == "device" else "of host time"
         findings.append(Finding(
@@ -111,11 +154,13 @@ def detect_decode_gaps(trace: Any, steps: list[Step], found: tuple[list[Gap], di
                 "max_gap_ms": round(float(idle.max()) / 1000.0, 4),
                 "share_of_step_time": round(share, 4),
                 "steps_affected_share": round(recurrence, 4),
+                "first_step_only": in_first,
+                "warm_up": warm_up,
                 "worst_gaps": [g.to_dict() for g in worst[:10]],
             },
             fix=cause_fix(cause),
         ))
-    _add_host_reads(trace, steps, span, findings, summary)
+    _add_host_reads(trace, steps, step_span_us(steps), findings, summary)
     return findings, summary
 
 

@@ -61,6 +61,8 @@ SOURCE_LABELS = {
     "vllm_frames": "vLLM execute_model frames",
     "profiler_step": "ProfilerStep#N",
     "forward": "outermost model forward",
+    "data_loader": "each DataLoader fetch (no step marked)",
+    "embedding": "each forward's first aten::embedding (no step marked)",
 }
 
 

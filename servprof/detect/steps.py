@@ -29,6 +29,7 @@ from servprof.detect.step_forms import (
     vllm_frame_steps,
     vllm_steps,
 )
+from servprof.detect.step_landmarks import embedding_steps, loader_steps
 from servprof.trace.model import Trace
 
 __all__ = ["SOURCE_LABELS", "Step", "StepList", "device_segments", "find_steps", "is_step_annotation", "step_index"]
@@ -58,7 +59,8 @@ def find_steps(trace: Trace) -> StepList:
     """All model steps, per rank from the best form present, in start order, with their device spans."""
     found = StepList()
     found.ranks_without_steps = []
-    readers = (servprof_steps, sglang_steps, vllm_steps, vllm_frame_steps, profiler_steps, forward_steps)
+    readers = (servprof_steps, sglang_steps, vllm_steps, vllm_frame_steps, profiler_steps, forward_steps,
+               loader_steps, embedding_steps)
     read: dict[int, list[Step]] = {}
 
     def of_rank(i: int, rank: int) -> list[Step]:
@@ -68,8 +70,9 @@ def find_steps(trace: Trace) -> StepList:
 
     for rank in trace.ranks:
         chosen = next((mine for i in range(4) if (mine := of_rank(i, rank))), [])
-        if not chosen:
-            chosen = _profiler_or_forward(of_rank(4, rank), of_rank(5, rank))
+        if not chosen:  # a step marked around the loop's body, else one its landmarks open
+            outer = of_rank(4, rank) or of_rank(6, rank)
+            chosen = _outer_or_forward(trace, outer, of_rank(5, rank) or of_rank(7, rank))
         if not chosen:
             found.ranks_without_steps.append(rank)
         found.extend(chosen)
@@ -80,17 +83,21 @@ def find_steps(trace: Trace) -> StepList:
     return found
 
 
-def _profiler_or_forward(profiler: list[Step], forwards: list[Step]) -> list[Step]:
-    """ProfilerStep#N unless each holds several model forwards (a whole generate() in one
-    profiler step): then every forward is a step."""
+def _outer_or_forward(trace: Trace, outer: list[Step], forwards: list[Step]) -> list[Step]:
+    """The steps around the loop's body (ProfilerStep#N, else each DataLoader fetch's iteration)
+    unless each holds several model forwards (a whole generate() in one profiler step): then every
+    forward is a step. A training step holding several forwards (gradient accumulation) stays one."""
     if not forwards:
-        return profiler
-    if not profiler:
+        return outer
+    if not outer:
         return forwards
     starts = np.sort(np.array([f.start_us for f in forwards]))
-    inside = (np.searchsorted(starts, [p.end_us for p in profiler], side="left")
-              - np.searchsorted(starts, [p.start_us for p in profiler], side="left"))  # forwards starting in each
-    return forwards if np.mean(inside) > 1.5 else profiler
+    inside = (np.searchsorted(starts, [p.end_us for p in outer], side="left")
+              - np.searchsorted(starts, [p.start_us for p in outer], side="left"))  # forwards starting in each
+    if np.mean(inside) <= 1.5:
+        return outer
+    label_unknown_kinds(trace, outer)
+    return outer if any(s.kind == "train" for s in outer) else forwards
 
 
 def _cut_at_stop(trace: Trace, steps: StepList) -> int:

@@ -1,0 +1,88 @@
+"""Model steps in a trace that marks none, read from what every iteration of the loop does first.
+
+The most common way to profile a model is ``with torch.profiler.profile(): model.generate(...)``
+(or a training loop): no schedule, so no ``ProfilerStep#N``, no ``with_stack``, no annotation.
+Such a trace still holds one landmark per iteration:
+
+- a language model's forward starts by looking its input ids up, ``aten::embedding`` (models
+  with learned positions or token types look two or three tables up back to back: those
+  lookups are one forward);
+- a training loop's iteration starts by fetching its batch, ``enumerate(DataLoader)#...``.
+
+Each step runs on its thread from one landmark to the next. The last one, which no landmark
+closes, ends with the thread's last host op after it, at most ``LAST_STEP_MEDIANS`` median
+steps long (a thread can go on to other work).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from servprof.detect.data_loading import DATALOADER_RANGE
+from servprof.detect.name_guard import Guarded
+from servprof.detect.step_forms import EMBEDDING_ROWS, Step, host_rows, outermost, step_from_row
+from servprof.trace.model import Trace
+
+DATALOADER_ROWS = Guarded(re.compile("^" + re.escape(DATALOADER_RANGE)), DATALOADER_RANGE)
+# A lookup this close after the previous one (host events between their starts, nested ones
+# included) belongs to the same forward: under a quarter of a typical iteration, or under a floor
+# no forward of even one layer comes near (GPT-2 looks positions up right after tokens).
+SAME_ITERATION_SHARE = 0.25
+SAME_ITERATION_EVENTS = 64
+LAST_STEP_MEDIANS = 2.0
+
+
+def embedding_steps(trace: Trace) -> list[Step]:
+    """One step per forward of a language model: from its first token-embedding lookup to the next forward's."""
+    return _landmark_steps(trace, host_rows(trace, EMBEDDING_ROWS), "embedding")
+
+
+def loader_steps(trace: Trace) -> list[Step]:
+    """One step per training-loop iteration: from its DataLoader fetch to the next one."""
+    return _landmark_steps(trace, outermost(trace, host_rows(trace, DATALOADER_ROWS)), "data_loader")
+
+
+def _landmark_steps(trace: Trace, rows: np.ndarray, source: str) -> list[Step]:
+    steps: list[Step] = []
+    if rows.size == 0:
+        return steps
+    host = trace.complete() & (trace.stream < 0)
+    threads = sorted(set(zip(trace.rank[rows].tolist(), trace.tid[rows].tolist(), strict=True)))
+    for rank, tid in threads:
+        mine = rows[(trace.rank[rows] == rank) & (trace.tid[rows] == tid)]
+        thread = np.flatnonzero(host & (trace.rank == rank) & (trace.tid == tid))
+        order = np.argsort(trace.ts[thread], kind="stable")
+        thread_ts, thread_end = trace.ts[thread][order], trace.end[thread][order]
+        opens = mine[_iteration_starts(thread_ts, trace.ts[mine])]
+        starts = trace.ts[opens].astype(float).tolist()
+        ends = starts[1:] + [_last_end(thread_ts, thread_end, starts)]
+        for row, start, end in zip(opens.tolist(), starts, ends, strict=True):
+            step = step_from_row(trace, row, "step", source, trace.name(row))
+            step.start_us, step.end_us = start, end
+            steps.append(step)
+    steps.sort(key=lambda s: (s.rank, s.start_us))
+    return steps
+
+
+def _iteration_starts(thread_ts: np.ndarray, landmark_ts: np.ndarray) -> np.ndarray:
+    """Which landmarks (time-sorted) open an iteration: the first, and each with enough of the
+    thread's host work since the previous one."""
+    between = np.diff(np.searchsorted(thread_ts, landmark_ts, side="left"))
+    if between.size == 0:
+        return np.ones(landmark_ts.shape, dtype=bool)
+    typical = float(np.sort(between)[(3 * (between.size - 1)) // 4])  # upper quartile: whole iterations
+    threshold = max(SAME_ITERATION_SHARE * typical, SAME_ITERATION_EVENTS)
+    return np.concatenate(([True], between >= threshold))
+
+
+def _last_end(thread_ts: np.ndarray, thread_end: np.ndarray, starts: list[float]) -> float:
+    """The last step's end: the latest end of the thread's host events from its start on, cut at
+    LAST_STEP_MEDIANS median steps when earlier steps give a median."""
+    last = starts[-1]
+    after = thread_end[np.searchsorted(thread_ts, last, side="left"):]
+    end = float(after.max()) if after.size else last
+    if len(starts) >= 3:
+        end = min(end, last + LAST_STEP_MEDIANS * float(np.median(np.diff(starts))))
+    return end

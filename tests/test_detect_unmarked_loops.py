@@ -1,0 +1,98 @@
+"""Model steps in traces recorded the way most people first profile a model: the real
+torch.profiler around a real transformers ``generate()`` or a hand-written decode loop, with no
+schedule (no ProfilerStep#N), no with_stack and no servprof marker. Each forward's first
+token-embedding lookup opens a step (step_landmarks.py). Small models built from a config (random
+weights, no download) on the CPU: the trace's structure, not the model's quality, is under test."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule
+
+from servprof.detect.analysis import analyse
+from servprof.trace import load_trace
+
+transformers = pytest.importorskip("transformers")
+
+NEW_TOKENS = 6
+PROMPT = torch.arange(3, 15).unsqueeze(0)  # one sequence of 12 token ids
+
+
+def _llama() -> torch.nn.Module:
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=4, pad_token_id=0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _gpt2() -> torch.nn.Module:  # learned positions: two lookups per forward, back to back
+    config = transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, bos_token_id=1,
+                                     eos_token_id=2, pad_token_id=0)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def _generate(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        model.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+
+
+def _trace_of(run, path: Path, record_shapes: bool = False):  # noqa: ANN001 - a callable taking nothing
+    run()  # (warm: the first call's one-time work stays out of the trace)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=record_shapes) as prof:
+        run()
+    prof.export_chrome_trace(str(path))
+    return load_trace(path)
+
+
+@pytest.mark.parametrize("build", [_llama, _gpt2], ids=["llama", "gpt2"])
+def test_each_forward_of_an_unmarked_generate_is_a_step(tmp_path: Path, build):  # noqa: ANN001
+    model = build()
+    trace = _trace_of(lambda: _generate(model), tmp_path / "t.json")
+    analysis = analyse(trace)
+    assert [s.source for s in analysis.steps] == ["embedding"] * NEW_TOKENS
+    assert "model steps" not in {m["what"] for m in analysis.summary["missing"]}
+    lookups = trace.ts[trace.mask_name(lambda s: s == "aten::embedding") & trace.complete()]
+    # Each step opens with the forward's first lookup; the steps follow each other.
+    assert {s.start_us for s in analysis.steps} <= set(lookups.tolist())
+    assert all(a.end_us == b.start_us for a, b in zip(analysis.steps, analysis.steps[1:], strict=False))
+
+
+def test_record_shapes_tells_the_prefill_from_the_decode_steps(tmp_path: Path):
+    model = _llama()
+    analysis = analyse(_trace_of(lambda: _generate(model), tmp_path / "t.json", record_shapes=True))
+    assert [s.kind for s in analysis.steps] == ["prefill"] + ["decode"] * (NEW_TOKENS - 1)
+    assert {s.batch for s in analysis.steps} == {1}
+
+
+def test_a_hand_written_greedy_loop_is_read_the_same_way(tmp_path: Path):
+    embed, layer, head = torch.nn.Embedding(128, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 128)
+
+    def loop() -> None:
+        ids = PROMPT.clone()
+        with torch.no_grad():
+            for _ in range(NEW_TOKENS):
+                hidden = embed(ids)
+                for _ in range(20):  # a few dozen ops per forward, as a real model's layers give
+                    hidden = torch.relu(layer(hidden)) + hidden
+                token = head(hidden[:, -1]).argmax(-1, keepdim=True)
+                ids = torch.cat([ids, token], dim=1)
+
+    analysis = analyse(_trace_of(loop, tmp_path / "t.json"))
+    assert [s.source for s in analysis.steps] == ["embedding"] * NEW_TOKENS
+
+
+def test_profiler_steps_each_around_a_whole_generate_give_way_to_its_forwards(tmp_path: Path):
+    """The usual schedule (a step per generate() call, the trace written when the cycle ends)."""
+    model = _llama()
+    path = tmp_path / "t.json"
+    with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=0, warmup=1, active=2, repeat=1),
+                 on_trace_ready=lambda p: p.export_chrome_trace(str(path))) as prof:
+        for _ in range(3):
+            _generate(model)
+            prof.step()
+    trace = load_trace(path)
+    assert trace.mask_name(lambda s: s.startswith("ProfilerStep#")).sum() == 2
+    analysis = analyse(trace)
+    assert [s.source for s in analysis.steps] == ["embedding"] * (2 * NEW_TOKENS)
