@@ -115,6 +115,19 @@ def test_analyze_does_not_import_torch() -> None:
     assert done.stdout.strip().splitlines()[-1] == "NO-TORCH 0", done.stdout[-2000:] + done.stderr[-2000:]
 
 
+@pytest.mark.parametrize("name", ["hta_mi250_minitoy_train_rocm.json.gz", "kineto_resnet50_autograd_api_v100.json.gz",
+                                  "sglang_qwen3_8b_decode_bs32_mi300x.json.gz"])
+def test_analyze_to_json_imports_no_terminal_report_and_no_numpy_ma(name: str) -> None:
+    """`servprof analyze T --json -` (every detector, the JSON on stdout) pays for neither rich's
+    tables nor numpy.ma (np.unique / np.median import it): a fifth of a small trace's fresh process."""
+    code = ("import io, sys; from servprof.cli import main; sys.stdout = io.TextIOWrapper(io.BytesIO()); "
+            "code = main(['analyze', sys.argv[1], '--json', '-']); sys.stdout = sys.__stdout__; "
+            "print(sorted(m for m in ('rich', 'numpy.ma', 'torch') if m in sys.modules), code)")
+    done = subprocess.run([sys.executable, "-c", code, str(PUBLIC_TRACES / name)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.stdout.strip().splitlines()[-1] == "[] 0", done.stdout[-2000:] + done.stderr[-2000:]
+
+
 def test_a_command_whose_module_is_missing_says_what_to_install(monkeypatch, capsys: pytest.CaptureFixture[str]):
     """A command's own parser (`servprof demo ...`) and the top-level one (`servprof --x demo`)
     both name the missing extra, whatever the command's arguments, instead of a parse error."""

@@ -14,7 +14,7 @@ import pytest
 from servprof.detect.bandwidth_points import percentile
 from servprof.detect.memory_attribution import NO_OP, _top_labelled
 from servprof.trace import load_trace
-from servprof.trace.model import distinct, distinct_first_inverse
+from servprof.trace.model import distinct, distinct_first_inverse, median
 from servprof.trace.phases import _phase_events, phase_events
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -46,6 +46,14 @@ def test_distinct_random() -> None:
     for size in (1, 2, 50, 1000):
         values = rng.integers(-5, 5, size)
         assert distinct(values).tolist() == np.unique(values).tolist()
+
+
+def test_median_is_numpys() -> None:
+    rng = np.random.default_rng(11)
+    for size in (1, 2, 3, 50, 1001):
+        values = rng.normal(size=size) * 1000
+        assert median(values) == float(np.median(values))
+        assert median(values.tolist()) == float(np.median(values))
 
 
 def test_analysis_does_not_import_numpy_ma() -> None:

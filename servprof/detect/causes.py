@@ -42,6 +42,7 @@ from servprof.detect.host_stacks import (
     HostStacks,
 )
 from servprof.detect.tier import NEEDS_DEEP, NEEDS_DEEP_CAUSE
+from servprof.trace.model import distinct
 from servprof.trace.phases import parse_phase_event_name
 
 __all__ = ["CAUSES", "Explained", "GapExplainer", "TOKENIZER_NAMES", "cause_fix"]
@@ -94,7 +95,7 @@ class GapExplainer:
         class_us = np.zeros((n, len(CLASSES)))
         at_start = np.full(n, UNTRACED)
         compiled = np.asarray(next_graph_launch, dtype=bool).copy()
-        for t in np.unique(tid).tolist():
+        for t in distinct(tid).tolist():
             sel = np.flatnonzero(tid == t)
             stack = self.stacks.thread(int(t))
             class_us[sel] = stack.class_times(a[sel], end[sel])
@@ -193,7 +194,7 @@ class GapExplainer:
         # order of the gaps, then of each gap's ranking, as rounded self time (what top() gives).
         tids = explained.tid[members]
         parts = []
-        for t in np.unique(tids).tolist():
+        for t in distinct(tids).tolist():
             mine = np.flatnonzero(tids == t)
             window, key, us = self.stacks.thread(int(t)).top_keys(a[members[mine]], b[members[mine]], limit)
             parts.append((mine[window], key, us))

@@ -12,6 +12,7 @@ import numpy as np
 
 from servprof.detect.intervals import covered, merge
 from servprof.detect.name_scan import ids_holding
+from servprof.trace.model import distinct
 
 DATALOADER_RANGE = "enumerate(DataLoader)#"
 
@@ -31,7 +32,7 @@ def loading_us(trace: Any, rows: np.ndarray, a: np.ndarray, b: np.ndarray, tid: 
     out = np.zeros(np.shape(a))
     if rows.size == 0 or out.size == 0:
         return out
-    for t in sorted(set(np.unique(tid).tolist()) & set(np.unique(trace.tid[rows]).tolist())):
+    for t in sorted(set(distinct(tid).tolist()) & set(distinct(trace.tid[rows]).tolist())):
         mine = rows[trace.tid[rows] == t]
         start, end = merge(trace.ts[mine], trace.ts[mine] + trace.dur[mine])
         sel = tid == t

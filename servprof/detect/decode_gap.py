@@ -14,6 +14,7 @@ from servprof.detect.finding import WARNING_SHARE, Finding, severity_for_share
 from servprof.detect.gaps import Gap, find_gaps
 from servprof.detect.steps import Step
 from servprof.detect.tier import NEEDS_DEEP_CAUSE, is_light
+from servprof.trace.model import median
 
 __all__ = ["Gap", "detect_decode_gaps", "find_gaps", "step_span_us", "step_words"]
 
@@ -81,7 +82,7 @@ def long_first_steps(steps: list[Step]) -> set[int]:
         if len(indices) < FIRST_STEP_MIN_STEPS:
             continue
         first, *later = sorted(indices, key=lambda i: steps[i].start_us)
-        if steps[first].time_us > FIRST_STEP_FACTOR * float(np.median([steps[i].time_us for i in later])):
+        if steps[first].time_us > FIRST_STEP_FACTOR * median([steps[i].time_us for i in later]):
             out.add(first)
     return out
 
@@ -89,7 +90,7 @@ def long_first_steps(steps: list[Step]) -> set[int]:
 def _first_step_text(steps: list[Step], group: list[Gap]) -> str:
     first = steps[group[0].step]
     later = [s.time_us for s in steps if s.rank == first.rank and s.kind == first.kind and s is not first]
-    return f"{first.time_us / 1000:.2f} ms, the later ones {float(np.median(later)) / 1000:.2f} ms at the median"
+    return f"{first.time_us / 1000:.2f} ms, the later ones {median(later) / 1000:.2f} ms at the median"
 
 
 def detect_decode_gaps(trace: Any, steps: list[Step], found: tuple[list[Gap], dict[str, Any]] | None = None
@@ -150,7 +151,7 @@ def detect_decode_gaps(trace: Any, steps: list[Step], found: tuple[list[Gap], di
                 "where": where,
                 "gaps": count,
                 "mean_gap_ms": round(float(idle.sum()) / count / 1000.0, 4),
-                "median_gap_ms": round(float(np.median(idle / np.array([g.count for g in group]))) / 1000.0, 4),
+                "median_gap_ms": round(median(idle / np.array([g.count for g in group])) / 1000.0, 4),
                 "max_gap_ms": round(float(idle.max()) / 1000.0, 4),
                 "share_of_step_time": round(share, 4),
                 "steps_affected_share": round(recurrence, 4),

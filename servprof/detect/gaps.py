@@ -30,6 +30,7 @@ from servprof.detect.name_scan import host_ids_matching
 from servprof.detect.overhead import stop_cutoffs
 from servprof.detect.steps import Step, device_segments
 from servprof.detect.tier import is_light
+from servprof.trace.model import distinct, median
 
 CPU_MIN_GAP_US = 1000.0  # host gaps below 1 ms are the ordinary cost of a Python engine loop
 GPU_MIN_GAP_US = 50.0  # device idle below 50 µs is launch latency: summed per step, not listed
@@ -111,7 +112,7 @@ def find_gaps(trace: Any, steps: list[Step]) -> tuple[list[Gap], dict[str, Any]]
             gaps.extend(_host_gaps(rank_steps, index, explainer))
             if not light:  # a light trace records no work inside a step: no stall can be told from work
                 gaps.extend(_stalled_steps(rank_steps, index, explainer, stacks))
-    stats["median_step_us"] = round(float(np.median([s.time_us for s in steps])), 1) if steps else None
+    stats["median_step_us"] = round(median([s.time_us for s in steps]), 1) if steps else None
     return gaps, stats
 
 
@@ -158,7 +159,7 @@ def _device_gaps(trace: Any, rank: int, steps: list[Step], index: dict[int, int]
     hole_a, hole_b, z = hole_a[ok], hole_b[ok], z[ok]
     step_pos, inside = zstep[z], zinside[z]
     spans = np.array([s.time_us for s in on_device])
-    median_span = float(np.median(spans))
+    median_span = median(spans)
     limit = np.maximum(GPU_MIN_GAP_US, DEVICE_RELATIVE_MIN_GAP * np.where(inside, spans[step_pos], median_span))
     small = (hole_b - hole_a) < limit
     # The device work that ended each hole: its launch says whether the device was starved.
@@ -274,25 +275,25 @@ def _stragglers(trace: Any, rank: int, steps: list[Step], index: dict[int, int],
     if rows.size == 0 or not steps:
         return []
     collective = np.isin(trace.name_id[rows], trace.ids_matching(lambda s: COLLECTIVE_KERNEL.search(s) is not None,
-                                                                 np.unique(trace.name_id[rows])))
+                                                                 distinct(trace.name_id[rows])))
     out: list[Gap] = []
     spans = [(s.device_start_us or 0.0, s.device_end_us or 0.0) for s in steps]
-    for name_id in np.unique(trace.name_id[rows[collective]]).tolist():
+    for name_id in distinct(trace.name_id[rows[collective]]).tolist():
         sel = np.flatnonzero(collective & (trace.name_id[rows] == name_id))
         if sel.size < 3:
             continue
         dur = end[sel] - start[sel]
-        median = float(np.median(dur))
-        for j in sel[dur >= STRAGGLER_FACTOR * max(median, 1.0)].tolist():
-            excess = float(end[j] - start[j]) - median
+        typical_us = median(dur)
+        for j in sel[dur >= STRAGGLER_FACTOR * max(typical_us, 1.0)].tolist():
+            excess = float(end[j] - start[j]) - typical_us
             pos = next((k for k, (a, b) in enumerate(spans) if a <= start[j] < b), None)
             if pos is None or excess < max(GPU_MIN_GAP_US, DEVICE_RELATIVE_MIN_GAP * (spans[pos][1] - spans[pos][0])):
                 continue
             name = trace.names[name_id]
             text = (f"{CAUSES['collective_straggler'][0]}: {name[:80]} ran {(end[j] - start[j]) / 1000:.2f} ms "
-                    f"against a median of {median / 1000:.3f} ms over {sel.size} calls")
+                    f"against a median of {typical_us / 1000:.3f} ms over {sel.size} calls")
             evidence = {"collective": name, "duration_us": round(float(end[j] - start[j]), 1),
-                        "median_us": round(median, 1), "calls": int(sel.size)}
+                        "median_us": round(typical_us, 1), "calls": int(sel.size)}
             out.append(Gap(rank, float(start[j] + median), float(end[j]), excess, "inside_step", "collective_straggler",
                            (text, evidence), list(steps[pos].request_ids), step=index[id(steps[pos])]))
     return out
@@ -302,7 +303,7 @@ def _stragglers(trace: Any, rank: int, steps: list[Step], index: dict[int, int],
 
 
 def _host_gaps(steps: list[Step], index: dict[int, int], explainer: GapExplainer) -> list[Gap]:
-    threshold = max(CPU_MIN_GAP_US, RELATIVE_MIN_GAP * float(np.median([s.dur_us for s in steps])))
+    threshold = max(CPU_MIN_GAP_US, RELATIVE_MIN_GAP * median([s.dur_us for s in steps]))
     pairs = []
     by_thread: dict[int, list[Step]] = {}
     for s in steps:
@@ -330,7 +331,7 @@ def _stalled_steps(steps: list[Step], index: dict[int, int], explainer: GapExpla
     decode = [s for s in steps if s.kind == "decode"]
     if len(decode) < 3:
         return []
-    typical = float(np.median([s.dur_us for s in decode]))
+    typical = median([s.dur_us for s in decode])
     slow = [s for s in decode if s.dur_us >= 1.5 * typical]
     out: list[Gap] = []
     for tid in {s.tid for s in slow}:

@@ -22,7 +22,7 @@ from servprof.detect.host_stacks import _device_to_host_launches
 from servprof.detect.name_guard import Guarded
 from servprof.detect.nesting import start_order
 from servprof.detect.step_forms import Step, outermost
-from servprof.trace.model import Trace
+from servprof.trace.model import Trace, distinct, distinct_first_inverse, median
 
 READ_OPS = Guarded(re.compile(r"^aten::(item|_local_scalar_dense)$|<method '(tolist|item|cpu|numpy)' of"
                               r"|<built-in method (tolist|item|cpu|numpy) of"), "aten::", "method ")
@@ -43,7 +43,8 @@ def _label(name: str) -> str:
 
 def _labels(trace: Trace, rows: np.ndarray) -> list[tuple[str, int]]:
     """(label, calls) per name read, in order of each name's first read."""
-    names, first, calls = np.unique(trace.name_id[rows], return_index=True, return_counts=True)
+    names, first, inverse = distinct_first_inverse(trace.name_id[rows])
+    calls = np.bincount(inverse, minlength=names.size)
     return [(_label(trace.names[int(names[i])]), int(calls[i])) for i in np.argsort(first)]
 
 
@@ -53,7 +54,7 @@ def read_rows(trace: Trace) -> np.ndarray:
     named = np.flatnonzero(base & trace.mask_name(lambda s: READ_OPS.search(s) is not None, trace.host_names()))
     d2h = _device_to_host_launches(trace)
     tolist = _top_level(trace, np.flatnonzero(base & (trace.name_id == trace.string_id(TOLIST_SIGNATURE))))
-    rows = np.unique(np.concatenate([named, d2h, tolist]).astype(np.int64))
+    rows = distinct(np.concatenate([named, d2h, tolist]).astype(np.int64))
     rows = rows[np.argsort(trace.ts[rows], kind="stable")]
     return outermost(trace, rows)
 
@@ -67,7 +68,7 @@ def _top_level(trace: Trace, rows: np.ndarray) -> np.ndarray:
     keep = []
     for key in {(int(r), int(t)) for r, t in zip(trace.rank[rows].tolist(), trace.tid[rows].tolist(), strict=True)}:
         wanted = rows[(trace.rank[rows] == key[0]) & (trace.tid[rows] == key[1])]
-        mine = np.union1d(ops[(trace.rank[ops] == key[0]) & (trace.tid[ops] == key[1])], wanted)
+        mine = distinct(np.concatenate([ops[(trace.rank[ops] == key[0]) & (trace.tid[ops] == key[1])], wanted]))
         mine = mine[start_order(trace.ts[mine], trace.dur[mine])]
         prior_end = np.concatenate([[-np.inf], np.maximum.accumulate(trace.ts[mine] + trace.dur[mine])[:-1]])
         by_row = np.argsort(mine)
@@ -91,7 +92,7 @@ def detect_host_reads(trace: Trace, steps: list[Step], span_us: float) -> tuple[
         mine = sorted((i for i, s in enumerate(decode) if s.tid == tid), key=lambda i: decode[i].start_us)
         starts = np.array([decode[i].start_us for i in mine])
         # A step's reads: inside it or after it, before the next step of its thread begins.
-        ends = np.append(starts[1:], decode[mine[-1]].end_us + float(np.median([decode[i].dur_us for i in mine])))
+        ends = np.append(starts[1:], decode[mine[-1]].end_us + median([decode[i].dur_us for i in mine]))
         sel = rows[(trace.tid[rows] == tid) & (trace.rank[rows] == decode[mine[0]].rank)]
         pos = np.searchsorted(starts, trace.ts[sel], side="right") - 1
         ok = (pos >= 0) & (trace.ts[sel] < ends[np.maximum(pos, 0)])

@@ -24,7 +24,7 @@ from servprof.detect.name_scan import NameText, host_name_text
 from servprof.detect.nesting import depths, extend_ends, levels, nearest, parents, segments, start_order
 from servprof.detect.step_forms import PROFILER_STEP_ROWS, SGLANG_STEP_ROWS, VLLM_STEP_ROWS
 from servprof.trace.columns import give_back_freed_memory
-from servprof.trace.model import RUNTIME_CATEGORIES, Trace, distinct_first_inverse
+from servprof.trace.model import RUNTIME_CATEGORIES, Trace, distinct, distinct_first_inverse
 from servprof.trace.phases import PHASE_PREFIX
 
 HOST_CATEGORIES = ("cpu_op", "user_annotation", "python_function", *RUNTIME_CATEGORIES)
@@ -239,7 +239,7 @@ class ThreadStack:
         # events keep the temporaries near one window's, as top() does.
         chunk = (np.cumsum(size) - size) // TOP_CHUNK
         parts = []
-        for c in np.unique(chunk).tolist():
+        for c in distinct(chunk).tolist():
             mine = np.flatnonzero(chunk == c)
             window, key, us = self._top_keys(a[mine], b[mine], lo[mine], size[mine], limit)
             parts.append((mine[window], key, us))
@@ -282,7 +282,7 @@ class HostStacks:
                 & trace.mask_category(*HOST_CATEGORIES))
         rows = np.flatnonzero(mask).astype(np.int32 if len(trace) < 2**31 else np.int64)
         tids = trace.tid[rows]
-        self.tids: list[int] = np.unique(tids).tolist()
+        self.tids: list[int] = distinct(tids).tolist()
         self._rows = {tid: rows[tids == tid] for tid in self.tids}  # a thread's rows, until it is swept
         self._d2h = _device_to_host_launches(trace)
         self._stacks: dict[int, ThreadStack] = {}
@@ -366,7 +366,7 @@ def _device_to_host_launches(trace: Trace) -> np.ndarray:
     for the device (a copy into pinned memory with non_blocking=True does not)."""
     copies = np.flatnonzero(trace.device_mask() & trace.mask_category("gpu_memcpy", "Memcpy"))
     to_host = trace.ids_matching(lambda s: bool(DEVICE_TO_HOST.search(s)) and "Pinned" not in s,
-                                 np.unique(trace.name_id[copies]))
+                                 distinct(trace.name_id[copies]))
     copies = copies[trace.has_id(trace.name_id[copies], to_host)]
     launches = trace.launch_row_for(copies)
     return launches[launches >= 0]

@@ -33,7 +33,7 @@ from servprof.detect.intervals import merge
 from servprof.detect.name_scan import host_name_text, ids_holding
 from servprof.detect.steps import Step, step_index
 from servprof.detect.tier import DEEP_WINDOW_HOW, is_light
-from servprof.trace.model import Trace
+from servprof.trace.model import Trace, median
 from servprof.trace.phases import request_phases
 
 COMPILE_ID_ARG = re.compile(r"compile_id=\[?(\d+)/(\d+)")
@@ -279,21 +279,21 @@ def _regions_per_step(trace: Trace, steps: list[Step], frames: dict[str, Any]) -
         step_us += steps[index].dur_us
     known_breaks = [b for b in breaks if b is not None]
     summary: dict[str, Any] = {
-        "steps_with_compiled_code": len(per_step), "compiled_regions_per_step": float(np.median(counts)),
-        "graph_breaks_per_step": float(np.median(known_breaks)) if known_breaks else None,
+        "steps_with_compiled_code": len(per_step), "compiled_regions_per_step": median(counts),
+        "graph_breaks_per_step": median(known_breaks) if known_breaks else None,
         "eager_ms_between_regions": eager_us / 1e3,
     }
-    if known_breaks and np.median(known_breaks) >= 1:
+    if known_breaks and median(known_breaks) >= 1:
         share = eager_us / step_us if step_us else 0.0
         resumes = sorted({f["name"] for f in frames.values() if f.get("resume")})
         summary["graph_break_finding"] = Finding(
             "graph_break", "warning" if share >= 0.1 else "info", eager_us / 1e3,
             min(steps[i].start_us for i in per_step), max(steps[i].end_us for i in per_step),
-            f"{np.median(known_breaks):g} graph break(s) per step in {len(per_step)} steps: "
+            f"{median(known_breaks):g} graph break(s) per step in {len(per_step)} steps: "
             f"{eager_us / 1e3:,.1f} ms ({share:.0%} of those steps) ran eagerly between compiled graphs",
             request_ids=list(dict.fromkeys(r for i in per_step for r in steps[i].request_ids))[:100],
-            evidence={"steps": len(per_step), "graph_breaks_per_step": float(np.median(known_breaks)),
-                      "compiled_regions_per_step": float(np.median(counts)), "eager_ms": eager_us / 1e3,
+            evidence={"steps": len(per_step), "graph_breaks_per_step": median(known_breaks),
+                      "compiled_regions_per_step": median(counts), "eager_ms": eager_us / 1e3,
                       "share_of_steps": share, "resume_functions": resumes[:10]},
             fix=GRAPH_BREAK_FIX)
     return summary

@@ -23,7 +23,7 @@ import numpy as np
 from servprof.detect.data_loading import DATALOADER_RANGE
 from servprof.detect.name_guard import Guarded
 from servprof.detect.step_forms import EMBEDDING_ROWS, Step, host_rows, outermost, step_from_row
-from servprof.trace.model import Trace
+from servprof.trace.model import Trace, median
 
 DATALOADER_ROWS = Guarded(re.compile("^" + re.escape(DATALOADER_RANGE)), DATALOADER_RANGE)
 # A lookup this close after the previous one (host events between their starts, nested ones
@@ -84,5 +84,5 @@ def _last_end(thread_ts: np.ndarray, thread_end: np.ndarray, starts: list[float]
     after = thread_end[np.searchsorted(thread_ts, last, side="left"):]
     end = float(after.max()) if after.size else last
     if len(starts) >= 3:
-        end = min(end, last + LAST_STEP_MEDIANS * float(np.median(np.diff(starts))))
+        end = min(end, last + LAST_STEP_MEDIANS * median(np.diff(starts)))
     return end

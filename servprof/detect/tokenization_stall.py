@@ -22,7 +22,7 @@ from servprof.detect.name_scan import host_ids_matching
 from servprof.detect.overhead import stop_cutoffs
 from servprof.detect.step_forms import outermost
 from servprof.detect.steps import Step
-from servprof.trace.model import Trace
+from servprof.trace.model import Trace, median
 from servprof.trace.phases import phase_events
 
 # A Rust BPE tokenizer takes ~0.1-0.3 ms per 100 tokens; on a busy host a preemption can
@@ -127,7 +127,7 @@ def detect_tokenization_stalls(trace: Trace, steps: list[Step], gaps: list[Gap])
     spans = _tokenize_spans(trace)
     session_us = float(trace.end.max() - trace.ts.min()) if len(trace) else 0.0
     decode_steps = [s for s in steps if s.kind == "decode"]
-    typical_step = float(np.median([s.dur_us for s in decode_steps])) if decode_steps else 0.0
+    typical_step = median([s.dur_us for s in decode_steps]) if decode_steps else 0.0
     # Decode steps more than 20% slower than the median: the ones a tokenizer may have delayed.
     slow_steps = np.array([i for i, s in enumerate(decode_steps) if s.dur_us > 1.2 * typical_step], dtype=np.int64)
     slow_rank = np.array([decode_steps[i].rank for i in slow_steps], dtype=np.int64)

@@ -24,6 +24,7 @@ from servprof.detect.intervals import covered, merge
 from servprof.detect.overhead import stop_cutoffs
 from servprof.detect.step_forms import SOURCE_LABELS, Step
 from servprof.detect.tier import LIGHT_TRACE, is_light
+from servprof.trace.model import median as median_of
 
 MAX_STEP_ROWS = 2000  # per-step rows kept in the JSON (the aggregates cover every step)
 
@@ -126,7 +127,7 @@ def _aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
         def median(key: str, group: list[dict[str, Any]] = mine) -> float | None:
             values = [r[key] for r in group]
-            return None if None in values else round(float(np.median(values)), 4)
+            return None if None in values else round(median_of(values), 4)
 
         def rounded(value: float | None) -> float | None:
             return None if value is None else round(value, 4)

@@ -14,20 +14,20 @@ import sys
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
-from rich.console import Console, Group
-from rich.text import Text
 
 from servprof.detect.analysis import Analysis, analyse
 from servprof.detect.devices import DEVICES, UnknownDevice
-from servprof.report.findings_table import findings_renderables
-from servprof.report.memory_compile import section_renderables as memory_compile_renderables
-from servprof.report.utilisation import utilisation_renderables
 from servprof.trace import Trace, TraceError, load_trace, phase_events, request_phases
 from servprof.trace.loader import SIDECAR_SUFFIXES, trace_files
 
+if TYPE_CHECKING:
+    from rich.console import Console
+
+# rich (and the report's tables) are imported only to print: `--json -` on a small trace would
+# spend a fifth of its fresh process importing them.
 EXIT_BAD_INPUT = 2
 PROGRESS_MIN_BYTES = 20 * 1024**2  # show a progress display for inputs bigger than this
 
@@ -87,13 +87,12 @@ def plan_runs(path: Path) -> list[Run]:
 
 
 def run(args: argparse.Namespace) -> int:
-    err = Console(stderr=True)
     try:
         source = servprof_sessions_dir(Path(args.path))
         runs = plan_runs(source)
         files = trace_files(source)
         show = sum(f.stat().st_size for f in files) >= PROGRESS_MIN_BYTES
-        progress = _progress(err) if show else None
+        progress = _progress() if show else None
         with progress or nullcontext():
             # Three stages per file (read, parse, columns), then the detectors once per run.
             task = progress.add_task("reading", total=3 * len(files) + len(runs)) if progress else None
@@ -136,10 +135,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"servprof analyze: cannot write {exc.filename}: {exc.strerror}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.json_out == "-":  # stdout is the JSON's: what the terminal report would warn of goes to stderr
-        for item in runs:
-            for warning in item.analysis.summary.get("warnings") or []:
+        warnings = [w for item in runs for w in (item.analysis.summary.get("warnings") or [])]
+        if warnings:
+            from rich.console import Console
+            from rich.text import Text
+
+            err = Console(stderr=True)
+            for warning in warnings:
                 err.print(Text.assemble(("warning:", "yellow"), f" {warning}"))
         return 0
+    from rich.console import Console
+    from rich.text import Text
+
     # Piped output gets a fixed, readable width instead of 80 columns.
     console = Console() if sys.stdout.isatty() else Console(width=160)
     if len(runs) > 1:
@@ -150,13 +157,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _progress(console: Console) -> Any:
-    """The progress display for a big input (imported only then: rich.progress is a tenth of the
-    imports of a small trace's whole analysis)."""
+def _progress() -> Any:
+    """The progress display for a big input, on stderr (imported only then: rich.progress is a
+    tenth of the imports of a small trace's whole analysis)."""
+    from rich.console import Console
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                    console=console, transient=True)
+                    console=Console(stderr=True), transient=True)
 
 
 def _tokenize_spans(trace: Trace | None) -> list[tuple[float, float, str]]:
@@ -176,6 +184,13 @@ def sessions_report(source: Path, runs: list[Run]) -> dict[str, Any]:
 def print_analysis(analysis: Analysis | None, console: Console, session: str | None = None) -> None:
     """The whole terminal report in one console.print of Text and tables (no markup to parse, no
     highlighting regexes: each print call and each parsed string costs rich set-up time)."""
+    from rich.console import Group
+    from rich.text import Text
+
+    from servprof.report.findings_table import findings_renderables
+    from servprof.report.memory_compile import section_renderables as memory_compile_renderables
+    from servprof.report.utilisation import utilisation_renderables
+
     if analysis is None:
         return
     s = analysis.summary

@@ -17,6 +17,7 @@ import orjson
 
 from servprof.trace.args import RawArgs, args_text, raw_args_of
 from servprof.trace.errors import TraceError
+from servprof.trace.model import distinct
 from servprof.trace.split import DICTS, TYPED
 from servprof.trace.values import (
     NO_ARGS,
@@ -274,7 +275,7 @@ def _sparse_arg_columns(text: bytes, starts: np.ndarray, ends: np.ndarray) -> di
         while at >= 0:
             positions.append(at)
             at = find(key, at + 1)
-    rows = np.unique(np.searchsorted(starts, np.array(positions, dtype=np.int64), side="right") - 1)
+    rows = distinct(np.searchsorted(starts, np.array(positions, dtype=np.int64), side="right") - 1)
     columns = {key: np.full(starts.size, -1, dtype=np.int64) for key in ("stream", "correlation", "external_id")}
     if rows.size == 0:
         return columns

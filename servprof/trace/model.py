@@ -25,6 +25,14 @@ def distinct(values: np.ndarray) -> np.ndarray:
     return ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))] if ordered.size else ordered
 
 
+def median(values: Any) -> float:
+    """``np.median`` of a non-empty sequence holding no NaN, without importing numpy.ma (which
+    np.median does, ~5 ms of a fresh process)."""
+    ordered = np.sort(np.asarray(values, dtype=float))
+    mid = ordered.size // 2
+    return float(ordered[mid]) if ordered.size % 2 else float((ordered[mid - 1] + ordered[mid]) / 2)
+
+
 def distinct_first_inverse(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``np.unique(values, return_index=True, return_inverse=True)`` of a 1-D array holding no
     NaN (each value's first index, and each element's place among the values), without numpy.ma."""
