@@ -204,6 +204,17 @@ def test_training_steps_are_not_called_decode():
     assert [m["what"] for m in analysis.summary["missing"]] == ["op shapes", "memory"]
 
 
+@pytest.mark.parametrize("name", ["hta_mi250_minitoy_train_rocm.json.gz", "kineto_resnet50_dataloader_v100.json.gz",
+                                  "kineto_resnet50_autograd_api_v100.json.gz"])
+def test_a_training_steps_fix_speaks_of_training_not_of_decoding(name: str):
+    analysis = analyse(load_trace(public_trace(name)))
+    gaps = [f for f in analysis.findings if f.kind == "decode_gap" and "training steps" in f.title]
+    assert gaps and "train" in {s.kind for s in analysis.steps}
+    for finding in gaps:
+        assert "decode" not in finding.fix and "sampled tokens" not in finding.fix, (finding.title, finding.fix)
+    assert {f.evidence["cause"] for f in gaps} & {"synchronize", "launch_bound"}  # (the causes with a training fix)
+
+
 def test_a_slow_first_launch_is_named_as_such_never_launch_bound():
     """HTA's MI250 training step: one hipLaunchKernel (aten::add_ in AccumulateGrad, on the autograd
     thread) takes 6.5 ms while the GPU sits idle. That gap was called "many short gaps between

@@ -123,5 +123,30 @@ CAUSES: dict[str, tuple[str, str]] = {
 }
 
 
-def cause_fix(cause: str) -> str:
+# A training step's fix where the serving one would not fit (sampled tokens, a decode loop).
+TRAINING_FIXES: dict[str, str] = {
+    "synchronize": (
+        "Stop reading device values on the host inside the training step: log the loss every N steps or sum it "
+        "on the device (no .item() / .cpu() / printing a tensor each step), avoid ops whose output size depends on "
+        "the data (nonzero, masked_select, boolean indexing) and torch.cuda.synchronize(); copies to the device "
+        "from pinned memory with non_blocking=True. With torch.backends.cudnn.benchmark, the first steps' syncs "
+        "are its autotuning."
+    ),
+    "launch_bound": (
+        "The GPU runs each kernel faster than the host launches the next: compile the step (torch.compile; "
+        "mode='reduce-overhead' replays it from CUDA graphs), use fused or foreach optimizers "
+        "(torch.optim.AdamW(fused=True)), and raise the batch size so each kernel does more work."
+    ),
+    "host_python": (
+        "The GPU waits for Python in the training loop: compile the step (torch.compile), move per-step Python "
+        "(logging, metrics, reshaping the batch) out of the step or onto the device, and prepare the next batch "
+        "while this one runs (DataLoader workers, pin_memory, non_blocking copies)."
+    ),
+}
+
+
+def cause_fix(cause: str, training: bool = False) -> str:
+    """What to do about a cause; ``training``: for training steps (no decode loop, no sampled tokens)."""
+    if training and cause in TRAINING_FIXES:
+        return TRAINING_FIXES[cause]
     return CAUSES.get(cause, CAUSES["untraced_host_time"])[1]
