@@ -4,7 +4,9 @@ Per rank, the first form present wins (readers in step_forms.py): servprof's pha
 markers (explicit, then automatic), SGLang's step annotations, vLLM's step
 annotations, vLLM's ``execute_model`` frames, then ``ProfilerStep#N`` or the outermost
 model forward (the forwards when each ProfilerStep holds several, as around a whole
-``generate``). Each step also gets the span of the device work it launched: under
+``generate``, unless it is a training step); in a trace that marks none, the loop's own
+landmarks (step_landmarks.py): each DataLoader fetch, else each forward's first embedding
+lookup. Each step also gets the span of the device work it launched: under
 asynchronous scheduling the host range ends long before its kernels do, so step time,
 utilisation and gaps are read on the device timeline when there is one.
 
