@@ -10,32 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from _tiny_llm import NEW_TOKENS, PROMPT, generate, tiny_gpt2, tiny_llama
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from servprof.detect.analysis import analyse
 from servprof.trace import load_trace
-
-transformers = pytest.importorskip("transformers")
-
-NEW_TOKENS = 6
-PROMPT = torch.arange(3, 15).unsqueeze(0)  # one sequence of 12 token ids
-
-
-def _llama() -> torch.nn.Module:
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=4, pad_token_id=0)
-    return transformers.LlamaForCausalLM(config).eval()
-
-
-def _gpt2() -> torch.nn.Module:  # learned positions: two lookups per forward, back to back
-    config = transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, bos_token_id=1,
-                                     eos_token_id=2, pad_token_id=0)
-    return transformers.GPT2LMHeadModel(config).eval()
-
-
-def _generate(model: torch.nn.Module) -> None:
-    with torch.no_grad():
-        model.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
 
 
 def _trace_of(run, path: Path, record_shapes: bool = False):  # noqa: ANN001 - a callable taking nothing
@@ -46,10 +25,10 @@ def _trace_of(run, path: Path, record_shapes: bool = False):  # noqa: ANN001 - a
     return load_trace(path)
 
 
-@pytest.mark.parametrize("build", [_llama, _gpt2], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("build", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
 def test_each_forward_of_an_unmarked_generate_is_a_step(tmp_path: Path, build):  # noqa: ANN001
     model = build()
-    trace = _trace_of(lambda: _generate(model), tmp_path / "t.json")
+    trace = _trace_of(lambda: generate(model), tmp_path / "t.json")
     analysis = analyse(trace)
     assert [s.source for s in analysis.steps] == ["embedding"] * NEW_TOKENS
     assert "model steps" not in {m["what"] for m in analysis.summary["missing"]}
@@ -60,8 +39,8 @@ def test_each_forward_of_an_unmarked_generate_is_a_step(tmp_path: Path, build): 
 
 
 def test_record_shapes_tells_the_prefill_from_the_decode_steps(tmp_path: Path):
-    model = _llama()
-    analysis = analyse(_trace_of(lambda: _generate(model), tmp_path / "t.json", record_shapes=True))
+    model = tiny_llama()
+    analysis = analyse(_trace_of(lambda: generate(model), tmp_path / "t.json", record_shapes=True))
     assert [s.kind for s in analysis.steps] == ["prefill"] + ["decode"] * (NEW_TOKENS - 1)
     assert {s.batch for s in analysis.steps} == {1}
 
@@ -85,12 +64,12 @@ def test_a_hand_written_greedy_loop_is_read_the_same_way(tmp_path: Path):
 
 def test_profiler_steps_each_around_a_whole_generate_give_way_to_its_forwards(tmp_path: Path):
     """The usual schedule (a step per generate() call, the trace written when the cycle ends)."""
-    model = _llama()
+    model = tiny_llama()
     path = tmp_path / "t.json"
     with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=0, warmup=1, active=2, repeat=1),
                  on_trace_ready=lambda p: p.export_chrome_trace(str(path))) as prof:
         for _ in range(3):
-            _generate(model)
+            generate(model)
             prof.step()
     trace = load_trace(path)
     assert trace.mask_name(lambda s: s.startswith("ProfilerStep#")).sum() == 2

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import sys
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,8 +19,9 @@ import orjson
 
 from servprof.detect.analysis import Analysis, analyse
 from servprof.detect.devices import DEVICES, UnknownDevice
+from servprof.report.run_plan import Run, plan_runs, servprof_sessions_dir
 from servprof.trace import Trace, TraceError, load_trace, phase_events, request_phases
-from servprof.trace.loader import SIDECAR_SUFFIXES, trace_files
+from servprof.trace.loader import trace_files
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -29,6 +29,12 @@ if TYPE_CHECKING:
 # rich (and the report's tables) are imported only to print: `--json -` on a small trace would
 # spend a fifth of its fresh process importing them.
 EXIT_BAD_INPUT = 2
+RUNS_TEXT = {
+    "session": "{n} servprof sessions, each analysed on its own (oldest first)",
+    "window": "{n} profiler windows (torch.profiler cycles of the same workers, not ranks), each analysed on its "
+              "own (oldest first)",
+    "run": "{n} runs, each analysed on its own",
+}
 PROGRESS_MIN_BYTES = 20 * 1024**2  # show a progress display for inputs bigger than this
 
 
@@ -45,51 +51,11 @@ def build_report(analysis: Analysis, requests: dict[str, Any]) -> dict[str, Any]
     return {"summary": analysis.summary, "findings": [f.to_dict() for f in analysis.findings], "requests": requests}
 
 
-@dataclass
-class Run:
-    """One analysis: a trace file, or a directory of one run's per-rank files."""
-
-    label: str
-    path: Path
-    analysis: Analysis | None = None
-    trace: Trace | None = None
-    report: dict[str, Any] = field(default_factory=dict)
-
-
-def _session_stem(path: Path) -> str:
-    name = path.name
-    for suffix in (".pt.trace.json.gz", ".pt.trace.json", ".json.gz", ".json"):
-        if name.endswith(suffix):
-            return name[: -len(suffix)]
-    return name
-
-
-def servprof_sessions_dir(path: Path) -> Path:
-    """servprof's output folder (servprof-out/) keeps its session traces in traces/: read those."""
-    traces = path / "traces"
-    if path.is_dir() and traces.is_dir() and not any(f.name.endswith(".pt.trace.json.gz") for f in path.iterdir()):
-        return traces
-    return path
-
-
-def plan_runs(path: Path) -> list[Run]:
-    """What to analyse: a file, one run's per-rank files, or -- in a folder of servprof session traces
-    (each with its .session.json beside it) -- each session on its own: sessions are successive windows
-    of one server, not ranks of one run."""
-    files = trace_files(path)
-    if not path.is_dir() or len(files) < 2:
-        return [Run(files[0].name if path.is_dir() else str(path), path if not path.is_dir() else files[0])]
-    sessions = [f for f in files if any((f.parent / f"{_session_stem(f)}{sidecar}").exists()
-                                        for sidecar in SIDECAR_SUFFIXES)]
-    if not sessions:
-        return [Run(str(path), path)]
-    return [Run(_session_stem(f), f) for f in sorted(files, key=lambda f: (f.stat().st_mtime_ns, f.name))]
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         source = servprof_sessions_dir(Path(args.path))
-        runs = plan_runs(source)
+        plan = plan_runs(source)
+        runs = plan.runs
         files = trace_files(source)
         show = sum(f.stat().st_size for f in files) >= PROGRESS_MIN_BYTES
         progress = _progress() if show else None
@@ -103,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
                     progress.update(task, advance=1, description=following)
 
             for item in runs:
-                item.trace = load_trace(item.path, progress=advance)
+                item.trace = load_trace(item.path, progress=advance, files=item.files)
                 if progress is not None and task is not None:
                     progress.update(task, description=f"analysing {len(item.trace)} events")
                 item.analysis = analyse(item.trace, device=args.device)
@@ -123,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
             from servprof.report.html import render, render_sessions
 
             pages = [(item.label, item.analysis, _tokenize_spans(item.trace)) for item in runs]
-            html = render(pages[0][1], pages[0][2]) if len(runs) == 1 else render_sessions(str(source), pages)
+            html = render(pages[0][1], pages[0][2]) if len(runs) == 1 else \
+                render_sessions(str(source), pages, RUNS_TEXT[plan.kind].format(n=len(runs)),
+                                [_heading(plan.kind, item.label) for item in runs])
             Path(args.html_out).write_text(html, encoding="utf-8")
     except (TraceError, UnknownDevice) as exc:
         print(f"servprof analyze: {exc}", file=sys.stderr)
@@ -150,11 +118,14 @@ def run(args: argparse.Namespace) -> int:
     # Piped output gets a fixed, readable width instead of 80 columns.
     console = Console() if sys.stdout.isatty() else Console(width=160)
     if len(runs) > 1:
-        console.print(Text.assemble((str(source), "bold"),
-                                    f": {len(runs)} servprof sessions, each analysed on its own (oldest first)"))
+        console.print(Text.assemble((str(source), "bold"), f": {RUNS_TEXT[plan.kind].format(n=len(runs))}"))
     for item in runs:
-        print_analysis(item.analysis, console, session=item.label if len(runs) > 1 else None)
+        print_analysis(item.analysis, console, session=_heading(plan.kind, item.label) if len(runs) > 1 else None)
     return 0
+
+
+def _heading(kind: str, label: str) -> str:
+    return f"session {label}" if kind == "session" else label
 
 
 def _progress() -> Any:
@@ -194,7 +165,7 @@ def print_analysis(analysis: Analysis | None, console: Console, session: str | N
     if analysis is None:
         return
     s = analysis.summary
-    head = f"session {session}: " if session else ""
+    head = f"{session}: " if session else ""
     headline = Text.assemble((f"{head}{s['source']}", "bold"),
                              f": {s['events']} events, {s['steps']['count']} model steps {s['steps']['by_kind']}, "
                              f"device: {s['bandwidth']['device']['name']}")

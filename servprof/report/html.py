@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 from typing import Any
 
 import numpy as np
@@ -248,10 +249,14 @@ def render(analysis: Analysis, tokenize_spans: list[tuple[float, float, str]]) -
     return _page(str(analysis.summary.get("source")), body(analysis, tokenize_spans))
 
 
-def render_sessions(source: str, sessions: list[tuple[str, Analysis | None, list[tuple[float, float, str]]]]) -> str:
-    """Several servprof sessions from one folder: one section each, oldest first."""
-    parts = [f"<p>{_esc(source)}: {len(sessions)} servprof sessions, each analysed on its own.</p>"]
-    for label, analysis, spans in sessions:
+def render_sessions(source: str, sessions: list[tuple[str, Analysis | None, list[tuple[float, float, str]]]],
+                    what: str | None = None, headings: list[str] | None = None) -> str:
+    """Several servprof sessions (or profiler windows) from one folder: one section each, oldest first."""
+    what = what or f"{len(sessions)} servprof sessions, each analysed on its own"
+    headings = headings or [f"session {label}" for label, _, _ in sessions]
+    parts = [f"<p>{_esc(source)}: {_esc(what)}.</p>"]
+    for (label, analysis, spans), heading in zip(sessions, headings, strict=True):
         if analysis is not None:
-            parts.append(f'<h1 id="{_esc(label)}">session {_esc(label)}</h1>{body(analysis, spans)}')
+            anchor = re.sub(r"\s+", "-", label)  # (an id holds no spaces)
+            parts.append(f'<h1 id="{_esc(anchor)}">{_esc(heading)}</h1>{body(analysis, spans)}')
     return _page(source, "".join(parts))

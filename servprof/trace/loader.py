@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any
@@ -51,14 +51,16 @@ def load_trace(
     path: str | os.PathLike[str],
     progress: ProgressCallback | None = None,
     max_bytes: int | None = None,
+    files: Sequence[Path] | None = None,
 ) -> Trace:
-    """Load a trace file or a directory of per-rank trace files.
+    """Load a trace file or a directory of per-rank trace files (``files``: those of the
+    directory's files that are one run's ranks, when not all are).
 
     Raises TraceError (one line) for anything that is not a usable chrome trace. Pauses
     Python's cyclic garbage collector while it runs: call it in an analysis process or
     a CLI, never on a serving process's threads (the serving process never parses traces).
     """
-    files = trace_files(path)
+    files = trace_files(path) if files is None else list(files)
     limit = max_trace_bytes() if max_bytes is None else max_bytes
     with paused_gc():
         return _load(path, files, limit, progress)

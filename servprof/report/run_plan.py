@@ -1,0 +1,99 @@
+"""What one `servprof analyze PATH` analyses: which files are one run (the ranks of one job),
+and which are successive windows of one process, each analysed on its own.
+
+- a file: one run;
+- a directory of per-rank files (HTA's ``rank-0...``, one file per worker): one run;
+- servprof's session traces (each with its .session.json / .analysis.json beside it): one run
+  each, oldest first;
+- torch.profiler's ``tensorboard_trace_handler`` output, ``<worker>.<time_ns>.pt.trace.json[.gz]``:
+  a worker with several files recorded several profiler cycles (successive windows, not ranks):
+  window k is each worker's k-th file, its workers the ranks.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from servprof.trace.loader import SIDECAR_SUFFIXES, trace_files
+
+if TYPE_CHECKING:
+    from servprof.detect.analysis import Analysis
+    from servprof.trace import Trace
+
+# torch.profiler.tensorboard_trace_handler names each file f"{worker_name}.{time.time_ns()}.pt.trace.json"
+# (".gz" with use_gzip); the worker name defaults to f"{hostname}_{pid}" and may hold dots.
+HANDLER_FILE = re.compile(r"^(?P<worker>.+)\.(?P<stamp>\d+)\.pt\.trace\.json(?:\.gz)?$")
+
+
+@dataclass
+class Run:
+    """One analysis: a trace file, or one run's per-rank files."""
+
+    label: str
+    path: Path
+    files: list[Path] | None = None  # the files to load (None: all that ``path`` names)
+    analysis: Analysis | None = None
+    trace: Trace | None = None
+    report: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Plan:
+    runs: list[Run]
+    kind: str = "run"  # "run" | "session" (servprof sessions) | "window" (profiler cycles)
+
+
+def servprof_sessions_dir(path: Path) -> Path:
+    """servprof's output folder (servprof-out/) keeps its session traces in traces/: read those."""
+    traces = path / "traces"
+    if path.is_dir() and traces.is_dir() and not any(f.name.endswith(".pt.trace.json.gz") for f in path.iterdir()):
+        return traces
+    return path
+
+
+def plan_runs(path: Path) -> Plan:
+    files = trace_files(path)
+    if not path.is_dir() or len(files) < 2:
+        return Plan([Run(files[0].name if path.is_dir() else str(path), path if not path.is_dir() else files[0])])
+    sessions = [f for f in files if any((f.parent / f"{session_stem(f)}{sidecar}").exists()
+                                        for sidecar in SIDECAR_SUFFIXES)]
+    if sessions:
+        ordered = sorted(files, key=lambda f: (f.stat().st_mtime_ns, f.name))
+        return Plan([Run(session_stem(f), f) for f in ordered], "session")
+    windows = _handler_windows(files)
+    if windows:
+        # (A one-worker window is read as that file, and named so in its report.)
+        return Plan([Run(label, group[0] if len(group) == 1 else path, group) for label, group in windows], "window")
+    return Plan([Run(str(path), path)])
+
+
+def session_stem(path: Path) -> str:
+    name = path.name
+    for suffix in (".pt.trace.json.gz", ".pt.trace.json", ".json.gz", ".json"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def _handler_windows(files: list[Path]) -> list[tuple[str, list[Path]]]:
+    """tensorboard_trace_handler's files as windows (label, files), when some worker wrote several;
+    else nothing."""
+    by_worker: dict[str, list[tuple[int, Path]]] = {}
+    for f in files:
+        match = HANDLER_FILE.match(f.name)
+        if match is None:
+            return []
+        by_worker.setdefault(match["worker"], []).append((int(match["stamp"]), f))
+    if max(len(mine) for mine in by_worker.values()) < 2:
+        return []
+    for mine in by_worker.values():
+        mine.sort()
+    cycles = max(len(mine) for mine in by_worker.values())
+    windows = []
+    for k in range(cycles):
+        group = [mine[k][1] for _, mine in sorted(by_worker.items()) if k < len(mine)]
+        windows.append((f"window {k + 1} ({session_stem(group[0])})", group))
+    return windows
