@@ -46,7 +46,7 @@ def _child_result(path: Path) -> bytes:
 def _both(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[bytes, bytes]:
     """(report, child result) from the streaming loader, then from the orjson one."""
     ours = _analyze_json(path, tmp_path / "ours.json") + _child_result(path)
-    monkeypatch.setattr(analyze_cli, "load_trace", lambda p, progress=None: load_trace_orjson(p))
+    monkeypatch.setattr(analyze_cli, "load_trace", lambda p, progress=None, files=None: load_trace_orjson(p))
     monkeypatch.setattr(servprof.trace, "load_trace", load_trace_orjson)
     reference = _analyze_json(path, tmp_path / "reference.json") + _child_result(path)
     return ours, reference
