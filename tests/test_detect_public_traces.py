@@ -330,3 +330,24 @@ def test_a_training_loop_without_step_markers_is_read_from_its_dataloader_fetche
         assert gap["self_us"]["runtime"] == max(gap["self_us"].values())
     assert not trace.mask_category("python_function").any() and "host_python" not in causes
     assert_causes_are_in_the_trace(trace, analysis)
+
+
+def test_the_hf_trace_recorded_without_stack_or_schedule_finds_the_same_step(tmp_path: Path):
+    """TraceLens's H100 Qwen1.5 prefill as a user who profiles with neither with_stack nor a
+    schedule records it: its Python frames and ProfilerStep#N removed. The forward's first
+    embedding lookup opens the step, with the same device span, utilisation and kind."""
+    path = public_trace("hf_qwen1.5_0.5b_prefill_h100.json.gz")
+    with gzip.open(path) as f:
+        document = json.load(f)
+    document["traceEvents"] = [e for e in document["traceEvents"] if e.get("cat") != "python_function"
+                               and not str(e.get("name", "")).startswith("ProfilerStep")]
+    stripped = tmp_path / "no_stack.json"
+    stripped.write_text(json.dumps(document))
+    marked, unmarked = analyse(load_trace(path)), analyse(load_trace(stripped))
+    assert [s.source for s in marked.steps] == ["profiler_step"]
+    assert [(s.source, s.kind, s.batch) for s in unmarked.steps] == [("embedding", "prefill", 16)]
+    assert (unmarked.steps[0].device_start_us, unmarked.steps[0].device_end_us) == \
+        (marked.steps[0].device_start_us, marked.steps[0].device_end_us)
+    keep = ("step_ms", "busy_ms", "idle_inside_ms", "idle_between_ms")
+    assert [{k: r[k] for k in keep} for r in unmarked.summary["utilisation"]["steps"]] == \
+        [{k: r[k] for k in keep} for r in marked.summary["utilisation"]["steps"]]
