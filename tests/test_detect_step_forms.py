@@ -227,3 +227,24 @@ def test_a_training_loop_with_no_marker_is_read_from_its_dataloader_fetches(tmp_
     steps = _analyse(trace, tmp_path).steps
     assert [(s.source, s.kind) for s in steps] == [("data_loader", "train")] * 4
     assert [s.start_us for s in steps] == [k * 5000.0 for k in range(4)]
+
+
+def test_steps_served_on_several_threads_at_once_keep_their_own_device_work(tmp_path: Path):
+    """A thread pool serving two requests at once (FastAPI's `def` endpoints, generate() in each):
+    each step's device span is the work its own thread launched, never the other thread's
+    launched while both steps were open."""
+    trace = KinetoTrace()
+    own: dict[tuple[int, int], list[tuple[float, float]]] = {}
+    for k in range(3):
+        for tid, offset, stream in ((1, 0.0, 7), (2, 500.0, 8)):
+            t = k * 1000.0 + offset
+            trace.host(f"servprof:decode_step|r{tid}", t, 900, tid=tid)
+            for i in range(8):  # a launch every 100 µs across the step, each kernel 30 µs later
+                trace.launch(t + 10 + 100 * i, t + 40 + 100 * i, 20.0, tid=tid, stream=stream)
+            own[(tid, k)] = [(t + 40, t + 40 + 700 + 20)]
+    steps = _analyse(trace, tmp_path).steps
+    assert len(steps) == 6
+    for step in steps:
+        k = int(step.start_us // 1000)
+        (start, end), = own[(step.tid, k)]
+        assert (step.device_start_us, step.device_end_us) == (start, end), (step.tid, k)

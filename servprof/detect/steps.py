@@ -129,7 +129,7 @@ def _attach_device_spans(trace: Trace, steps: list[Step]) -> None:
     launch = trace.launch_row_for(dev)
     linked = launch >= 0
     dev, launch = dev[linked], launch[linked]
-    owner = step_index(steps, trace.rank[dev], trace.ts[launch])
+    owner = step_index(steps, trace.rank[dev], trace.ts[launch], trace.tid[launch])
     inside = owner >= 0
     owner, dev = owner[inside], dev[inside]
     start, end = trace.ts[dev], trace.ts[dev] + trace.dur[dev]
@@ -167,23 +167,44 @@ def device_segments(steps: list[Step]) -> list[tuple[float, float] | None]:
     return out
 
 
-def step_index(steps: list[Step], ranks: np.ndarray, times: np.ndarray) -> np.ndarray:
+def step_index(steps: list[Step], ranks: np.ndarray, times: np.ndarray, tids: np.ndarray | None = None) -> np.ndarray:
     """For each (rank, time): the index in ``steps`` of the step whose host range contains it, -1 if none.
 
     One binary search per rank instead of a scan per step; where steps of one rank
-    overlap, the latest-starting one that contains the time is taken.
+    overlap, the latest-starting one that contains the time is taken. With ``tids``, an event
+    on a thread that has steps belongs to that thread's steps only (requests served on several
+    threads at once, as a thread pool does); events on other threads (the autograd thread of a
+    training step) to any step of their rank.
     """
     out = np.full(times.shape, -1, dtype=np.int64)
+    stepped = {(s.rank, s.tid) for s in steps} if tids is not None else set()
     for rank in {s.rank for s in steps}:
-        indices = np.array([i for i, s in enumerate(steps) if s.rank == rank], dtype=np.int64)
-        starts = np.array([steps[i].start_us for i in indices])
-        order = np.argsort(starts, kind="stable")
-        indices, starts = indices[order], starts[order]
-        ends = np.array([steps[i].end_us for i in indices])
-        mine = np.flatnonzero(ranks == rank)
-        pos = np.searchsorted(starts, times[mine], side="right") - 1
-        ok = pos >= 0
-        pos_ok = np.maximum(pos, 0)
-        ok &= times[mine] <= ends[pos_ok]
-        out[mine[ok]] = indices[pos_ok[ok]]
+        own = sorted(t for r, t in stepped if r == rank)
+        on_rank = ranks == rank
+        if len(own) < 2:  # (one thread with steps: the rank's steps are its)
+            _search(steps, [i for i, s in enumerate(steps) if s.rank == rank], np.flatnonzero(on_rank), times, out)
+            continue
+        elsewhere = on_rank.copy()
+        for tid in own:
+            here = on_rank & (tids == tid)
+            elsewhere &= ~here
+            _search(steps, [i for i, s in enumerate(steps) if s.rank == rank and s.tid == tid], np.flatnonzero(here),
+                    times, out)
+        _search(steps, [i for i, s in enumerate(steps) if s.rank == rank], np.flatnonzero(elsewhere), times, out)
     return out
+
+
+def _search(steps: list[Step], candidates: list[int], mine: np.ndarray, times: np.ndarray, out: np.ndarray) -> None:
+    """out[mine] = the latest-starting of the candidate steps whose host range contains times[mine]."""
+    if not candidates or mine.size == 0:
+        return
+    indices = np.array(candidates, dtype=np.int64)
+    starts = np.array([steps[i].start_us for i in indices])
+    order = np.argsort(starts, kind="stable")
+    indices, starts = indices[order], starts[order]
+    ends = np.array([steps[i].end_us for i in indices])
+    pos = np.searchsorted(starts, times[mine], side="right") - 1
+    ok = pos >= 0
+    pos_ok = np.maximum(pos, 0)
+    ok &= times[mine] <= ends[pos_ok]
+    out[mine[ok]] = indices[pos_ok[ok]]
