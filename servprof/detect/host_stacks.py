@@ -190,7 +190,8 @@ class ThreadStack:
         started_a = np.searchsorted(self.start, a, side="right")
         started_b = np.searchsorted(self.start, b, side="right")
         for c in range(1, len(CLASSES)):
-            out[:, c] = self._covered_before(c, b, started_b) - self._covered_before(c, a, started_a)
+            if self._by_class[c][0].size:  # (a class the thread never shows covers nothing)
+                out[:, c] = self._covered_before(c, b, started_b) - self._covered_before(c, a, started_a)
         out[:, UNTRACED] = np.maximum((b - a) - out[:, 1:].sum(axis=1), 0.0)
         return out
 
