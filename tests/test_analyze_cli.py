@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import os
 import subprocess
 import sys
@@ -71,6 +72,12 @@ def test_every_public_trace_and_fixture_analyses(tmp_path: Path):
         (lambda d: _write(d / "text.json", b"hello"), "not valid JSON"),
         (lambda d: _write(d / "nokey.json", b'{"schemaVersion": 1}'), "no 'traceEvents'"),
         (lambda d: _write(d / "cut.json.gz", fixture("clean").read_bytes()[:5000]), "truncated or corrupt gzip"),
+        # Other profilers' files: what each is, and how to record what servprof reads.
+        (lambda d: _write(d / "tw003.xplane.pb", b"\x0a\x0b/host:CPU\x12\x03abc"), "a TensorBoard / JAX XPlane"),
+        (lambda d: _write(d / "run.nsys-rep", b"\x00\x01NSYS report"), "an Nsight Systems report"),
+        (lambda d: _write(d / "run.sqlite", b"SQLite format 3\x00\x10\x00"), "an SQLite database"),
+        (lambda d: _write(d / "run.pftrace", b"\x0a\x02\x08\x01"), "a protobuf trace"),
+        (lambda d: _write(d / "gz.xplane.pb", gzip.compress(b"\x0a\x0b/host:CPU")), "XPlane"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], make, message):
@@ -78,6 +85,8 @@ def test_bad_input_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureF
     assert main(["analyze", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+    if "protobuf" in err or "Nsight" in err or "SQLite" in err:
+        assert "export_chrome_trace" in err
 
 
 def test_huge_file_and_unknown_device_and_unwritable_output(tmp_path: Path, capsys, monkeypatch):

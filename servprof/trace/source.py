@@ -63,10 +63,39 @@ def trace_files(path: str | os.PathLike[str]) -> list[Path]:
     return [p]
 
 
+# Other profilers' files people point a trace analyser at: (is it, what it is). Said only of a
+# file whose text does not open as JSON does (a JSON file is read whatever its name).
+FOREIGN_FORMATS: tuple[tuple[Any, str], ...] = (
+    (lambda name, head: head.startswith(b"SQLite format 3\x00"), "an SQLite database (an Nsight Systems export?)"),
+    (lambda name, head: name.endswith((".nsys-rep", ".qdrep")), "an Nsight Systems report"),
+    (lambda name, head: ".xplane.pb" in name, "a TensorBoard / JAX XPlane protobuf"),
+    (lambda name, head: name.endswith((".pftrace", ".perfetto-trace", ".pb")), "a protobuf trace (Perfetto?)"),
+)
+RECORD_HOW = ("servprof reads the chrome-trace JSON torch.profiler writes: prof.export_chrome_trace('trace.json') "
+              "or on_trace_ready=torch.profiler.tensorboard_trace_handler(dir)")
+
+
 def read_chunks(path: Path, limit: int, chunk_bytes: int | None = None) -> Iterator[bytes]:
     """The file's JSON text, inflated when gzipped, in chunks of up to ``chunk_bytes``; refuses
-    a file that holds more than ``limit`` bytes (a plain file before reading any of it)."""
-    chunk_bytes = chunk_bytes or CHUNK_BYTES
+    a file that holds more than ``limit`` bytes (a plain file before reading any of it), and
+    another profiler's file with what it is."""
+    first = True
+    for chunk in _chunks(path, limit, chunk_bytes or CHUNK_BYTES):
+        if first:
+            _refuse_foreign(path, chunk)
+            first = False
+        yield chunk
+
+
+def _refuse_foreign(path: Path, head: bytes) -> None:
+    if head.lstrip(b"\xef\xbb\xbf \t\r\n")[:1] in (b"{", b"["):
+        return
+    what = next((text for test, text in FOREIGN_FORMATS if test(path.name.lower(), head)), None)
+    if what is not None:
+        raise TraceError(f"{path}: {what}, not a torch.profiler trace: {RECORD_HOW}")
+
+
+def _chunks(path: Path, limit: int, chunk_bytes: int) -> Iterator[bytes]:
     try:
         size = path.stat().st_size
         if size == 0:
