@@ -305,8 +305,15 @@ def _all_arg_columns(text: bytes, starts: np.ndarray, ends: np.ndarray) -> dict[
     columns = _arg_columns_of(text)
     if columns is not None:
         return columns
-    # Not all integers (or args that are not objects): converted as from orjson's values.
-    return arg_columns([_decoded(text[s:e]) or NO_ARGS for s, e in zip(starts.tolist(), ends.tolist(), strict=True)])
+    # Not all integers (or args that are not objects): converted as from orjson's values, the
+    # whole array in one call (row by row only when it does not decode).
+    try:
+        values = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        values = None
+    if not isinstance(values, list) or len(values) != starts.size:
+        values = [_decoded(text[s:e]) for s, e in zip(starts.tolist(), ends.tolist(), strict=True)]
+    return arg_columns([value or NO_ARGS for value in values])
 
 
 def _decoded(text: Any) -> Any:
