@@ -89,6 +89,19 @@ def test_bad_input_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureF
         assert "export_chrome_trace" in err
 
 
+def test_a_log_dir_of_run_folders_names_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """TensorBoard's log dir holds a folder per run: the error names those that hold traces."""
+    for run in ("resnet18", "llama"):
+        (tmp_path / "log" / run).mkdir(parents=True)
+        _write(tmp_path / "log" / run / "w.1.pt.trace.json.gz", fixture("clean").read_bytes())
+    (tmp_path / "log" / "plugins").mkdir()  # (a folder without traces is not named)
+    assert main(["analyze", str(tmp_path / "log")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "its folders llama, resnet18 do" in err and str(tmp_path / "log" / "llama") in err
+    assert len(err.splitlines()) == 1
+    assert main(["analyze", str(tmp_path / "log" / "llama")]) == 0
+
+
 def test_huge_file_and_unknown_device_and_unwritable_output(tmp_path: Path, capsys, monkeypatch):
     monkeypatch.setenv("SERVPROF_MAX_TRACE_BYTES", "4096")
     assert main(["analyze", str(fixture("clean"))]) == 2

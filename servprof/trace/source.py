@@ -56,7 +56,7 @@ def trace_files(path: str | os.PathLike[str]) -> list[Path]:
         files = sorted(f for f in p.iterdir() if f.is_file() and f.name.endswith(TRACE_SUFFIXES)
                        and not f.name.endswith(SIDECAR_SUFFIXES))
         if not files:
-            raise TraceError(f"{p}: directory holds no .json or .json.gz trace files")
+            raise TraceError(f"{p}: directory holds no .json or .json.gz trace files{_nested_hint(p)}")
         return files
     if not p.exists():
         raise TraceError(f"{p}: no such file or directory")
@@ -73,6 +73,20 @@ FOREIGN_FORMATS: tuple[tuple[Any, str], ...] = (
 )
 RECORD_HOW = ("servprof reads the chrome-trace JSON torch.profiler writes: prof.export_chrome_trace('trace.json') "
               "or on_trace_ready=torch.profiler.tensorboard_trace_handler(dir)")
+
+
+def _nested_hint(folder: Path) -> str:
+    """A TensorBoard log dir holds a folder per run: name those that hold traces, to analyse one."""
+    try:
+        inner = sorted(d.name for d in folder.iterdir() if d.is_dir() and any(
+            f.is_file() and f.name.endswith(TRACE_SUFFIXES) and not f.name.endswith(SIDECAR_SUFFIXES)
+            for f in d.iterdir()))
+    except OSError:
+        return ""
+    if not inner:
+        return ""
+    shown = ", ".join(inner[:5]) + (f" and {len(inner) - 5} more" if len(inner) > 5 else "")
+    return f"; its folders {shown} do: analyse one of them (servprof analyze {folder / inner[0]})"
 
 
 def read_chunks(path: Path, limit: int, chunk_bytes: int | None = None) -> Iterator[bytes]:
