@@ -17,13 +17,14 @@ from servprof.trace.model import distinct
 DATALOADER_RANGE = "enumerate(DataLoader)#"
 
 
-def loader_rows(trace: Any, rank: int) -> np.ndarray:
-    """The rank's DataLoader ranges (rows), found once by the caller for all its questions."""
+def loader_rows(trace: Any, rank: int | None = None) -> np.ndarray:
+    """The rank's (None: every rank's) DataLoader ranges (rows), found once by the caller for all
+    its questions."""
     ids = ids_holding(trace, (DATALOADER_RANGE,), lambda s: s.startswith(DATALOADER_RANGE))
     if ids.size == 0:
         return np.zeros(0, dtype=np.int64)
-    return np.flatnonzero(trace.has_id(trace.name_id, ids) & trace.complete() & (trace.rank == rank)
-                          & (trace.stream < 0))
+    mask = trace.has_id(trace.name_id, ids) & trace.complete() & (trace.stream < 0)
+    return np.flatnonzero(mask if rank is None else mask & (trace.rank == rank))
 
 
 def loading_us(trace: Any, rows: np.ndarray, a: np.ndarray, b: np.ndarray, tid: np.ndarray) -> np.ndarray:

@@ -16,16 +16,12 @@ steps long (a thread can go on to other work).
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 
-from servprof.detect.data_loading import DATALOADER_RANGE
-from servprof.detect.name_guard import Guarded
+from servprof.detect.data_loading import loader_rows
 from servprof.detect.step_forms import EMBEDDING_ROWS, Step, host_rows, outermost, step_from_row
 from servprof.trace.model import Trace, median
 
-DATALOADER_ROWS = Guarded(re.compile("^" + re.escape(DATALOADER_RANGE)), DATALOADER_RANGE)
 # A lookup this close after the previous one (host events between their starts, nested ones
 # included) belongs to the same forward: under a quarter of a typical iteration, or under a floor
 # no forward of even one layer comes near (GPT-2 looks positions up right after tokens).
@@ -41,7 +37,8 @@ def embedding_steps(trace: Trace) -> list[Step]:
 
 def loader_steps(trace: Trace) -> list[Step]:
     """One step per training-loop iteration: from its DataLoader fetch to the next one."""
-    return _landmark_steps(trace, outermost(trace, host_rows(trace, DATALOADER_ROWS)), "data_loader")
+    rows = loader_rows(trace)  # (the ranges data_loading.py names as a cause)
+    return _landmark_steps(trace, outermost(trace, rows[np.argsort(trace.ts[rows], kind="stable")]), "data_loader")
 
 
 def _landmark_steps(trace: Trace, rows: np.ndarray, source: str) -> list[Step]:

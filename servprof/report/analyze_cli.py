@@ -21,7 +21,6 @@ from servprof.detect.analysis import Analysis, analyse
 from servprof.detect.devices import DEVICES, UnknownDevice
 from servprof.report.run_plan import Run, plan_runs, servprof_sessions_dir
 from servprof.trace import Trace, TraceError, load_trace, phase_events, request_phases
-from servprof.trace.loader import trace_files
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -56,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         source = servprof_sessions_dir(Path(args.path))
         plan = plan_runs(source)
         runs = plan.runs
-        files = trace_files(source)
+        files = plan.files
         show = sum(f.stat().st_size for f in files) >= PROGRESS_MIN_BYTES
         progress = _progress() if show else None
         with progress or nullcontext():

@@ -43,6 +43,7 @@ class Run:
 @dataclass
 class Plan:
     runs: list[Run]
+    files: list[Path]  # every trace file the path names
     kind: str = "run"  # "run" | "session" (servprof sessions) | "window" (profiler cycles)
 
 
@@ -57,17 +58,19 @@ def servprof_sessions_dir(path: Path) -> Path:
 def plan_runs(path: Path) -> Plan:
     files = trace_files(path)
     if not path.is_dir() or len(files) < 2:
-        return Plan([Run(files[0].name if path.is_dir() else str(path), path if not path.is_dir() else files[0])])
+        return Plan([Run(files[0].name if path.is_dir() else str(path), path if not path.is_dir() else files[0])],
+                    files)
     sessions = [f for f in files if any((f.parent / f"{session_stem(f)}{sidecar}").exists()
                                         for sidecar in SIDECAR_SUFFIXES)]
     if sessions:
         ordered = sorted(files, key=lambda f: (f.stat().st_mtime_ns, f.name))
-        return Plan([Run(session_stem(f), f) for f in ordered], "session")
+        return Plan([Run(session_stem(f), f) for f in ordered], files, "session")
     windows = _handler_windows(files)
     if windows:
         # (A one-worker window is read as that file, and named so in its report.)
-        return Plan([Run(label, group[0] if len(group) == 1 else path, group) for label, group in windows], "window")
-    return Plan([Run(str(path), path)])
+        return Plan([Run(label, group[0] if len(group) == 1 else path, group) for label, group in windows], files,
+                    "window")
+    return Plan([Run(str(path), path)], files)
 
 
 def session_stem(path: Path) -> str:
