@@ -242,6 +242,15 @@ def test_the_loop_stall_is_named_by_the_blocking_function(observed: dict[str, An
         assert finding["cost_ms"] >= 10.0
 
 
+def test_a_model_run_in_threads_is_not_called_on_the_loop(observed: dict[str, Any]) -> None:
+    """Both servers run the model in a thread per request: no step is on the loop's thread
+    (tests/test_model_on_loop.py has the server that runs it there)."""
+    detect = observed["result"]["summary"]["detect"]
+    assert detect["loop_stalls"]["model_on_loop"] == {"loop_tid": observed["session"]["watchdog"]["loop_tid"],
+                                                      "steps_on_loop": 0}
+    assert not [f for f in observed["result"]["findings"] if f["evidence"].get("cause") == "model_on_event_loop"]
+
+
 def test_health_probes_are_never_sampled(observed: dict[str, Any]) -> None:
     assert observed["health"] >= 5
     for session in observed["sessions"]:

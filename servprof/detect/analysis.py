@@ -10,6 +10,7 @@ from servprof.detect.decode_gap import detect_decode_gaps, find_gaps
 from servprof.detect.finding import KINDS, SEVERITY_ORDER, WHOLE_TRACE, Finding
 from servprof.detect.loop_stall import detect_loop_stalls
 from servprof.detect.memory import detect_memory
+from servprof.detect.model_on_loop import detect_model_on_loop
 from servprof.detect.overhead import overhead_summary
 from servprof.detect.recompilation import detect_recompilation
 from servprof.detect.steps import Step, find_steps
@@ -46,8 +47,9 @@ def _analyse(trace: Trace, requests: list[dict[str, Any]] | None, device: str | 
     memory_findings, memory_summary = detect_memory(trace, steps)
     compile_findings, compile_summary = detect_recompilation(trace, steps)
     stall_findings, stall_summary = detect_loop_stalls(trace, token_findings)
+    on_loop_findings, stall_summary["model_on_loop"] = detect_model_on_loop(trace, steps)
     findings = sorted([*gap_findings, *token_findings, *bw_findings, *memory_findings, *compile_findings,
-                       *stall_findings], key=lambda f: (SEVERITY_ORDER[f.severity], f.cost_ms), reverse=True)
+                       *stall_findings, *on_loop_findings], key=lambda f: (SEVERITY_ORDER[f.severity], f.cost_ms), reverse=True)
     sampled = sampled_request_ids(trace, requests)
     _attribute_to_session(findings, requests, trace)
     for finding in findings:
