@@ -92,6 +92,14 @@ CAUSES: dict[str, tuple[str, str]] = {
         "idle between kernels that were already queued (inter-kernel latency or a wait on another stream)",
         "Fuse the small kernels (torch.compile) or replay them from a CUDA graph, and check cross-stream waits.",
     ),
+    "concurrent_steps": (
+        "other requests' model steps ran on other threads meanwhile (concurrent model calls compete for the CPUs "
+        "and the GIL)",
+        "Run one model call over a batch instead of one call per request on parallel threads: a batcher (one model "
+        "thread fed by a queue that pads waiting requests into each forward) or an engine with continuous "
+        "batching (vLLM, SGLang, TGI); at the least cap concurrent model calls at what the machine runs at once "
+        "(a semaphore, or a thread pool that size). Forwards in parallel on one device mostly wait for each other.",
+    ),
     "gil_contention": (
         "another thread held the GIL",
         "Move that thread's work out of the process that drives the GPU (a separate process), or make it release "

@@ -61,11 +61,16 @@ class Explained:
     other_tid: np.ndarray  # the thread that ran instead (GIL), -1 when none
     class_us: np.ndarray  # [gaps, classes] on the launching thread
     other_us: np.ndarray  # [gaps, classes] on other_tid
+    # µs of each gap other threads' model steps covered, and how many threads (concurrency.py)
+    concurrent_us: np.ndarray | None = None
+    concurrent_threads: np.ndarray | None = None
 
     def subset(self, gaps: np.ndarray) -> Explained:
         """These gaps only (a copy: the whole set's arrays can then be freed)."""
         return Explained([self.cause[i] for i in gaps.tolist()], self.tid[gaps], self.other_tid[gaps],
-                         self.class_us[gaps], self.other_us[gaps])
+                         self.class_us[gaps], self.other_us[gaps],
+                         None if self.concurrent_us is None else self.concurrent_us[gaps],
+                         None if self.concurrent_threads is None else self.concurrent_threads[gaps])
 
 
 class GapExplainer:
@@ -79,13 +84,15 @@ class GapExplainer:
 
     def explain(self, a: np.ndarray, b: np.ndarray, tid: np.ndarray, starved: np.ndarray, small: np.ndarray,
                 next_graph_launch: np.ndarray, launch_end: np.ndarray | None = None,
-                stream_waited: np.ndarray | None = None, look_elsewhere: bool = False) -> Explained:
+                stream_waited: np.ndarray | None = None, look_elsewhere: bool = False,
+                concurrent: tuple[np.ndarray, np.ndarray] | None = None) -> Explained:
         """``a``/``b``: the gaps; ``tid``: the thread to read each from; ``starved``: the device's next
         work was launched only after the gap began (else it was queued: kernel_wait); ``small``: under
         the size that is reported one by one; ``next_graph_launch``: the work that ended the gap was a
         graph launch or launched inside a compiled forward; ``launch_end``: when that launch call
         returned (the host window to read ends there; the rest is launch latency); ``stream_waited``:
         a stream-wait-event call was enqueued before the queued work that ended the gap;
+        ``concurrent``: (µs of each gap other threads' steps covered, how many threads);
         ``look_elsewhere``: find the thread that ran instead even when the launching thread recorded
         work for much of the window (a step that was slow only in part)."""
         n = a.size
@@ -107,8 +114,9 @@ class GapExplainer:
         waited = np.zeros(n, dtype=bool) if stream_waited is None else np.asarray(stream_waited, dtype=bool)
         causes = self._decide(class_us, other_us, at_start, np.asarray(starved, dtype=bool),
                               np.asarray(small, dtype=bool), compiled, waited, b - a, self.light,
-                              np.asarray(next_graph_launch, dtype=bool), loading)
-        return Explained(causes, tid, other_tid, class_us, other_us)
+                              np.asarray(next_graph_launch, dtype=bool), loading,
+                              None if concurrent is None else concurrent[0])
+        return Explained(causes, tid, other_tid, class_us, other_us, *(concurrent or (None, None)))
 
     def _instead(self, a: np.ndarray, b: np.ndarray, tid: np.ndarray, class_us: np.ndarray, always: bool = False
                  ) -> tuple[np.ndarray, np.ndarray]:
@@ -135,7 +143,8 @@ class GapExplainer:
     @staticmethod
     def _decide(us: np.ndarray, other: np.ndarray, at_start: np.ndarray, starved: np.ndarray, small: np.ndarray,
                 compiled: np.ndarray, waited: np.ndarray, length: np.ndarray, light: bool = False,
-                graph_launch: np.ndarray | None = None, loading: np.ndarray | None = None) -> list[str]:
+                graph_launch: np.ndarray | None = None, loading: np.ndarray | None = None,
+                concurrent: np.ndarray | None = None) -> list[str]:
         """Each gap's cause: the first rule (most specific first) that holds, vectorised over gaps.
         A graph launch's cost grows with the graph: a long one is not a slow launch of a kernel.
         On a light trace the rules that read the absence of ops (a GIL held elsewhere while this
@@ -147,6 +156,7 @@ class GapExplainer:
         other_busy = other[:, busy_classes].sum(axis=1)
         graph = np.zeros(len(us), dtype=bool) if graph_launch is None else graph_launch
         loading = np.zeros(len(us)) if loading is None else loading  # inside a DataLoader's __next__
+        concurrent = np.zeros(len(us)) if concurrent is None else concurrent  # other threads' steps
         python = us[:, PYTHON] + us[:, COMPILE]
         host_busy = busy.sum(axis=1) >= 0.5 * length
         gil = (us[:, UNTRACED] >= 0.5 * length) & (other_busy >= 0.2 * length)
@@ -163,6 +173,8 @@ class GapExplainer:
             (us[:, WAIT] >= 0.5 * length, "waiting", False),
             (gil & (other[:, TOKENIZE] >= 0.5 * other_busy), "tokenization", True),
             (gil, "gil_contention", True),
+            # Recorded on a light trace too: other requests' steps, on their own threads, filled the gap.
+            ((concurrent >= 0.5 * length) & ~host_busy, "concurrent_steps", False),
             (compiled & (python >= 0.5 * length) & (us[:, LAUNCH] + us[:, RUNTIME] < 0.1 * length), "compiled_dispatch",
              False),
             (host_busy & (top == LAUNCH) & (us[:, LAUNCH] >= SLOW_LAUNCH_US) & ~graph, "slow_launch", False),
@@ -275,6 +287,12 @@ class GapExplainer:
             text = f"{label}: thread {label_of(tid)} recorded nothing for {quiet / 1000:.2f} of {(b - a) / 1000:.2f} ms"
         elif cause == NEEDS_DEEP_CAUSE:
             text = _light_text(explained, i, a, b, evidence, label_of)
+        elif cause == "concurrent_steps" and explained.concurrent_us is not None \
+                and explained.concurrent_threads is not None:
+            cover, threads = float(explained.concurrent_us[i]), int(explained.concurrent_threads[i])
+            evidence["other_steps"] = {"us": round(cover, 1), "threads": threads}
+            text = (f"{label}: {threads} other thread(s) ran model steps for {cover / 1000:.2f} of {(b - a) / 1000:.2f} "
+                    f"ms while thread {label_of(tid)} was between its own")
         else:
             text = f"{label} on thread {label_of(tid)}: {names}"
         if cause == "tokenization":

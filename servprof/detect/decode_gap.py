@@ -52,13 +52,20 @@ def step_words(steps: list[Step]) -> str:
 
 
 def step_span_us(steps: list[Step]) -> float:
-    """The time the steps cover, per rank (first start to last end, device spans where known), summed."""
+    """The time the steps cover, per rank (first start to last end, device spans where known), summed.
+    Host steps on several threads (one model call per request, each on its own thread) are judged
+    per thread, as their gaps are: each thread's span, summed (a share never passes 100%)."""
     total = 0.0
     for rank in {s.rank for s in steps}:
         mine = [s for s in steps if s.rank == rank]
-        starts = [s.device_start_us if s.on_device else s.start_us for s in mine]
-        ends = [s.device_end_us if s.on_device else s.end_us for s in mine]
-        total += max(e for e in ends if e is not None) - min(s for s in starts if s is not None)
+        if any(s.on_device for s in mine):
+            starts = [s.device_start_us if s.on_device else s.start_us for s in mine]
+            ends = [s.device_end_us if s.on_device else s.end_us for s in mine]
+            total += max(e for e in ends if e is not None) - min(s for s in starts if s is not None)
+            continue
+        for tid in {s.tid for s in mine}:
+            thread = [s for s in mine if s.tid == tid]
+            total += max(s.end_us for s in thread) - min(s.start_us for s in thread)
     return total
 
 

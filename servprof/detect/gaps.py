@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from servprof.detect.causes import CAUSES, Explained, GapExplainer
+from servprof.detect.concurrency import other_steps_during
 from servprof.detect.host_stacks import BUSY_CLASSES, CLASSES, GRAPH_LAUNCH, TOKENIZE, HostStacks, NameClasses
 from servprof.detect.intervals import merge
 from servprof.detect.name_guard import Guarded
@@ -320,7 +321,7 @@ def _host_gaps(steps: list[Step], index: dict[int, int], explainer: GapExplainer
     b = np.array([n.start_us for _, n in pairs])
     tid = np.array([n.tid for _, n in pairs], dtype=np.int64)
     ones = np.ones(a.size, dtype=bool)
-    explained = explainer.explain(a, b, tid, ones, ~ones, ~ones)
+    explained = explainer.explain(a, b, tid, ones, ~ones, ~ones, concurrent=other_steps_during(steps, a, b, tid))
     return [Gap(nxt.rank, float(a[i]), float(b[i]), float(b[i] - a[i]), "between_steps", explained.cause[i],
                 explainer.described_later(explained, i, float(a[i]), float(b[i])), list(nxt.request_ids),
                 step=index[id(nxt)]) for i, (_, nxt) in enumerate(pairs)]
