@@ -188,3 +188,22 @@ def test_memory_freed_in_a_phase_is_said_so_never_a_negative_kept():
     (row,) = [r for r in memory_rows(summary) if r["device"] == "device6:0"]
     freed = -phases["outside_steps"]["kept_bytes"] / 2**20
     assert f"outside_steps freed {freed:,.1f} MiB" in row["allocated most"] and "kept -" not in row["allocated most"]
+
+
+def test_a_trace_with_no_finding_says_what_it_saw_under_the_bar(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """One gap between two decode steps, 1.1 ms of an 8.1 ms span (14%): one gap is reported from
+    20%, so there is no finding, and the report says what it saw instead of only 'no findings'."""
+    from _kineto_builder import KinetoTrace
+
+    trace = KinetoTrace()
+    for kind, start, end in (("prefill", 0.0, 4000.0), ("decode_step", 4000.0, 5500.0), ("decode_step", 6600.0, 8100.0)):
+        trace.host(f"servprof:{kind}|r1", start, end - start, cat="user_annotation")
+    path = trace.write(tmp_path / "t.json")
+    assert main(["analyze", str(path), "--json", str(tmp_path / "r.json")]) == 0
+    report = orjson.loads((tmp_path / "r.json").read_bytes())
+    assert report["findings"] == []
+    (below,) = report["summary"]["decode_gap"]["below_bar"]
+    assert below["gaps"] == 1 and below["ms"] == pytest.approx(1.1) and below["share"] == pytest.approx(1100 / 8100, abs=1e-4)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "No findings" in out
+    assert "under the bar: 1 gap(s) between decode steps, 1.10 ms (14% of step time; one gap is reported from 20%)" in out

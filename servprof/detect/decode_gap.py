@@ -127,6 +127,11 @@ def detect_decode_gaps(trace: Any, steps: list[Step], found: tuple[list[Gap], di
         share = float(idle.sum()) / judged if judged > 0 else 1.0
         if share < MIN_SHARE or (count < 2 and share < MIN_SHARE_SINGLE):
             summary.setdefault("unreported_gaps", []).extend(g.to_dict() for g in group[:50])
+            # What was seen under the bar, for a report that would otherwise say only "no findings".
+            summary.setdefault("below_bar", []).append({
+                "cause": cause, "where": where, "steps": step_words([steps[g.step] for g in group if 0 <= g.step < len(steps)] or steps),
+                "gaps": count, "ms": round(float(idle.sum()) / 1000.0, 3), "share": round(share, 4),
+                "bar": MIN_SHARE_SINGLE if count < 2 else MIN_SHARE})
             continue
         severity = severity_for_share(share, float(idle.sum()) / 1000.0)
         warm_up = in_first and cause in WARM_UP_CAUSES

@@ -12,6 +12,8 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from servprof.detect.cause_texts import CAUSES
+
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 
 
@@ -67,11 +69,28 @@ def findings_renderables(summary: dict[str, Any], findings: list[dict[str, Any]]
                      + (" in what this trace could show:\n" if missing else ".\n"))
     for item in missing:
         lines.append_tokens((("  ", ""), (f"{item.get('what', '')}:", "dim"), (f" {item['message']}\n", "")))
+    if not findings:
+        for text in below_bar_lines(summary):
+            lines.append_tokens((("  ", ""), ("under the bar:", "dim"), (f" {text}\n", "")))
     if lines:
         lines.rstrip()  # the renderable's own end closes the last line
         out.append(lines)
     if findings:
         out.append(findings_table(findings, sampled, title))
+    return out
+
+
+def below_bar_lines(summary: dict[str, Any], limit: int = 3) -> list[str]:
+    """The gaps seen but too small to report, largest first: what a finding-less trace did show."""
+    seen = [b for b in (summary.get("decode_gap") or {}).get("below_bar") or [] if isinstance(b, dict)]
+    out = []
+    for item in sorted(seen, key=lambda b: -float(b.get("ms") or 0.0))[:limit]:
+        where = "between" if item.get("where") == "between_steps" else "inside"
+        label = CAUSES.get(str(item.get("cause")), (str(item.get("cause")),))[0]
+        single = item.get("gaps") == 1
+        out.append(f"{item.get('gaps')} gap(s) {where} {item.get('steps')}, {float(item.get('ms') or 0):.2f} ms "
+                   f"({float(item.get('share') or 0):.0%} of step time; {'one gap is' if single else 'gaps are'} reported "
+                   f"from {float(item.get('bar') or 0):.0%}): {label}")
     return out
 
 
