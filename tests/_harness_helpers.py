@@ -62,6 +62,8 @@ class TimedServer:
                 Route("/v1/models", self.models),
                 Route("/v1/completions", self.generate, methods=["POST"]),
                 Route("/v1/chat/completions", self.generate, methods=["POST"]),
+                Route("/generate", self.custom, methods=["POST"]),  # an API of its own (TGI's shape)
+                Route("/generate_text", self.custom, methods=["POST"]),  # plain text as it is made
                 Route("/health", lambda request: Response("ok")),
             ]
         )
@@ -108,6 +110,39 @@ class TimedServer:
                 self.in_flight -= 1
 
         return StreamingResponse(stream(), media_type="text/event-stream")
+
+
+    async def custom(self, request: Request) -> Response:
+        """TGI's shape: {"inputs", "parameters": {"max_new_tokens"}, "stream"} -> one JSON answer, or
+        SSE events {"token": {"text"}, "details"} (the last with the count); /generate_text streams
+        the bare text, piece by piece, with no newline."""
+        record = ServedRequest(request.headers.get(REQUEST_ID_HEADER), time.time())
+        body = orjson.loads(await request.body())
+        record.body, record.max_tokens = body, int(body["parameters"]["max_new_tokens"])
+        tokens = max(1, min(record.max_tokens, self.max_chunks))
+        self.requests.append(record)
+        text = request.url.path == "/generate_text"
+        if not body.get("stream") and not text:
+            await asyncio.sleep(self.ttft_s + self.itl_s * (tokens - 1))
+            record.completed = True
+            return JSONResponse({"generated_text": " w" * tokens, "details": {"generated_tokens": tokens}})
+
+        def piece(index: int) -> bytes:
+            if text:
+                return f" w{index}".encode()
+            details = {"generated_tokens": tokens} if index == tokens - 1 else None
+            return b"data: " + orjson.dumps({"token": {"text": f" w{index}"}, "details": details}) + b"\n\n"
+
+        async def stream() -> Any:
+            await asyncio.sleep(self.ttft_s)
+            for index in range(tokens):
+                if index:
+                    await asyncio.sleep(self.itl_s)
+                record.chunk_unix.append(time.time())
+                yield piece(index)
+            record.completed = True
+
+        return StreamingResponse(stream(), media_type="text/plain" if text else "text/event-stream")
 
 
 @contextmanager

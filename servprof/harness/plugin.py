@@ -19,6 +19,7 @@ from locust.env import Environment
 from locust.runners import MasterRunner, WorkerRunner
 
 from servprof.harness.arrivals import ARRIVALS, ArrivalError, Pacer
+from servprof.harness.custom import TemplateError, parse_template
 from servprof.harness.datasets import DATASET_NAMES, DatasetError, RequestSpec, load_dataset, replay_offsets
 from servprof.harness.summary import (
     Collector,
@@ -52,6 +53,9 @@ class HarnessOptions:
     burstiness: float = 1.0
     slo: dict[str, float] = field(default_factory=dict)
     endpoint: str = "completions"
+    path: str = ""  # the URL path to POST; default: the endpoint's (custom: required)
+    body: str = ""  # custom: the JSON body template (servprof.harness.custom)
+    tokens_field: str = ""  # custom: dotted path of the output-token count in the answer
     stream: bool = True
     model: str = ""
     ignore_eos: bool = False
@@ -78,6 +82,25 @@ class HarnessState:
     collector: Collector = field(default_factory=Collector)
     model: str | None = None
     finished: bool = False
+    template: Any = None  # custom: the parsed --body
+
+
+ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+def check_endpoint(options: HarnessOptions) -> Any:
+    """The parsed --body of a custom endpoint (None for OpenAI's); TemplateError when the options
+    do not describe a request."""
+    if options.endpoint not in (*ENDPOINT_PATHS, "custom"):
+        raise TemplateError(f"--endpoint must be completions, chat or custom, got {options.endpoint!r}")
+    if options.path and not options.path.startswith("/"):
+        raise TemplateError(f"--path must start with '/', got {options.path!r}")
+    if options.endpoint != "custom":
+        return None
+    if not options.path or not options.body:
+        raise TemplateError("--endpoint custom needs --path (where to POST) and --body (the JSON template), e.g. "
+                            "--path /generate --body '{\"prompt\": \"{prompt}\", \"max_tokens\": \"{max_tokens}\"}'")
+    return parse_template(options.body)
 
 
 def load_specs(options: HarnessOptions) -> list[RequestSpec]:
@@ -94,11 +117,10 @@ def load_specs(options: HarnessOptions) -> list[RequestSpec]:
 def build_state(environment: Environment) -> HarnessState:
     """Options, dataset and pacer for this process; raises DatasetError/ArrivalError/SLOError."""
     options = HarnessOptions.from_parsed(environment.parsed_options)
-    if options.endpoint not in ("completions", "chat"):
-        raise ArrivalError(f"--endpoint must be completions or chat, got {options.endpoint!r}")
+    template = check_endpoint(options)
     runner = environment.runner
     if isinstance(runner, MasterRunner):
-        return HarnessState(options, [], None)
+        return HarnessState(options, [], None, template=template)
     specs = load_specs(options)
     worker_index, worker_count = 0, 1
     if isinstance(runner, WorkerRunner):
@@ -118,7 +140,7 @@ def build_state(environment: Environment) -> HarnessState:
         worker_index=worker_index,
         worker_count=worker_count,
     )
-    return HarnessState(options, specs, pacer)
+    return HarnessState(options, specs, pacer, template=template)
 
 
 def harness_state(environment: Environment) -> HarnessState:
@@ -160,7 +182,8 @@ def finish(environment: Environment, state: HarnessState | None = None) -> dict[
 
 @events.init_command_line_parser.add_listener
 def add_arguments(parser: Any) -> None:
-    group = parser.add_argument_group("servprof harness", "LLM traffic for OpenAI-compatible servers")
+    group = parser.add_argument_group("servprof harness", "LLM traffic for OpenAI-compatible servers, or any "
+                                      "JSON API (--endpoint custom)")
     group.add_argument("--dataset", choices=DATASET_NAMES, default="synthetic", help="traffic dataset")
     group.add_argument("--dataset-path", default=None, help="file for --dataset sharegpt|custom|trace")
     group.add_argument("--num-requests", type=int, default=1000, help="size of the synthetic mix")
@@ -171,7 +194,13 @@ def add_arguments(parser: Any) -> None:
     group.add_argument("--rate", type=float, default=1.0, help="mean arrivals per second (poisson, gamma)")
     group.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 Poisson, <1 burstier")
     group.add_argument("--slo", default="", help="goodput SLOs in ms, e.g. ttft=500,tpot=50,e2e=5000")
-    group.add_argument("--endpoint", choices=("completions", "chat"), default="completions", help="API to call")
+    group.add_argument("--endpoint", choices=(*ENDPOINT_PATHS, "custom"), default="completions",
+                       help="API to call: OpenAI's completions or chat, or custom (with --path and --body)")
+    group.add_argument("--path", default="", help="URL path to POST (default: the endpoint's; needed for custom)")
+    group.add_argument("--body", default="", help='custom: JSON body template, e.g. \'{"prompt": "{prompt}", '
+                       '"max_tokens": "{max_tokens}"}\' ("{stream}" too)')
+    group.add_argument("--tokens-field", default="", help="custom: dotted path of the output-token count in the "
+                       "answer, e.g. usage.completion_tokens (default: one per streamed chunk, else the words)")
     group.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="stream tokens (SSE)")
     group.add_argument("--model", default="", help="model name (default: first of GET /v1/models)")
     group.add_argument("--ignore-eos", action="store_true", default=False, help="send ignore_eos (vLLM)")
@@ -187,10 +216,11 @@ def _validate_options(environment: Environment, **_kwargs: Any) -> None:
         return
     try:
         options = HarnessOptions.from_parsed(environment.parsed_options)
+        check_endpoint(options)
         specs = load_specs(options)
         replay = replay_offsets(specs) if options.arrival == "replay" else None
         Pacer(options.arrival, rate=options.rate, burstiness=options.burstiness, replay=replay)
-    except (DatasetError, ArrivalError, SLOError) as exc:
+    except (DatasetError, ArrivalError, SLOError, TemplateError) as exc:
         sys.stderr.write(f"servprof harness: {exc}\n")
         sys.exit(2)
 
@@ -200,7 +230,7 @@ def _on_test_start(environment: Environment, **_kwargs: Any) -> None:
     environment.servprof_harness = None  # type: ignore[attr-defined]
     try:
         harness_state(environment)
-    except (DatasetError, ArrivalError, SLOError) as exc:
+    except (DatasetError, ArrivalError, SLOError, TemplateError) as exc:
         logger.error("servprof harness: %s", exc)
 
 

@@ -24,8 +24,9 @@ import orjson
 from locust import HttpUser, constant, task
 from locust.exception import StopUser
 
+from servprof.harness.custom import fill, read_custom_json, read_custom_stream
 from servprof.harness.datasets import RequestSpec
-from servprof.harness.plugin import HarnessState, harness_state
+from servprof.harness.plugin import ENDPOINT_PATHS, HarnessState, harness_state
 
 METRIC_REQUEST_TYPE = "LLM"
 # Each request carries an id `h-<process tag>-<slot index>`, so a server (and servprof's
@@ -132,8 +133,10 @@ class OpenAIUser(HttpUser):
                     pass  # servers without /v1/models take any name
         return state.model
 
-    def build_payload(self, spec: RequestSpec) -> dict[str, Any]:
+    def build_payload(self, spec: RequestSpec) -> Any:
         options = self.harness.options
+        if options.endpoint == "custom":  # the --body template (servprof.harness.custom)
+            return fill(self.harness.template, spec, options.stream)
         payload: dict[str, Any] = {"model": self.model_name(), "max_tokens": spec.output_tokens, "stream": options.stream}
         if options.endpoint == "chat":
             payload["messages"] = [{"role": "user", "content": spec.prompt}]
@@ -147,7 +150,7 @@ class OpenAIUser(HttpUser):
 
     def send(self, spec: RequestSpec, request_id: str) -> None:
         options = self.harness.options
-        path = "/v1/chat/completions" if options.endpoint == "chat" else "/v1/completions"
+        path = options.path or ENDPOINT_PATHS.get(options.endpoint, "/v1/completions")
         payload = self.build_payload(spec)
         send_unix = time.time()
         start = time.perf_counter()
@@ -161,7 +164,7 @@ class OpenAIUser(HttpUser):
                 response.failure(f"HTTP {response.status_code} {detail}".strip())
                 return
             try:
-                result = read_sse(response.iter_lines(), start) if options.stream else self._read_json(response, start)
+                result = self._read(response, start)
             except Exception as exc:  # a stream cut mid-way is a failed request, not a crash
                 result = StreamResult()
                 result.error = f"{type(exc).__name__}: {exc}"
@@ -173,6 +176,24 @@ class OpenAIUser(HttpUser):
                 return
             response.success()
         self.record(spec, result, send_unix, request_id)
+
+    def _read(self, response: Any, start: float) -> StreamResult:
+        options = self.harness.options
+        if options.endpoint != "custom":
+            return read_sse(response.iter_lines(), start) if options.stream else self._read_json(response, start)
+        result = StreamResult()
+        if options.stream:  # every piece as it arrives: a plain text stream has no lines to wait for
+            read_custom_stream(response.iter_content(chunk_size=None), start, options.tokens_field,
+                               time.perf_counter, result)
+            return result
+        content = response.content
+        result.last_s = time.perf_counter() - start
+        try:
+            body = orjson.loads(content)
+        except orjson.JSONDecodeError:  # a plain text answer: its words
+            body = {"text": content.decode(errors="replace")}
+        read_custom_json(body, options.tokens_field, result)
+        return result
 
     def _read_json(self, response: Any, start: float) -> StreamResult:
         body = response.json()
