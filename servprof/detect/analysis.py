@@ -12,13 +12,15 @@ from servprof.detect.loop_stall import detect_loop_stalls
 from servprof.detect.memory import detect_memory
 from servprof.detect.model_on_loop import detect_model_on_loop
 from servprof.detect.overhead import overhead_summary
+from servprof.detect.queue_wait import detect_queue_wait
 from servprof.detect.recompilation import detect_recompilation
+from servprof.detect.request_times import request_times
 from servprof.detect.steps import Step, find_steps
 from servprof.detect.tier import NEEDS_DEEP_CAUSE, light_missing, tier_of
 from servprof.detect.tokenization_stall import detect_tokenization_stalls
 from servprof.detect.utilisation import utilisation
 from servprof.trace.loader import SOURCE_FILE_KEY, paused_gc
-from servprof.trace.meta import base_time_ns, claimed_rank, whole_int
+from servprof.trace.meta import claimed_rank
 from servprof.trace.model import Trace
 
 
@@ -48,8 +50,9 @@ def _analyse(trace: Trace, requests: list[dict[str, Any]] | None, device: str | 
     compile_findings, compile_summary = detect_recompilation(trace, steps)
     stall_findings, stall_summary = detect_loop_stalls(trace, token_findings)
     on_loop_findings, stall_summary["model_on_loop"] = detect_model_on_loop(trace, steps)
+    wait_findings, wait_summary = detect_queue_wait(trace, steps, requests)
     findings = sorted([*gap_findings, *token_findings, *bw_findings, *memory_findings, *compile_findings,
-                       *stall_findings, *on_loop_findings], key=lambda f: (SEVERITY_ORDER[f.severity], f.cost_ms), reverse=True)
+                       *stall_findings, *on_loop_findings, *wait_findings], key=lambda f: (SEVERITY_ORDER[f.severity], f.cost_ms), reverse=True)
     sampled = sampled_request_ids(trace, requests)
     _attribute_to_session(findings, requests, trace)
     for finding in findings:
@@ -80,6 +83,7 @@ def _analyse(trace: Trace, requests: list[dict[str, Any]] | None, device: str | 
         "memory": memory_summary,
         "compile": compile_summary,
         "loop_stalls": stall_summary,
+        "queue_wait": wait_summary,
         "requests_given": len(requests or []),
         "sampled_request_ids": sorted(sampled),
         # What the user must know to trust the figures (two files claiming one rank, a --device the
@@ -108,21 +112,6 @@ def rank_warnings(trace: Trace) -> list[str]:
             for rank, files in sorted(claims.items()) if len(files) > 1]
 
 
-def _request_windows(trace: Trace, requests: list[dict[str, Any]] | None) -> dict[str, tuple[float, float]]:
-    """Sampled request id -> (arrival, end) in trace µs, from the session records (end open while streaming)."""
-    base = base_time_ns(trace.metadata)
-    windows: dict[str, tuple[float, float]] = {}
-    for record in requests or []:
-        if base is None or not isinstance(record, dict) or not record.get("request_id"):
-            continue
-        arrival, arrival_perf, end = (whole_int(record.get(k)) for k in ("arrival_ns", "arrival_perf_ns", "end_ns"))
-        if arrival is None or arrival_perf is None:
-            continue
-        end_us = (arrival + end - arrival_perf - base) / 1e3 if end is not None else float("inf")
-        windows[str(record["request_id"])] = ((arrival - base) / 1e3, end_us)
-    return windows
-
-
 def _attribute_to_session(findings: list[Finding], requests: list[dict[str, Any]] | None, trace: Trace) -> None:
     """Traces without phase markers (e.g. vLLM's worker traces) name no request: a gap or a slow
     kernel then concerns the sampled requests in flight at that time (all of them when the records
@@ -130,7 +119,7 @@ def _attribute_to_session(findings: list[Finding], requests: list[dict[str, Any]
     sampled = [str(r["request_id"]) for r in requests or [] if isinstance(r, dict) and r.get("request_id")]
     if not sampled:
         return
-    windows = _request_windows(trace, requests)
+    windows = {rid: (t.arrival_us, t.end_us) for rid, t in request_times(trace, requests).items()}
     for finding in findings:
         # Memory findings are about the process or the device, not about the requests sampled.
         if (finding.request_ids or finding.kind == "tokenization_stall" or finding.kind.startswith("memory_")

@@ -19,7 +19,7 @@ import orjson
 
 from servprof.detect.analysis import Analysis, analyse
 from servprof.detect.devices import DEVICES, UnknownDevice
-from servprof.report.run_plan import Run, plan_runs, servprof_sessions_dir
+from servprof.report.run_plan import Run, plan_runs, servprof_sessions_dir, session_records
 from servprof.trace import Trace, TraceError, load_trace, phase_events, request_phases
 
 if TYPE_CHECKING:
@@ -71,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
                 item.trace = load_trace(item.path, progress=advance, files=item.files)
                 if progress is not None and task is not None:
                     progress.update(task, description=f"analysing {len(item.trace)} events")
-                item.analysis = analyse(item.trace, device=args.device)
+                records = session_records(item.path) if item.files is None and item.path.is_file() else None
+                item.analysis = analyse(item.trace, records, device=args.device)
                 if progress is not None and task is not None:
                     progress.update(task, advance=1)
                 requests = {rid: {"phases": phases} for rid, phases in request_phases(item.trace).items()}

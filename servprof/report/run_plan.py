@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
 from servprof.trace.loader import SIDECAR_SUFFIXES, trace_files
 
 if TYPE_CHECKING:
@@ -71,6 +73,18 @@ def plan_runs(path: Path) -> Plan:
         return Plan([Run(label, group[0] if len(group) == 1 else path, group) for label, group in windows], files,
                     "window")
     return Plan([Run(str(path), path)], files)
+
+
+def session_records(path: Path) -> list[dict[str, Any]] | None:
+    """The request records of a servprof session trace, from its .session.json beside it (what
+    the live analysis had: request arrival and first byte, for the findings that need them), or
+    None (not a session's trace, or the file unreadable: the trace is analysed without them)."""
+    sidecar = path.parent / f"{session_stem(path)}.session.json"
+    try:
+        records = orjson.loads(sidecar.read_bytes()).get("requests")
+    except (OSError, orjson.JSONDecodeError, AttributeError):
+        return None
+    return [r for r in records if isinstance(r, dict)] if isinstance(records, list) else None
 
 
 def session_stem(path: Path) -> str:

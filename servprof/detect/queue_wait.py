@@ -1,0 +1,120 @@
+"""Requests that waited for their first model step while no model step ran.
+
+Between a sampled request's arrival and the start of its prefill, the model is either busy with
+other requests' steps (the server is at capacity: the wait is queueing) or runs nothing at all:
+a batcher holding a window open, an engine thread polling its queue with ``sleep``, a lock held
+around other work. The second is the server's own delay and is what this reports: the time in
+that wait covered by no step on any thread (nor by the request's own tokenize / detokenize
+phases, which have their own finding).
+
+The request's prefill is the first prefill after its arrival that names it: its own (a request
+served on its own thread), or a batch's (steps with no request of their own name every request in
+flight, and a request can be in no batch that started before it arrived). A step that was already
+running when the profiler started is not in the trace, and the model would look idle there: the
+wait counts from the trace's start plus the longest recorded step (or its first step, if sooner). Needs the session's request records
+(servprof's sessions); an offline trace gets no finding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from servprof.detect.finding import WARNING_SHARE, Finding, severity_for_share
+from servprof.detect.intervals import covered, merge
+from servprof.detect.request_times import request_times
+from servprof.detect.steps import Step
+from servprof.trace.model import Trace, median
+from servprof.trace.phases import phase_events
+
+KIND = "queue_wait"
+MIN_IDLE_US = 1000.0  # a request's wait under this with no step is the ordinary hand-off
+FIRST_STEP_KINDS = ("prefill", "mixed")
+OWN_PHASES = ("tokenize", "detokenize")
+
+
+def detect_queue_wait(trace: Trace, steps: list[Step], requests: list[dict[str, Any]] | None
+                      ) -> tuple[list[Finding], dict[str, Any]]:
+    times = request_times(trace, requests)
+    summary: dict[str, Any] = {"requests_timed": len(times), "waits": []}
+    if not times or not steps:
+        return [], summary
+    busy_start, busy_end = merge(np.array([s.start_us for s in steps]), np.array([s.end_us for s in steps]))
+    # A step already running when the profiler started is not in the trace: the model may have been
+    # busy for up to one step (the longest recorded) after the trace's start, or until the first
+    # recorded step, whichever comes first. Waits count from there.
+    longest = max(s.end_us - s.start_us for s in steps)
+    recorded_from = min(float(busy_start[0]), float(trace.ts.min()) + longest)
+    own: dict[str, list[tuple[float, float]]] = {}
+    for event in phase_events(trace):
+        if event.phase in OWN_PHASES:
+            for rid in event.request_ids:
+                own.setdefault(rid, []).append((event.start_us, event.end_us))
+    ordered = sorted(steps, key=lambda s: s.start_us)
+    waits: list[dict[str, Any]] = []
+    unmeasured: list[dict[str, str]] = []
+    for rid, t in sorted(times.items()):
+        first = _first_step(ordered, rid, t.arrival_us)
+        if first is None:
+            unmeasured.append({"request_id": rid, "why": "no prefill of it in the trace"})
+            continue
+        a, b = max(t.arrival_us, recorded_from), first.start_us
+        if b <= a:
+            if t.arrival_us < recorded_from:
+                unmeasured.append({"request_id": rid, "why": "it arrived before the trace could show what the model "
+                                                              "ran (a step then running is not recorded)"})
+            continue
+        busy = float(covered(busy_start, busy_end, np.array([a]), np.array([b]))[0])
+        spans = own.get(rid, [])
+        own_start, own_end = merge(np.array([s for s, _ in spans]), np.array([e for _, e in spans]))
+        # The request's own phases outside any step: its own work, not the server's delay.
+        own_us = float(covered(own_start, own_end, np.array([a]), np.array([b]))[0]) if spans else 0.0
+        idle = max(0.0, (b - a) - busy - own_us)
+        until = t.first_byte_us if t.first_byte_us is not None else t.end_us
+        waits.append({"request_id": rid, "arrival_us": t.arrival_us, "first_step_us": first.start_us,
+                      "wait_ms": round((first.start_us - t.arrival_us) / 1e3, 3), "idle_ms": round(idle / 1e3, 3),
+                      "other_steps_ms": round(busy / 1e3, 3), "own_phases_ms": round(own_us / 1e3, 3),
+                      "to_first_byte_ms": round((until - t.arrival_us) / 1e3, 3) if until < float("inf") else None,
+                      "first_step": first.label})
+    summary["waits"], summary["unmeasured"] = waits, unmeasured
+    idle_ones = [w for w in waits if w["idle_ms"] * 1e3 >= MIN_IDLE_US]
+    judged = sum(w["to_first_byte_ms"] for w in waits if w["to_first_byte_ms"])
+    if not idle_ones or judged <= 0:
+        return [], summary
+    idle_ms = sum(w["idle_ms"] for w in idle_ones)
+    share = min(1.0, idle_ms / judged)
+    summary.update({"idle_ms": round(idle_ms, 3), "share_of_time_to_first_byte": round(share, 4)})
+    if share < WARNING_SHARE:  # a few ms of hand-off in a long answer: in the summary only
+        return [], summary
+    busy_ms = sum(w["other_steps_ms"] for w in idle_ones)
+    title = (f"{len(idle_ones)} of {len(waits)} sampled requests waited for their first model step while no model "
+             f"step ran: {idle_ms:.1f} ms in all (median {median([w['idle_ms'] for w in idle_ones]):.1f} ms each, "
+             f"{share:.0%} of their time to first byte)"
+             + (f"; other requests' steps ran {busy_ms:.1f} ms of those waits" if busy_ms >= 0.05 else ""))
+    finding = Finding(
+        kind=KIND, severity=severity_for_share(share, idle_ms),
+        cost_ms=idle_ms,
+        start_us=min(w["arrival_us"] for w in idle_ones), end_us=max(w["first_step_us"] for w in idle_ones),
+        title=title,
+        request_ids=[w["request_id"] for w in idle_ones],
+        evidence={"cause": "model_idle_while_waiting", "requests": len(waits), "waited": len(idle_ones),
+                  "idle_ms": round(idle_ms, 3), "share_of_time_to_first_byte": round(share, 4),
+                  "other_steps_ms": round(busy_ms, 3), "waits": sorted(idle_ones, key=lambda w: -w["idle_ms"])[:20]},
+        fix=("The model was free while these requests waited: start the next step as soon as one is waiting. Wake "
+             "the model thread with a blocking queue `get()` or a condition instead of polling with `sleep`; keep "
+             "a batching window only while there is nothing to run (take what has arrived and go); hold the "
+             "model's lock around the model call only."),
+    )
+    return [finding], summary
+
+
+def _first_step(ordered: list[Step], rid: str, arrival_us: float) -> Step | None:
+    """The request's prefill: the first prefill after it arrived that names it (its own, or a
+    batch's naming every request in flight), else, in a trace whose steps name no request, the
+    first prefill after it arrived."""
+    after = [s for s in ordered if s.start_us >= arrival_us and s.kind in FIRST_STEP_KINDS]
+    named = next((s for s in after if rid in s.request_ids), None)
+    if named is not None or any(s.request_ids for s in ordered):
+        return named
+    return after[0] if after else None

@@ -1,0 +1,33 @@
+"""When each sampled request arrived, sent its first byte and ended, in the trace's µs, from the
+session's request records (docs/CONTRACTS.md): wall-clock arrival, the rest on the perf clock."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from servprof.trace.meta import base_time_ns, whole_int
+from servprof.trace.model import Trace
+
+
+class RequestTimes(NamedTuple):
+    arrival_us: float
+    first_byte_us: float | None  # None: no byte sent (yet)
+    end_us: float  # inf while it still streamed
+
+
+def request_times(trace: Trace, requests: list[dict[str, Any]] | None) -> dict[str, RequestTimes]:
+    base = base_time_ns(trace.metadata)
+    out: dict[str, RequestTimes] = {}
+    for record in requests or []:
+        if base is None or not isinstance(record, dict) or not record.get("request_id"):
+            continue
+        arrival, arrival_perf = whole_int(record.get("arrival_ns")), whole_int(record.get("arrival_perf_ns"))
+        if arrival is None or arrival_perf is None:
+            continue
+        # The perf-clock times, moved onto the wall clock by the arrival's pair of readings.
+        first_byte, end = (whole_int(record.get(k)) for k in ("first_byte_ns", "end_ns"))
+        shift = arrival - arrival_perf - base
+        out[str(record["request_id"])] = RequestTimes(
+            (arrival - base) / 1e3, None if first_byte is None else (first_byte + shift) / 1e3,
+            float("inf") if end is None else (end + shift) / 1e3)
+    return out
