@@ -268,10 +268,11 @@ class CaptureController:
                 if autograd_profiler._is_profiler_enabled:
                     self.warmup_error = FOREIGN_PROFILER
                 else:
-                    # Light where torch allows: Kineto's init is the same, and a light stop needs no drain.
+                    # Light where torch allows: Kineto's init is the same; stopped at once, undrained
+                    # (no servprof range runs yet: tiers.stop_profiler).
                     warm, tier, _note = new_profiler(None, LIGHT)
                     warm.start()
-                    stop_profiler(warm, tier)
+                    stop_profiler(warm, tier, drain=False)
             except Exception as exc:  # noqa: BLE001
                 self.warmup_error = f"warm-up failed: {exc}"
             self.warm = True
@@ -358,8 +359,8 @@ class CaptureController:
         assert prof is not None
         instruments = session.instruments
         # The watchdog stops first: whatever the loop waits for from here on is servprof's stop/export.
-        # A deep session's op collection goes off now: its ops in flight end before the stop.
-        serving = instruments.stop(why == "max_session_events", drain=session.tier == DEEP) \
+        # Collection goes off now (light or deep): the ops and ranges in flight end before the stop.
+        serving = instruments.stop(why == "max_session_events", drain=True) \
             if instruments is not None else {}
         metadata = {**serving, "session_id": session.session_id, "request_ids": [r.request_id for r in session.records],
                     "wall_start_ns": session.wall_start_ns, "perf_start_ns": session.perf_start_ns,

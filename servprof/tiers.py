@@ -17,16 +17,18 @@ The scopes reach the profiler through a private API, checked once against the in
 (``light_problem``): where it is missing or changed, sessions fall back to deep capture with
 the event budget, and the log and ``/servprof/status`` say so once.
 
-A deep profiler is drained before its stop (``drain_ops``): torch 2.13's ``stop()`` frees a
+Every profiler is drained before its stop (``drain_ops``): torch 2.13's ``stop()`` frees a
 ``profile_all_threads`` session's record queue while ops that began before it may still be running
 on serving threads (the GIL released), and their end callbacks then write into freed memory:
 SIGSEGV in ``_disable_profiler`` or heap corruption later in a serving thread (upstream:
-pytorch/pytorch#185741, #187483 wait for those callbacks; 2.13 does not). A deep window records
-every op (a light one only annotations: a tiny window, not drained), so before its stop servprof
-switches op collection off (ops starting later run no profiler callback), waits for the GPU work
-already queued (ops waiting on it end with it; not run on a GPU here) and lets the ops in flight
-end for ``DRAIN_S``. bench/stress_restart.py: plain deep start/stop under 6 model threads
-crashed within seconds; drained, it ran thousands of sessions.
+pytorch/pytorch#185741, #187483 wait for those callbacks; 2.13 does not). So before its stop
+servprof switches collection off (ops and ranges starting later run no profiler callback), waits
+for the GPU work already queued (ops waiting on it end with it; not run on a GPU here) and lets
+the ones in flight end for ``DRAIN_S``. bench/stress_restart.py: plain deep start/stop under 6
+model threads crashed within seconds; drained, it ran thousands of sessions. Light sessions were
+at first not drained (annotations only: a far smaller window): a transformers server under load
+still lost 3 of 66 test runs to SIGSEGV, one inside a light session's ``stop()``
+(docs/middleware.md).
 """
 
 from __future__ import annotations
@@ -161,11 +163,10 @@ def pause_collection(device: bool = True) -> bool:
 
 
 def drain_ops(tier: str, cut_perf_ns: int | None = None) -> None:
-    """Before a deep profiler's stop(): its op collection off for DRAIN_S (switched off here unless
-    ``cut_perf_ns`` says when it went off), so that no op still runs a profiler callback then. See
-    the module's docstring."""
-    if tier != DEEP:
-        return
+    """Before a profiler's stop(), light or deep: its collection off for DRAIN_S (switched off here
+    unless ``cut_perf_ns`` says when it went off), so that no op or range still runs a profiler
+    callback then. See the module's docstring. (``tier`` is kept for the callers' sake: both drain.)"""
+    del tier
     if cut_perf_ns is None and pause_collection(device=False):
         cut_perf_ns = time.perf_counter_ns()
     if cut_perf_ns is None:
@@ -178,9 +179,12 @@ def drain_ops(tier: str, cut_perf_ns: int | None = None) -> None:
     time.sleep(max(0.0, DRAIN_S - (time.perf_counter_ns() - cut_perf_ns) / 1e9))
 
 
-def stop_profiler(prof: profile, tier: str = DEEP) -> None:
-    """``prof.stop()`` on a failure or warm-up path (a tier not known: drained as a deep one)."""
-    drain_ops(tier)
+def stop_profiler(prof: profile, tier: str = DEEP, drain: bool = True) -> None:
+    """``prof.stop()`` on a failure or warm-up path, drained first unless ``drain`` is False (the
+    warm-up's light profiler, stopped the moment it started: no servprof range runs then, and a
+    cut would put torch's 'Toggling CPU activity' line in every server's start-up log)."""
+    if drain:
+        drain_ops(tier)
     prof.stop()
 
 
