@@ -27,8 +27,10 @@ for the GPU work already queued (ops waiting on it end with it; not run on a GPU
 the ones in flight end for ``DRAIN_S``. bench/stress_restart.py: plain deep start/stop under 6
 model threads crashed within seconds; drained, it ran thousands of sessions. Light sessions were
 at first not drained (annotations only: a far smaller window): a transformers server under load
-still lost 3 of 66 test runs to SIGSEGV, one inside a light session's ``stop()``
-(docs/middleware.md).
+still lost 3 of 66 test runs to SIGSEGV, one inside a light session's ``stop()``; drained for
+50 ms alone it still died, once in about 86 sessions. A range opened before the cut still runs
+its end callback, and a step can outlast the drain: the drain also waits for servprof's ranges
+open at the cut (``servprof.auto.emit``) to end, up to ``RANGE_WAIT_S`` (docs/middleware.md).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ import torch.autograd.profiler as autograd_profiler
 from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile
 
+from servprof.auto.emit import open_ranges, still_open
+
 try:  # torch >= 2.3: switch a running profiler's collection off from any thread, at once
     from torch._C._autograd import _toggle_collection_dynamic
 except ImportError:  # pragma: no cover - older torch: the stop alone bounds the session
@@ -56,6 +60,8 @@ LIGHT, DEEP = "light", "deep"
 # µs, a big matmul on a few cores tens of ms; GPU ops return at launch). Only the capture thread
 # waits it out, without the GIL: serving goes on, its last DRAIN_S are not recorded.
 DRAIN_S = 0.05
+# ... and servprof's own ranges (steps, phases) open then are waited for up to this long.
+RANGE_WAIT_S = 2.0
 TIERS = (LIGHT, DEEP)
 LOG = logging.getLogger("servprof")
 KINETO_QUIET_LEVEL = "6"  # above USDT (5) and ERROR (4): Kineto prints nothing
@@ -171,12 +177,18 @@ def drain_ops(tier: str, cut_perf_ns: int | None = None) -> None:
         cut_perf_ns = time.perf_counter_ns()
     if cut_perf_ns is None:
         return
+    ranges = open_ranges()  # servprof's ranges open now: their ends still run a profiler callback
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         # An op that waits for the GPU (.item(), a copy to the host) lasts as long as the work queued
         # before it: once that is done (the GIL released meanwhile), such a wait ends too.
         with contextlib.suppress(Exception):
             torch.cuda.synchronize()
     time.sleep(max(0.0, DRAIN_S - (time.perf_counter_ns() - cut_perf_ns) / 1e9))
+    # A step that outlasts the drain (a slow forward on a loaded machine) ends while stop() runs
+    # unless waited for: wait for servprof's ranges open at the cut, up to RANGE_WAIT_S.
+    deadline = time.monotonic() + RANGE_WAIT_S
+    while still_open(ranges) and time.monotonic() < deadline:
+        time.sleep(0.002)
 
 
 def stop_profiler(prof: profile, tier: str = DEEP, drain: bool = True) -> None:

@@ -237,3 +237,32 @@ def test_a_light_budget_holds_more_ranges_once_their_stop_is_measured_cheaper() 
     assert deep.budget(settings) == settings.max_session_events
     light.learn(5000, settings, busy_s=2.0, steps=250, chunks=250, stop_s=5000 * 12e-6)  # a dear stop: shrinks
     assert light.budget(settings) == pytest.approx(settings.max_session_events / 2)
+
+
+@pytest.mark.parametrize("tier", [tiers.LIGHT, tiers.DEEP])
+def test_the_stop_waits_for_servprofs_ranges_open_when_collection_went_off(tier: str, monkeypatch) -> None:
+    """A range's end callback that runs during torch 2.13's stop() writes into freed memory (a
+    transformers server under load crashed about once in 90 light sessions; docs/middleware.md):
+    the drain before the stop waits for servprof's ranges open at the cut, and gives up after
+    RANGE_WAIT_S on one that never ends."""
+    import threading
+
+    from servprof.auto.emit import close_range, open_range
+
+    prof, got, _note = tiers.new_profiler(None, tier)
+    prof.start()
+    try:
+        handle = open_range("servprof:auto.decode_step|r1")
+        drained = threading.Event()
+        thread = threading.Thread(target=lambda: (tiers.drain_ops(got), drained.set()))
+        thread.start()
+        assert not drained.wait(3 * tiers.DRAIN_S), "the drain ended with a range still open"
+        close_range(handle)
+        assert drained.wait(10)
+        thread.join()
+        monkeypatch.setattr(tiers, "RANGE_WAIT_S", 0.1)
+        forgotten = open_range("servprof:auto.decode_step|r2")  # never closed before the stop
+        tiers.drain_ops(got)  # returns: bounded
+    finally:
+        prof.stop()
+    close_range(forgotten)

@@ -50,18 +50,39 @@ def auto_phase_name(phase: str, request_ids: list[str] | tuple[str, ...]) -> str
     return f"{PHASE_PREFIX}{AUTO_PHASE_PREFIX}{phase}|{','.join(request_ids)}"
 
 
+# The ranges open now, on every thread (set.add / discard are atomic under the GIL): before a
+# profiler's stop, servprof waits for those open when collection went off to end (tiers.drain_ops),
+# since a range's end callback that runs during torch 2.13's stop() writes into freed memory.
+_open: set[int] = set()
+
+
 def open_range(name: str) -> Any:
     """Open one range; returns the handle close_range needs."""
     if _kind == "fast":
         # input_values must be a tuple: None aborts the process in torch 2.13.
         handle = _RecordFunctionFast(name, _NO_ARGS, {})
         handle.__enter__()
-        return handle
-    return _record_function_with_args_enter(name)
+    else:
+        handle = _record_function_with_args_enter(name)
+    _open.add(id(handle))
+    return handle
 
 
 def close_range(handle: Any) -> None:
-    if isinstance(handle, _RecordFunctionFast):
-        handle.__exit__(None, None, None)
-    else:
-        _record_function_with_args_exit(handle)
+    try:
+        if isinstance(handle, _RecordFunctionFast):
+            handle.__exit__(None, None, None)
+        else:
+            _record_function_with_args_exit(handle)
+    finally:
+        _open.discard(id(handle))
+
+
+def open_ranges() -> frozenset[int]:
+    """The ranges open right now (their handles' ids)."""
+    return frozenset(_open)
+
+
+def still_open(ranges: frozenset[int]) -> bool:
+    """Whether any of these ranges has not ended yet."""
+    return not ranges.isdisjoint(_open)
