@@ -207,3 +207,17 @@ def test_a_trace_with_no_finding_says_what_it_saw_under_the_bar(tmp_path: Path, 
     out = " ".join(capsys.readouterr().out.split())
     assert "No findings" in out
     assert "under the bar: 1 gap(s) between decode steps, 1.10 ms (14% of step time; one gap is reported from 20%)" in out
+
+
+@pytest.mark.parametrize("sidecar", [b"{not json", b"[1, 2]", b'{"requests": 5}',
+                                     b'{"requests": [5, "x", {"request_id": "r", "arrival_ns": 1e300, '
+                                     b'"arrival_perf_ns": -5, "first_byte_ns": "soon", "end_ns": 1e308}]}'])
+def test_a_damaged_session_sidecar_is_read_around(tmp_path: Path, sidecar: bytes) -> None:
+    """servprof analyze reads a session trace's request records from its .session.json (queue_wait
+    needs them); whatever that file holds, the trace is analysed and the report is JSON."""
+    trace = tmp_path / "s1.pt.trace.json.gz"
+    trace.write_bytes(fixture("clean").read_bytes())
+    (tmp_path / "s1.session.json").write_bytes(sidecar)
+    assert main(["analyze", str(trace), "--json", str(tmp_path / "r.json")]) == 0
+    report = orjson.loads((tmp_path / "r.json").read_bytes())
+    assert report["summary"]["queue_wait"]["requests_timed"] <= 1

@@ -30,7 +30,8 @@ def loop_thread(trace: Trace) -> int | None:
     meta = trace.servprof_metadata()
     watchdog = meta.get("watchdog") if isinstance(meta.get("watchdog"), dict) else {}
     tid = meta.get("event_loop_tid") or watchdog.get("loop_tid")
-    return tid if isinstance(tid, int) and not isinstance(tid, bool) else None
+    # An OS thread id: anything else (a damaged file's huge or negative number) names no thread.
+    return tid if isinstance(tid, int) and not isinstance(tid, bool) and 0 <= tid < 2**63 else None
 
 
 def detect_model_on_loop(trace: Trace, steps: list[Step]) -> tuple[list[Finding], dict[str, Any]]:
