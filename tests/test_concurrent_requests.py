@@ -10,17 +10,11 @@ child, a real tiny transformers Llama behind a real ``pipeline``.
 
 from __future__ import annotations
 
-import importlib
-import threading
 from typing import Any
 
-import httpx
 import pytest
 from _kineto_builder import covered_in, union
-from _middleware_helpers import serve, wait_idle, wait_sessions
-from test_zero_touch import servprof_middleware
-
-from servprof.middleware import ServprofMiddleware
+from _server_session import session_on
 
 REQUESTS = 8  # at once, on 2 CPUs here: they run their steps side by side
 MAX_TOKENS = 12
@@ -28,35 +22,13 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def observed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    server = importlib.import_module("servers.thread_pool")
-    app = server.create_app()
-    app.add_middleware(ServprofMiddleware, out_dir=tmp_path_factory.mktemp("thread_pool"), telemetry=False,
-                       sample_every=1, requests_per_session=REQUESTS, max_session_events=10**9)
-    wait_idle()
-    statuses: list[int] = []
-
-    def post(url: str) -> None:
-        with httpx.Client(timeout=120) as client:
-            response = client.post(url + "/v1/generate", json={"prompt": "The harbour master counted the boats",
-                                                                "max_tokens": MAX_TOKENS})
-            statuses.append(response.status_code)
-
-    with serve(app) as (url, _server):
-        middleware = servprof_middleware(app)
-        clients = [threading.Thread(target=post, args=(url,)) for _ in range(REQUESTS)]
-        for thread in clients:
-            thread.start()
-        for thread in clients:
-            thread.join(300)
-        (session,) = wait_sessions(middleware, 1, timeout_s=120)
-        wait_idle()
-        result = middleware.runtime.last_result
-    return {"session": session, "result": result, "statuses": statuses}
+    return session_on("servers.thread_pool", tmp_path_factory.mktemp("thread_pool"), ["/v1/generate"] * REQUESTS,
+                      MAX_TOKENS)
 
 
 def test_gaps_between_concurrent_requests_steps_are_theirs_and_within_each_thread(observed: dict[str, Any]) -> None:
     result = observed["result"]
-    assert observed["statuses"] == [200] * REQUESTS
+    assert [status for _, status, _ in observed["responses"]] == [200] * REQUESTS
     assert result["error"] is None, result["error"]
     assert result["summary"]["detect"]["tier"] == "light"
     # Each request's steps, as its own phases record them (one thread per request).

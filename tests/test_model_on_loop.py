@@ -9,49 +9,22 @@ Llama and a real BPE tokenizer.
 
 from __future__ import annotations
 
-import importlib
-import threading
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-from _middleware_helpers import serve, wait_idle, wait_sessions
-from test_zero_touch import servprof_middleware
+from _server_session import session_on
 
 from servprof.detect.model_on_loop import CAUSE
-from servprof.middleware import ServprofMiddleware
 
 MAX_TOKENS = 8
 STREAMS = 2  # streaming requests in the session, beside one blocking generate()
 
 
-def post(url: str, path: str, results: list[Any]) -> None:
-    with httpx.Client(timeout=120) as client:
-        response = client.post(url + path, json={"prompt": "The harbour master counted the boats", "max_tokens": MAX_TOKENS})
-        results.append((path, response.status_code, response.headers.get("x-request-id")))
-
-
 @pytest.fixture(scope="module")
 def observed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    server = importlib.import_module("servers.loop_bound")
-    app = server.create_app()
-    app.add_middleware(ServprofMiddleware, out_dir=tmp_path_factory.mktemp("loop_bound"), telemetry=False,
-                       sample_every=1, requests_per_session=STREAMS + 1, max_session_events=10**9)
-    wait_idle()
-    with serve(app) as (url, _server):
-        middleware = servprof_middleware(app)
-        results: list[Any] = []
-        clients = [threading.Thread(target=post, args=(url, "/v1/completions", results)) for _ in range(STREAMS)]
-        clients.append(threading.Thread(target=post, args=(url, "/v1/generate", results)))
-        for thread in clients:
-            thread.start()
-        for thread in clients:
-            thread.join(300)
-        (session,) = wait_sessions(middleware, 1, timeout_s=120)
-        wait_idle()
-        result = middleware.runtime.last_result
-    return {"session": session, "result": result, "responses": results}
+    return session_on("servers.loop_bound", tmp_path_factory.mktemp("loop_bound"),
+                      ["/v1/completions"] * STREAMS + ["/v1/generate"], MAX_TOKENS)
 
 
 def test_the_model_on_the_loop_is_named_with_its_steps(observed: dict[str, Any]) -> None:

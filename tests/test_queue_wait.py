@@ -10,54 +10,25 @@ Llama; synthetic traces only for the rules' edges.
 
 from __future__ import annotations
 
-import importlib
-import threading
-import time
 from typing import Any
 
-import httpx
 import orjson
 import pytest
-from _middleware_helpers import serve, wait_idle, wait_sessions
-from test_zero_touch import servprof_middleware
+from _server_session import session_on
 
 from servprof.cli import main
-from servprof.middleware import ServprofMiddleware
 
 MAX_TOKENS = 6
 REQUESTS = 4
 
 
-def observe(module: str, tmp_path_factory: pytest.TempPathFactory, spaced_s: float) -> dict[str, Any]:
+def observe(module: str, tmp_path_factory: pytest.TempPathFactory, spaced_s: float | None) -> dict[str, Any]:
     """A session of REQUESTS requests sent one after another, spaced_s apart (the polling engine is
-    asleep when each arrives), or all at once (spaced_s 0)."""
-    app = importlib.import_module(module).create_app()
-    app.add_middleware(ServprofMiddleware, out_dir=tmp_path_factory.mktemp(module.split(".")[-1]), telemetry=False,
-                       sample_every=1, requests_per_session=REQUESTS, max_session_events=10**9)
-    wait_idle()
-    statuses: list[int] = []
-
-    def post(url: str) -> None:
-        with httpx.Client(timeout=120) as client:
-            response = client.post(url + "/v1/generate", json={"prompt": "The harbour master", "max_tokens": MAX_TOKENS})
-            statuses.append(response.status_code)
-
-    with serve(app) as (url, _server):
-        middleware = servprof_middleware(app)
-        threads = []
-        for _ in range(REQUESTS):
-            threads.append(threading.Thread(target=post, args=(url,)))
-            threads[-1].start()
-            if spaced_s:
-                threads[-1].join(120)
-                time.sleep(spaced_s)
-        for thread in threads:
-            thread.join(120)
-        (session,) = wait_sessions(middleware, 1, timeout_s=120)
-        wait_idle()
-        result = middleware.runtime.last_result
-    assert statuses == [200] * REQUESTS
-    return {"session": session, "result": result}
+    asleep when each arrives), or all at once (spaced_s None)."""
+    observed = session_on(module, tmp_path_factory.mktemp(module.split(".")[-1]), ["/v1/generate"] * REQUESTS,
+                          MAX_TOKENS, spaced_s)
+    assert [status for _, status, _ in observed["responses"]] == [200] * REQUESTS
+    return observed
 
 
 def test_a_polling_engine_keeps_requests_waiting_with_the_model_idle(tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -96,7 +67,7 @@ def test_a_polling_engine_keeps_requests_waiting_with_the_model_idle(tmp_path_fa
 
 
 def test_a_server_that_starts_each_request_at_once_has_no_queue_wait(tmp_path_factory: pytest.TempPathFactory) -> None:
-    observed = observe("servers.thread_pool", tmp_path_factory, spaced_s=0.0)
+    observed = observe("servers.thread_pool", tmp_path_factory, spaced_s=None)
     result = observed["result"]
     assert result["error"] is None, result["error"]
     summary = result["summary"]["detect"]["queue_wait"]

@@ -25,6 +25,7 @@ import numpy as np
 import orjson
 import pytest
 from _middleware_helpers import serve, wait_idle, wait_sessions
+from _server_session import servprof_middleware
 
 from servprof.middleware import ServprofMiddleware
 
@@ -41,15 +42,6 @@ BLOCKERS = {"hf": ("loop_stall", {"screen_prompt": "screen_prompt"}),
 DOMINATES = 1.5  # a part this many times slower than the others must name the stall
 MAX_TOKENS = 12
 SAMPLED = 4  # requests in the session: three one after another, then one with others beside it
-
-
-def servprof_middleware(app: Any) -> ServprofMiddleware:
-    """The ServprofMiddleware instance inside a started Starlette/FastAPI app's stack."""
-    node = app.middleware_stack
-    while node is not None and not isinstance(node, ServprofMiddleware):
-        node = getattr(node, "app", None)
-    assert node is not None, "ServprofMiddleware not in the app's middleware stack"
-    return node
 
 
 def stream_completion(url: str, prompt: str, max_tokens: int, timeout: float = 120.0,

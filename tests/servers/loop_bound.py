@@ -18,16 +18,10 @@ from collections.abc import AsyncIterator
 import torch
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, Field
-from servers.hf_streaming import build_model, build_tokenizer
+from servers.hf_streaming import CompletionRequest, build_model, build_tokenizer
 
 tokenizer = build_tokenizer()
 model = build_model(len(tokenizer))
-
-
-class CompletionRequest(BaseModel):
-    prompt: str = Field(min_length=1)
-    max_tokens: int = Field(default=16, ge=1, le=512)
 
 
 def create_app() -> FastAPI:

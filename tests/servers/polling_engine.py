@@ -18,8 +18,7 @@ from typing import Any
 
 import torch
 from fastapi import FastAPI
-from pydantic import BaseModel, Field
-from servers.hf_streaming import build_model, build_tokenizer
+from servers.hf_streaming import CompletionRequest, build_model, build_tokenizer
 
 POLL_S = 0.02
 tokenizer = build_tokenizer()
@@ -53,11 +52,6 @@ def engine() -> None:
 
 
 threading.Thread(target=engine, name="engine", daemon=True).start()
-
-
-class CompletionRequest(BaseModel):
-    prompt: str = Field(min_length=1)
-    max_tokens: int = Field(default=16, ge=1, le=512)
 
 
 def create_app() -> FastAPI:

@@ -11,17 +11,11 @@ downloaded) and a byte-level BPE tokenizer trained at start-up.
 from __future__ import annotations
 
 from fastapi import FastAPI
-from pydantic import BaseModel, Field
-from servers.hf_streaming import build_model, build_tokenizer
+from servers.hf_streaming import CompletionRequest, build_model, build_tokenizer
 from transformers import pipeline
 
 tokenizer = build_tokenizer()
 generator = pipeline("text-generation", model=build_model(len(tokenizer)), tokenizer=tokenizer, device="cpu")
-
-
-class CompletionRequest(BaseModel):
-    prompt: str = Field(min_length=1)
-    max_tokens: int = Field(default=16, ge=1, le=512)
 
 
 def create_app() -> FastAPI:

@@ -1,0 +1,59 @@
+"""One servprof session on one of tests/servers, in this process: the app with the one-line
+middleware (every request sampled), some POSTs at once or one after another, and what came back."""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from _middleware_helpers import serve, wait_idle, wait_sessions
+
+from servprof.middleware import ServprofMiddleware
+
+PROMPT = "The harbour master counted the boats"
+
+
+def servprof_middleware(app: Any) -> ServprofMiddleware:
+    """The ServprofMiddleware instance inside a started Starlette/FastAPI app's stack."""
+    node = app.middleware_stack
+    while node is not None and not isinstance(node, ServprofMiddleware):
+        node = getattr(node, "app", None)
+    assert node is not None, "ServprofMiddleware not in the app's middleware stack"
+    return node
+
+
+def session_on(module: str, out_dir: Path, paths: list[str], max_tokens: int, spaced_s: float | None = None
+               ) -> dict[str, Any]:
+    """POST {"prompt", "max_tokens"} to each of ``paths``, all at once (``spaced_s`` None) or each
+    after the last answered plus ``spaced_s``; one session samples them all. Returns the session,
+    the analysis result and (path, status, request id) per request."""
+    app = importlib.import_module(module).create_app()
+    app.add_middleware(ServprofMiddleware, out_dir=out_dir, telemetry=False, sample_every=1,
+                       requests_per_session=len(paths), max_session_events=10**9)
+    wait_idle()
+    responses: list[tuple[str, int, str | None]] = []
+
+    def post(url: str, path: str) -> None:
+        with httpx.Client(timeout=120) as client:
+            response = client.post(url + path, json={"prompt": PROMPT, "max_tokens": max_tokens})
+            responses.append((path, response.status_code, response.headers.get("x-request-id")))
+
+    with serve(app) as (url, _server):
+        middleware = servprof_middleware(app)
+        clients = []
+        for path in paths:
+            clients.append(threading.Thread(target=post, args=(url, path)))
+            clients[-1].start()
+            if spaced_s is not None:
+                clients[-1].join(120)
+                time.sleep(spaced_s)
+        for thread in clients:
+            thread.join(300)
+        (session,) = wait_sessions(middleware, 1, timeout_s=120)
+        wait_idle()
+        result = middleware.runtime.last_result
+    return {"session": session, "result": result, "responses": responses}
