@@ -62,3 +62,21 @@ def test_a_gap_no_other_step_ran_in_is_not_blamed_on_them(tmp_path: Path) -> Non
     causes = {g.cause for g in analysis.gaps}
     assert causes and "concurrent_steps" not in causes
     assert causes == {"needs_deep_window"}
+
+
+@pytest.mark.parametrize("loop_tid", [1, 2, None])
+def test_a_gap_between_steps_on_the_event_loop_is_the_loops_own_work(tmp_path: Path, loop_tid: int | None) -> None:
+    """The model on the serving loop's thread (servprof's metadata names it): what that thread did
+    unrecorded between two steps is the loop's other work, said so; with the loop on another
+    thread (2) or not known, the gap stays 'recorded nothing'."""
+    trace, _steps = _threads({1: 0.0}, "deep")
+    trace.metadata["servprof"]["event_loop_tid"] = loop_tid
+    analysis = analyse(load_trace(trace.write(tmp_path / "t.json")))
+    causes = {g.cause for g in analysis.gaps}
+    if loop_tid != 1:
+        assert causes == {"untraced_host_time"}
+        return
+    assert causes == {"event_loop_work"}
+    (finding,) = [f for f in analysis.findings if f.kind == "decode_gap"]
+    assert "event loop" in finding.title and finding.evidence["worst_gaps"][0]["event_loop_tid"] == loop_tid
+    assert "off the event loop" in finding.fix

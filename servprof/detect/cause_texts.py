@@ -92,6 +92,11 @@ CAUSES: dict[str, tuple[str, str]] = {
         "idle between kernels that were already queued (inter-kernel latency or a wait on another stream)",
         "Fuse the small kernels (torch.compile) or replay them from a CUDA graph, and check cross-stream waits.",
     ),
+    "event_loop_work": (
+        "the event loop's own work between the model's steps, which run on the loop (see the loop_stall finding)",
+        "Run the model off the event loop (the loop_stall finding says how): the loop's other work, this and other "
+        "requests' coroutines and HTTP writes, then runs beside the model's steps instead of between them.",
+    ),
     "concurrent_steps": (
         "other requests' model steps ran on other threads meanwhile (concurrent model calls compete for the CPUs "
         "and the GIL)",

@@ -26,11 +26,12 @@ from servprof.detect.causes import CAUSES, Explained, GapExplainer
 from servprof.detect.concurrency import other_steps_during
 from servprof.detect.host_stacks import BUSY_CLASSES, CLASSES, GRAPH_LAUNCH, TOKENIZE, HostStacks, NameClasses
 from servprof.detect.intervals import merge
+from servprof.detect.model_on_loop import loop_thread
 from servprof.detect.name_guard import Guarded
 from servprof.detect.name_scan import host_ids_matching
 from servprof.detect.overhead import stop_cutoffs
 from servprof.detect.steps import Step, device_segments
-from servprof.detect.tier import is_light
+from servprof.detect.tier import NEEDS_DEEP_CAUSE, is_light
 from servprof.trace.model import distinct, median
 
 CPU_MIN_GAP_US = 1000.0  # host gaps below 1 ms are the ordinary cost of a Python engine loop
@@ -46,6 +47,7 @@ COLLECTIVE_KERNEL = Guarded(re.compile(r"nccl|rccl|AllReduce|AllGather|ReduceSca
                             "cross_device_reduce")
 MAX_NAMED_SUMS = 100
 STREAM_WAIT = Guarded(re.compile(r"^(cuda|hip|cu)StreamWaitEvent"), "StreamWaitEvent")
+EVENT_LOOP_WORK = "event_loop_work"
 CONTINUING_KINDS = ("decode", "mixed", "step", "train")  # a gap before one of these is the engine's own
 
 
@@ -110,7 +112,7 @@ def find_gaps(trace: Any, steps: list[Step]) -> tuple[list[Gap], dict[str, Any]]
             stats["mode"] = "device"
             gaps.extend(_device_gaps(trace, rank, rank_steps, index, explainer, cutoffs.get(rank, np.inf)))
         else:
-            gaps.extend(_host_gaps(rank_steps, index, explainer))
+            gaps.extend(_on_the_loop(trace, steps, _host_gaps(rank_steps, index, explainer)))
             if not light:  # a light trace records no work inside a step: no stall can be told from work
                 gaps.extend(_stalled_steps(rank_steps, index, explainer, stacks))
     stats["median_step_us"] = round(median([s.time_us for s in steps]), 1) if steps else None
@@ -325,6 +327,25 @@ def _host_gaps(steps: list[Step], index: dict[int, int], explainer: GapExplainer
     return [Gap(nxt.rank, float(a[i]), float(b[i]), float(b[i] - a[i]), "between_steps", explained.cause[i],
                 explainer.described_later(explained, i, float(a[i]), float(b[i])), list(nxt.request_ids),
                 step=index[id(nxt)]) for i, (_, nxt) in enumerate(pairs)]
+
+
+def _on_the_loop(trace: Any, steps: list[Step], gaps: list[Gap]) -> list[Gap]:
+    """Between two steps on the server's event loop thread (the model runs on the loop:
+    model_on_loop.py), what the thread did unrecorded is the loop's own work: this and other
+    requests' coroutines, HTTP writes. Said so, instead of only "recorded nothing"."""
+    loop_tid = loop_thread(trace)
+    for gap in gaps if loop_tid is not None else []:
+        if gap.cause not in ("untraced_host_time", NEEDS_DEEP_CAUSE) or not 0 <= gap.step < len(steps) \
+                or steps[gap.step].tid != loop_tid:
+            continue
+        described = gap.description
+
+        def on_loop(described: Any = described, tid: int = loop_tid) -> Description:
+            text, evidence = described() if callable(described) else described
+            return (f"{CAUSES[EVENT_LOOP_WORK][0]} (thread {tid}); {text}", {**evidence, "event_loop_tid": tid})
+
+        gap.cause, gap.description = EVENT_LOOP_WORK, on_loop
+    return gaps
 
 
 def _stalled_steps(steps: list[Step], index: dict[int, int], explainer: GapExplainer, stacks: HostStacks
