@@ -26,12 +26,12 @@ from servprof.detect.causes import CAUSES, Explained, GapExplainer
 from servprof.detect.concurrency import other_steps_during
 from servprof.detect.host_stacks import BUSY_CLASSES, CLASSES, GRAPH_LAUNCH, TOKENIZE, HostStacks, NameClasses
 from servprof.detect.intervals import merge
-from servprof.detect.model_on_loop import loop_thread
 from servprof.detect.name_guard import Guarded
 from servprof.detect.name_scan import host_ids_matching
 from servprof.detect.overhead import stop_cutoffs
 from servprof.detect.steps import Step, device_segments
 from servprof.detect.tier import NEEDS_DEEP_CAUSE, is_light
+from servprof.trace.meta import loop_thread
 from servprof.trace.model import distinct, median
 
 CPU_MIN_GAP_US = 1000.0  # host gaps below 1 ms are the ordinary cost of a Python engine loop
@@ -333,7 +333,7 @@ def _on_the_loop(trace: Any, steps: list[Step], gaps: list[Gap]) -> list[Gap]:
     """Between two steps on the server's event loop thread (the model runs on the loop:
     model_on_loop.py), what the thread did unrecorded is the loop's own work: this and other
     requests' coroutines, HTTP writes. Said so, instead of only "recorded nothing"."""
-    loop_tid = loop_thread(trace)
+    loop_tid = loop_thread(trace.servprof_metadata())
     for gap in gaps if loop_tid is not None else []:
         if gap.cause not in ("untraced_host_time", NEEDS_DEEP_CAUSE) or not 0 <= gap.step < len(steps) \
                 or steps[gap.step].tid != loop_tid:

@@ -28,6 +28,7 @@ import numpy as np
 
 from servprof.detect.causes import TOKENIZER_NAMES
 from servprof.detect.finding import Finding, Severity
+from servprof.trace.meta import loop_thread
 from servprof.trace.model import Trace
 from servprof.trace.phases import parse_phase_event_name, phase_events, split_auto
 
@@ -109,8 +110,7 @@ def detect_loop_stalls(trace: Trace, findings: list[Finding] | None = None) -> t
         summary["problem"] = "the trace has no baseTimeNanoseconds: stalls cannot be placed in it"
         return [], summary
     stop_ns = meta.get("stop_wall_ns")
-    loop_tid = meta.get("event_loop_tid") or (watchdog or {}).get("loop_tid")
-    loop_tid = loop_tid if isinstance(loop_tid, int) else None
+    loop_tid = loop_thread(meta)
     rows = np.flatnonzero(trace.complete() & (trace.tid == loop_tid) & (trace.stream < 0)) if loop_tid is not None \
         else np.empty(0, dtype=np.int64)
     starts, ends = trace.ts[rows], trace.ts[rows] + trace.dur[rows]

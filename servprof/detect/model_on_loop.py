@@ -19,23 +19,15 @@ from typing import Any
 
 from servprof.detect.finding import Finding, severity_for_share
 from servprof.detect.steps import Step
+from servprof.trace.meta import loop_thread
 from servprof.trace.model import Trace, median
 
 KIND = "loop_stall"
 CAUSE = "model_on_event_loop"
 
 
-def loop_thread(trace: Trace) -> int | None:
-    """The serving loop's thread id from the session metadata, or None (not a servprof session)."""
-    meta = trace.servprof_metadata()
-    watchdog = meta.get("watchdog") if isinstance(meta.get("watchdog"), dict) else {}
-    tid = meta.get("event_loop_tid") or watchdog.get("loop_tid")
-    # An OS thread id: anything else (a damaged file's huge or negative number) names no thread.
-    return tid if isinstance(tid, int) and not isinstance(tid, bool) and 0 <= tid < 2**63 else None
-
-
 def detect_model_on_loop(trace: Trace, steps: list[Step]) -> tuple[list[Finding], dict[str, Any]]:
-    tid = loop_thread(trace)
+    tid = loop_thread(trace.servprof_metadata())
     on_loop = [s for s in steps if tid is not None and s.tid == tid]
     summary: dict[str, Any] = {"loop_tid": tid, "steps_on_loop": len(on_loop)}
     if not on_loop:

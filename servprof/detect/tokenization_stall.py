@@ -22,6 +22,7 @@ from servprof.detect.name_scan import host_ids_matching
 from servprof.detect.overhead import stop_cutoffs
 from servprof.detect.step_forms import outermost
 from servprof.detect.steps import Step
+from servprof.trace.meta import loop_thread
 from servprof.trace.model import Trace, median
 from servprof.trace.phases import phase_events
 
@@ -136,7 +137,7 @@ def detect_tokenization_stalls(trace: Trace, steps: list[Step], gaps: list[Gap])
     gap_rank = np.array([g.rank for g in gaps], dtype=np.int64)
     gap_start = np.array([g.start_us for g in gaps])
     gap_end = np.array([g.end_us for g in gaps])
-    loop_tid = trace.servprof_metadata().get("event_loop_tid")
+    loop_tid = loop_thread(trace.servprof_metadata())
     per_request: dict[str, dict[str, Any]] = {}
     findings: list[Finding] = []
     first_steps = _step_starts_by_request(steps)

@@ -68,3 +68,12 @@ def servprof_fields(raw: Any) -> dict[str, Any]:
         elif isinstance(value, wanted):
             out[key] = value
     return out
+
+
+def loop_thread(servprof_meta: dict[str, Any]) -> int | None:
+    """The serving event loop's thread id from a session's servprof metadata (``event_loop_tid``,
+    else the watchdog's ``loop_tid``), or None: not a servprof session, or not an OS thread id (a
+    damaged file's huge or negative number names no thread)."""
+    watchdog = servprof_meta.get("watchdog") if isinstance(servprof_meta.get("watchdog"), dict) else {}
+    tid = servprof_meta.get("event_loop_tid") or watchdog.get("loop_tid")
+    return tid if isinstance(tid, int) and not isinstance(tid, bool) and 0 <= tid < 2**63 else None
