@@ -20,13 +20,12 @@ import time
 import weakref
 from collections.abc import Callable
 
-import orjson
 import torch.autograd.profiler as autograd_profiler
 from torch.profiler import profile
 
 from servprof.analysis import kill_running_analyses
 from servprof.auto import AutoInstrumentation
-from servprof.auto.session import SessionInstruments
+from servprof.auto.session import SessionInstruments, trace_metadata_json
 from servprof.budget import STOP_AT, EventBudget, LiveSignals
 from servprof.observers import RequestRecord
 from servprof.probes import IDLE_TICK_S, SessionProbes, tick_memory_history
@@ -371,7 +370,7 @@ class CaptureController:
                     "stop_wall_ns": time.time_ns()}
         if session.probes is not None:
             metadata.update(session.probes.finish(session.wall_start_ns, self.first_model_request_ns))
-        prof.add_metadata_json("servprof", orjson.dumps(metadata).decode())
+        prof.add_metadata_json("servprof", trace_metadata_json(metadata))
         session.steps_captured = session.steps()
         drain_ops(session.tier, instruments.cut_perf_ns if instruments is not None else None)
         session.capture_end_ns = time.perf_counter_ns()

@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import orjson
 import torch
 from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile
 
+from servprof.auto.session import trace_metadata_json
 from servprof.phases import phase
 from servprof.probes import SessionProbes
 
@@ -82,7 +82,7 @@ def record_compile_trace(path: Path, warm: list[int], served: list[int], graph_b
         metadata: dict[str, Any] = {"session_id": "compile-test", "stop_wall_ns": time.time_ns()}
         if session_probes is not None:
             metadata.update(session_probes.finish(wall_start, serving_since_ns=wall_start))
-        prof.add_metadata_json("servprof", orjson.dumps(metadata).decode())
+        prof.add_metadata_json("servprof", trace_metadata_json(metadata))  # as servprof's capture writes it
         prof.stop()
     prof.export_chrome_trace(str(path))
     return path, list(get_compilation_metrics())[before:]

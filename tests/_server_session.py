@@ -26,14 +26,15 @@ def servprof_middleware(app: Any) -> ServprofMiddleware:
     return node
 
 
-def session_on(module: str, out_dir: Path, paths: list[str], max_tokens: int, spaced_s: float | None = None
-               ) -> dict[str, Any]:
+def session_on(module: str, out_dir: Path, paths: list[str], max_tokens: int, spaced_s: float | None = None,
+               **settings: Any) -> dict[str, Any]:
     """POST {"prompt", "max_tokens"} to each of ``paths``, all at once (``spaced_s`` None) or each
     after the last answered plus ``spaced_s``; one session samples them all. Returns the session,
-    the analysis result and (path, status, request id) per request."""
+    the analysis result and (path, status, request id) per request. ``settings``: more of the
+    middleware's settings (``tier="deep"``)."""
     app = importlib.import_module(module).create_app()
     app.add_middleware(ServprofMiddleware, out_dir=out_dir, telemetry=False, sample_every=1,
-                       requests_per_session=len(paths), max_session_events=10**9)
+                       requests_per_session=len(paths), max_session_events=10**9, **settings)
     wait_idle()
     responses: list[tuple[str, int, str | None]] = []
 

@@ -40,11 +40,13 @@ def _record(request_id: str) -> RequestRecord:
     return RequestRecord(request_id, "POST", "/v1/completions", None, "http", None, None, 0, 0)
 
 
-def auto_phases(tmp_path: Path, work: Any, session_ids: list[str] | None = None) -> tuple[list[tuple[str, list[str]]],
-                                                                                        AutoInstrumentation]:
-    """Run ``work`` under the real profiler with the automatic phases on; the auto phases of the
-    exported trace in start order, as (phase, request ids)."""
-    auto = AutoInstrumentation()
+def auto_phases(tmp_path: Path, work: Any, session_ids: list[str] | None = None,
+                auto: AutoInstrumentation | None = None) -> tuple[list[tuple[str, list[str]]], AutoInstrumentation]:
+    """Run ``work`` under the real profiler with the automatic phases on (``auto``: the instance a
+    server keeps across its sessions); the auto phases of the exported trace in start order, as
+    (phase, request ids)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    auto = auto or AutoInstrumentation()
     prof = profile(activities=[ProfilerActivity.CPU], experimental_config=_ExperimentalConfig(profile_all_threads=True))
     prof.start()
     auto.start(lambda: list(session_ids or []), None)
@@ -269,6 +271,8 @@ def test_steps_of_an_unknown_thread_carry_the_session_requests(tmp_path: Path) -
 
 def test_a_compiled_model_gets_no_hooks(tmp_path: Path) -> None:
     model = TinyLM().eval()
+    _phases, server_auto = auto_phases(tmp_path / "eager", lambda: model(torch.ones(1, 1, dtype=torch.long)))
+    assert server_auto.summary()["decode"] == 1  # an eager session before the compile counted its step
     compiled = torch.compile(model, backend="eager")
     compiled(torch.ones(1, 2, dtype=torch.long))
     assert compiled_model_present()
@@ -276,10 +280,12 @@ def test_a_compiled_model_gets_no_hooks(tmp_path: Path) -> None:
     def work() -> None:
         compiled(torch.ones(1, 1, dtype=torch.long))
 
-    phases, auto = auto_phases(tmp_path, work)
+    phases, auto = auto_phases(tmp_path, work, auto=server_auto)
     assert phases == [] and not torch_module._global_forward_pre_hooks
     assert [m["what"] for m in auto.missing()][:1] == ["automatic model steps"]
     assert "torch.compile" in auto.missing()[0]["message"]
+    summary = auto.summary()  # this session's counts, not the eager one's
+    assert summary["steps"] is None and summary["decode"] == summary["prefill"] == 0 and summary["models"] == []
 
 
 @pytest.fixture(autouse=True)

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 from _analyze_helpers import PUBLIC_TRACES, public_trace
+from _kineto_builder import KinetoTrace
 
 from servprof.detect.analysis import analyse
 from servprof.trace import load_trace
@@ -188,11 +189,24 @@ def test_hta_event_sync_names_the_blocking_read():
     assert sync.severity != "critical"
 
 
-def test_a_trace_without_any_step_marker_says_what_to_add():
-    analysis = analyse(load_trace(public_trace("torch_compile_triton_mi300x.json.gz")))
+def test_a_compiled_call_without_any_step_marker_is_the_step():
+    trace = load_trace(public_trace("torch_compile_triton_mi300x.json.gz"))
+    analysis = analyse(trace)
+    (step,) = analysis.steps
+    regions = [r for r in range(len(trace)) if trace.name(r).startswith("Torch-Compiled Region: ")]
+    assert step.source == "compiled" and step.row in regions and step.kind == "step"
+    # (no tokenization, and no memory readings: the trace has no allocator events)
+    assert [m["what"] for m in analysis.summary["missing"]] == ["tokenization", "memory"]
+
+
+def test_a_trace_without_any_step_marker_says_what_to_add(tmp_path):
+    built = KinetoTrace()
+    for i in range(20):  # ops, a kernel each, and nothing that marks a step
+        built.host("aten::mul", 100.0 * i, 40.0)
+        built.launch(100.0 * i + 5.0, 100.0 * i + 10.0, 30.0)
+    analysis = analyse(load_trace(built.write(tmp_path / "unmarked.json")))
     assert analysis.steps == []
-    # (and no memory readings: the trace has no allocator events)
-    assert [m["what"] for m in analysis.summary["missing"]] == ["model steps", "tokenization", "memory"]
+    assert [m["what"] for m in analysis.summary["missing"]][:2] == ["model steps", "tokenization"]
 
 
 def test_training_steps_are_not_called_decode():

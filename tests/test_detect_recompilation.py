@@ -143,3 +143,26 @@ def test_an_inductor_recompile_recorded_by_the_project_is_found():
     (record,) = trace.servprof_metadata()["compile"]["compiles"]
     assert finding.evidence["stall_ms"] == pytest.approx(record["duration_us"] / 1e3, rel=0.2)
     assert finding.request_ids == ["req-1-0", "req-1-1", "req-1-2"]
+
+
+def test_a_recompiles_guard_text_leaves_the_session_trace_valid(tmp_path: Path):
+    """torch's guard text holds quotes and newlines (``L['x']``, ``File "app.py"``); the profiler's
+    add_metadata_json turns a backslash into '/', so JSON escapes in servprof's metadata broke the
+    whole trace file. A real profiler both ways: the raw text breaks it, servprof's does not."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from servprof.auto.session import trace_metadata_json
+    from servprof.trace import TraceError
+
+    reason = 'tensor \'L["x"]\' size mismatch at index 0. expected 4, actual 3\n  File "app.py", line 3, in forward'
+    metadata = {"session_id": "s", "compiles": [{"fail_reason": reason, "co_name": "forward"}]}
+    for name, text in (("raw", orjson.dumps(metadata).decode()), ("safe", trace_metadata_json(metadata))):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            torch.ones(4).add_(1)
+            prof.add_metadata_json("servprof", text)
+        prof.export_chrome_trace(str(tmp_path / f"{name}.json"))
+    with pytest.raises(TraceError, match="not valid JSON"):
+        load_trace(tmp_path / "raw.json")
+    (kept,) = load_trace(tmp_path / "safe.json").servprof_metadata()["compiles"]
+    assert kept["fail_reason"] == "tensor 'L['x']' size mismatch at index 0. expected 4, actual 3   File 'app.py', line 3, in forward"

@@ -7,13 +7,21 @@ from pathlib import Path
 
 import pytest
 
-from servprof.detect import compile_ranges, gaps, host_reads, host_stacks, step_forms, step_landmarks
+from servprof.detect import (
+    compile_ranges,
+    gaps,
+    host_reads,
+    host_stacks,
+    step_compiled,
+    step_forms,
+    step_landmarks,
+)
 from servprof.detect.name_guard import Guarded
 from servprof.trace import load_trace
 
 FIXTURES = Path(__file__).parent / "fixtures"
-GUARDED = {f"{module.__name__}.{name}": value for module in (compile_ranges, gaps, host_reads, host_stacks, step_forms,
-                                                                           step_landmarks)
+GUARDED = {f"{module.__name__}.{name}": value for module in (compile_ranges, gaps, host_reads, host_stacks,
+                                                                           step_compiled, step_forms, step_landmarks)
            for name, value in vars(module).items() if isinstance(value, Guarded)}
 CRAFTED = [
     "cudaStreamSynchronize", "hipDeviceSynchronize", "cuCtxSynchronize", "cudaMemcpy", "hipMemcpyWithStream",

@@ -25,8 +25,9 @@ from servprof.budget import LiveSignals
 __all__ = ["AutoInstrumentation", "install_thread_inheritance", "range_kind", "set_range_kind"]
 
 COMPILED = ("a torch.compile'd model runs in this process: servprof registers no module hooks (adding or "
-            "removing them could make it recompile), so model steps are found only where the server marks "
-            "them with `with servprof.phase('decode_step'):`")
+            "removing them could make it recompile). A deep window reads its steps from the compiled regions "
+            "torch records, without prefill or decode and without request ids; a light session records no "
+            "region. For both, mark each step with `with servprof.phase('decode_step'):` (or 'prefill')")
 
 
 def compiled_model_present() -> bool:
@@ -58,6 +59,8 @@ class AutoInstrumentation:
         install_thread_inheritance()  # normally in place since the middleware was created
         if self.hooks_active:
             self.steps.start(session_request_ids, on_step, on_calls, call_limit)
+        else:  # no hook: nothing counted, not a former session's counts
+            self.steps.clear()
         self.tokenizers.install()
 
     def stop(self) -> None:

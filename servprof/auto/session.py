@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import orjson
+
 from servprof.auto import AutoInstrumentation
 from servprof.budget import CUT_AT, EventBudget, LiveSignals
 from servprof.tiers import pause_collection
@@ -37,6 +39,12 @@ def metadata_safe(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [metadata_safe(v) for v in value]
     return value
+
+
+def trace_metadata_json(metadata: dict[str, Any]) -> str:
+    """servprof's metadata as the profiler's add_metadata_json can carry it into a valid trace
+    file (every string made safe: a recompile's guard text holds quotes and newlines)."""
+    return orjson.dumps(metadata_safe(metadata)).decode()
 
 
 class SessionInstruments:

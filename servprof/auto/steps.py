@@ -157,9 +157,7 @@ class StepHooks:
         self._on_step = on_step
         self._on_calls = on_calls
         self.call_limit = call_limit if call_limit is not None else 1 << 62
-        self.steps = self.prefill_steps = self.decode_steps = self.module_calls = self.discovery_steps = 0
-        self.open_steps = self.open_started_ns = 0
-        self.models = set()
+        self.clear()
         self.active = True
         with self._lock:
             known = [(ref(), is_model) for ref, is_model in self._known.values()]
@@ -171,6 +169,12 @@ class StepHooks:
             torch_module.register_module_forward_pre_hook(self._global_pre),
             torch_module.register_module_forward_hook(self._global_post, always_call=True),
         ]
+
+    def clear(self) -> None:
+        """This session's counts from zero (also for a session that registers no hook)."""
+        self.steps = self.prefill_steps = self.decode_steps = self.module_calls = self.discovery_steps = 0
+        self.open_steps = self.open_started_ns = 0
+        self.models = set()
 
     def stop(self) -> None:
         """No new step opens; ranges still open close when their forward returns."""

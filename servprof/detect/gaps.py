@@ -95,9 +95,15 @@ class Gap:
             **self.evidence,
         }
 
-def find_gaps(trace: Any, steps: list[Step]) -> tuple[list[Gap], dict[str, Any]]:
+def find_gaps(trace: Any, steps: list[Step], arrivals_us: list[float] | None = None) -> tuple[list[Gap], dict[str, Any]]:
+    """Idle between and inside steps, with causes. ``arrivals_us``: when the sampled requests
+    arrived (a session's records): a step whose kind the trace does not say, with an arrival
+    between it and its thread's previous step, may be that request's prefill, and the wait before
+    it is not the engine's."""
     gaps: list[Gap] = []
     stats: dict[str, Any] = {"steps": len(steps), "mode": "cpu"}
+    fresh = after_arrival(steps, arrivals_us)
+    stats["unknown_steps_after_arrival"] = len(fresh)
     light = is_light(trace)
     classes = NameClasses(trace) if steps else None
     cutoffs = stop_cutoffs(trace)
@@ -110,13 +116,36 @@ def find_gaps(trace: Any, steps: list[Step]) -> tuple[list[Gap], dict[str, Any]]
         explainer = GapExplainer(stacks, light)
         if any(s.on_device for s in rank_steps):
             stats["mode"] = "device"
-            gaps.extend(_device_gaps(trace, rank, rank_steps, index, explainer, cutoffs.get(rank, np.inf)))
+            gaps.extend(_device_gaps(trace, rank, rank_steps, index, explainer, cutoffs.get(rank, np.inf), fresh))
         else:
-            gaps.extend(_on_the_loop(trace, steps, _host_gaps(rank_steps, index, explainer)))
+            gaps.extend(_on_the_loop(trace, steps, _host_gaps(rank_steps, index, explainer, fresh)))
             if not light:  # a light trace records no work inside a step: no stall can be told from work
                 gaps.extend(_stalled_steps(rank_steps, index, explainer, stacks))
     stats["median_step_us"] = round(median([s.time_us for s in steps]), 1) if steps else None
     return gaps, stats
+
+
+def after_arrival(steps: list[Step], arrivals_us: list[float] | None) -> set[int]:
+    """id() of each step of unknown kind ("step") with a request's arrival after its thread's
+    previous step ended and before it began."""
+    if arrivals_us is None or len(arrivals_us) == 0 or not any(s.kind == "step" for s in steps):
+        return set()
+    arrivals = np.sort(np.asarray(arrivals_us, dtype=float))
+    fresh: set[int] = set()
+    previous_end: dict[tuple[int, int], float] = {}
+    for step in sorted(steps, key=lambda s: s.start_us):
+        thread = (step.rank, step.tid)
+        before = previous_end.get(thread)
+        if step.kind == "step" and before is not None and \
+                np.searchsorted(arrivals, step.start_us, side="right") > np.searchsorted(arrivals, before, side="right"):
+            fresh.add(id(step))
+        previous_end[thread] = max(before or -np.inf, step.end_us)
+    return fresh
+
+
+def continues(step: Step, fresh: set[int]) -> bool:
+    """Whether the gap before this step is the engine's own (not the wait for a new request)."""
+    return step.kind in CONTINUING_KINDS and id(step) not in fresh
 
 
 # --- device timelines -------------------------------------------------------------------------
@@ -148,7 +177,7 @@ def zones(steps: list[Step]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nda
 
 
 def _device_gaps(trace: Any, rank: int, steps: list[Step], index: dict[int, int], explainer: GapExplainer,
-                 cutoff: float) -> list[Gap]:
+                 cutoff: float, fresh: set[int]) -> list[Gap]:
     on_device = sorted((s for s in steps if s.on_device), key=lambda s: s.device_start_us or 0.0)
     rows, dev_start, dev_end = device_rows(trace, rank, cutoff)
     block_start, block_end = merge(dev_start, dev_end)
@@ -183,7 +212,7 @@ def _device_gaps(trace: Any, rank: int, steps: list[Step], index: dict[int, int]
     waited, wait_rows = _stream_waits(trace, rank, rows, dev_start, hole_a, hole_b, launch_ts)
     explained = explainer.explain(hole_a, hole_b, tid, starved, small, graph, launch_end, waited)
     out: list[Gap] = []
-    continuing = np.array([s.kind in CONTINUING_KINDS for s in on_device])
+    continuing = np.array([continues(s, fresh) for s in on_device])
     # Idle before a new request's prefill: the engine had nothing to run.
     counted = inside | continuing[step_pos]
     # np.unique of the causes (sorted names, each gap's index among them) without an object array's sort.
@@ -307,7 +336,7 @@ def _stragglers(trace: Any, rank: int, steps: list[Step], index: dict[int, int],
 # --- CPU-only traces --------------------------------------------------------------------------
 
 
-def _host_gaps(steps: list[Step], index: dict[int, int], explainer: GapExplainer) -> list[Gap]:
+def _host_gaps(steps: list[Step], index: dict[int, int], explainer: GapExplainer, fresh: set[int]) -> list[Gap]:
     threshold = max(CPU_MIN_GAP_US, RELATIVE_MIN_GAP * median([s.dur_us for s in steps]))
     pairs = []
     by_thread: dict[int, list[Step]] = {}
@@ -315,7 +344,7 @@ def _host_gaps(steps: list[Step], index: dict[int, int], explainer: GapExplainer
         by_thread.setdefault(s.tid, []).append(s)
     for thread_steps in by_thread.values():
         for prev, nxt in zip(thread_steps, thread_steps[1:], strict=False):
-            if nxt.kind in CONTINUING_KINDS and nxt.start_us - prev.end_us >= threshold:
+            if continues(nxt, fresh) and nxt.start_us - prev.end_us >= threshold:
                 pairs.append((prev, nxt))
     if not pairs:
         return []

@@ -13,7 +13,9 @@ per rank, the best form present. The forms:
 - vLLM V1's ``gpu_model_runner.py(N): execute_model`` Python frames (``with_stack``, no annotation);
 - ``ProfilerStep#N`` (a training step when backward ops run inside it);
 - the outermost model forward: ``nn.Module: LlamaForCausalLM_0`` frames (``with_stack`` /
-  ``with_modules``), the module class that takes the most time at the top of its thread.
+  ``with_modules``), the module class that takes the most time at the top of its thread;
+- with none of these, landmarks (step_landmarks.py: each DataLoader fetch, each forward's first
+  ``aten::embedding``) and a compiled model's ``Torch-Compiled Region`` ranges (step_compiled.py).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ SOURCE_LABELS = {
     "forward": "outermost model forward",
     "data_loader": "each DataLoader fetch (no step marked)",
     "embedding": "each forward's first aten::embedding (no step marked)",
+    "compiled": "each call of the torch.compile'd model (no step marked)",
 }
 
 

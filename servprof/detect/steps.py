@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from servprof.detect.overhead import stop_cutoffs
+from servprof.detect.step_compiled import compiled_steps
 from servprof.detect.step_forms import (
     SOURCE_LABELS,
     Step,
@@ -62,7 +63,7 @@ def find_steps(trace: Trace) -> StepList:
     found = StepList()
     found.ranks_without_steps = []
     readers = (servprof_steps, sglang_steps, vllm_steps, vllm_frame_steps, profiler_steps, forward_steps,
-               loader_steps, embedding_steps)
+               loader_steps, embedding_steps, compiled_steps)
     read: dict[int, list[Step]] = {}
 
     def of_rank(i: int, rank: int) -> list[Step]:
@@ -74,7 +75,7 @@ def find_steps(trace: Trace) -> StepList:
         chosen = next((mine for i in range(4) if (mine := of_rank(i, rank))), [])
         if not chosen:  # a step marked around the loop's body, else one its landmarks open
             outer = of_rank(4, rank) or of_rank(6, rank)
-            chosen = _outer_or_forward(trace, outer, of_rank(5, rank) or of_rank(7, rank))
+            chosen = _outer_or_forward(trace, outer, of_rank(5, rank) or of_rank(7, rank) or of_rank(8, rank))
         if not chosen:
             found.ranks_without_steps.append(rank)
         found.extend(chosen)
