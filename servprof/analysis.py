@@ -38,6 +38,8 @@ def analysis_command(trace_path: Path, session_path: Path, result_path: Path) ->
 
 
 _running: set[subprocess.Popen[bytes]] = set()  # live children, killed at process exit
+if hasattr(os, "register_at_fork"):  # a forked worker's children are its own, not its parent's
+    os.register_at_fork(after_in_child=_running.clear)
 
 
 def kill_running_analyses() -> None:

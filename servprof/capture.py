@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
+import os
 import threading
 import time
 import weakref
@@ -45,6 +47,8 @@ from servprof.tiers import DEEP, LIGHT, drain_ops, new_profiler, stop_profiler
 
 POLL_S = 0.005  # how often the bounds of a running session are checked
 SHUTDOWN_FLUSH_S = 5.0  # the longest a shutdown waits for the observers to export their spans and metrics
+
+FORK_WAIT_S = 10.0  # the longest a fork waits for a warm-up in progress to end
 
 STOP_SHUTDOWN = "shutdown"
 FOREIGN_PROFILER = ("another torch profiler is active in this process; servprof does not start a second "
@@ -78,6 +82,34 @@ class CaptureController:
         # Called (with a time budget in seconds) after a shutdown stopped the session: flush what the
         # observers still hold (spans, metrics). Weak: a runtime that is gone is not kept alive.
         self._shutdown_hooks: list[weakref.WeakMethod] = []
+        self._fork_held = False
+        if hasattr(os, "register_at_fork"):
+            hooks = {when: weakref.WeakMethod(method) for when, method in (
+                ("before", self._before_fork), ("after_in_parent", self._after_fork_in_parent),
+                ("after_in_child", self._forget_parent))}
+            os.register_at_fork(**{when: functools.partial(_call_if_alive, ref) for when, ref in hooks.items()})
+
+    def _before_fork(self) -> None:
+        """Let a warm-up in progress (the first Kineto start) end before the process forks: a fork in
+        the middle of it leaves the child's profiler half started, and every session there hangs."""
+        self._fork_held = self._warmup_lock.acquire(timeout=FORK_WAIT_S)
+
+    def _after_fork_in_parent(self) -> None:
+        if self._fork_held:
+            self._fork_held = False
+            self._warmup_lock.release()
+
+    def _forget_parent(self) -> None:
+        """In a forked child (gunicorn --preload, any pre-fork server that built the middleware
+        first): the capture thread did not come along, a lock another thread held at the fork stays
+        held, and the parent's session, profiler and requests are the parent's. Start afresh; the
+        capture thread starts again with the first request that could be sampled (refusal)."""
+        self._lock, self._warmup_lock, self._wake = threading.Lock(), threading.Lock(), threading.Event()
+        self._fork_held = False
+        self._thread = None
+        self._profiler = self.session = None
+        self.in_flight = 0
+        self._final_writes = []
 
     # --- called from the event loop: cheap, never blocking --------------------------------------
 
@@ -95,6 +127,8 @@ class CaptureController:
 
     def refusal(self) -> tuple[str, str] | None:
         """(kind, message) when a new sampled request cannot be taken now, else None."""
+        if self._thread is None or not self._thread.is_alive():  # a forked child (_forget_parent)
+            self.ensure_running(self.warmup_wanted)
         if self.warmup_wanted and not self.warm:
             return "warming_up", "warming up the profiler (first start takes 1-2 s)"
         session = self.session
@@ -438,6 +472,12 @@ class CaptureController:
         for session in sessions:
             session.write_file()
 
+
+
+def _call_if_alive(ref: weakref.WeakMethod) -> None:
+    method = ref()
+    if method is not None:
+        method()
 
 
 _controller: CaptureController | None = None

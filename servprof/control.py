@@ -11,6 +11,7 @@ paths go to the app like any other. Every call needs ``Authorization: Bearer <to
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 from urllib.parse import parse_qs
@@ -102,7 +103,9 @@ async def handle(runtime: ServprofRuntime, scope: Scope, receive: Receive, send:
         runtime.order(n, tier)
         await respond(send, 202, {"ordered": n, "tier": tier or runtime.controller.tier_for(settings)[0],
                                   "paused": runtime.why_paused(),
-                                  "message": f"the next {n} request(s) will be sampled in one session"})
+                                  "pid": os.getpid(),
+                                  "message": f"the next {n} request(s) this process (pid {os.getpid()}) serves will be "
+                                             "sampled in one session"})
         return
     if endpoint == "/memory-snapshot":
         await memory_snapshot(runtime, scope, send)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import threading
 import time
 from collections import deque
@@ -204,6 +205,9 @@ class ServprofRuntime:
         current = controller.session
         last = self.last_result or {}
         status = {
+            # Which process answered: under several workers (uvicorn --workers, gunicorn -w) each
+            # has its own sessions, and a control call reaches one of them.
+            "process": {"pid": os.getpid(), "parent_pid": os.getppid()},
             "settings": self.settings.public_dict(),
             "counters": dict(self.counters),
             "skipped_by_reason": dict(self.skipped_by_reason),

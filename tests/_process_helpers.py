@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -68,10 +69,13 @@ def demo_server_command(port: int) -> list[str]:
     return [sys.executable, "-m", "servprof.cli", "demo-server", "--port", str(port), "--log-level", "warning"]
 
 
-def order_when_ready(base: str, n: int, timeout_s: float = 60.0) -> None:
-    """POST /servprof/sample?n=N once the server's profiler is warm (sampling is paused until then)."""
+def order_when_ready(base: str, n: int, timeout_s: float = 60.0) -> dict[str, Any]:
+    """POST /servprof/sample?n=N once the server's profiler is warm (sampling is paused until then);
+    the 202's body."""
     deadline = time.monotonic() + timeout_s
     while httpx.get(base + "/servprof/status", headers=AUTH).json()["paused"] is not None:
         assert time.monotonic() < deadline, "the profiler never warmed up"
         time.sleep(0.2)
-    assert httpx.post(f"{base}/servprof/sample?n={n}", headers=AUTH).status_code == 202
+    response = httpx.post(f"{base}/servprof/sample?n={n}", headers=AUTH)
+    assert response.status_code == 202, response.text
+    return response.json()  # type: ignore[no-any-return]

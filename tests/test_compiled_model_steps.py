@@ -13,6 +13,7 @@ inductor's time. The server test runs real sessions over uvicorn
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from _server_session import session_on
 from servers.hf_streaming import build_model, build_tokenizer
 from torch.profiler import ProfilerActivity, profile
 
+from servprof.capture import get_controller
 from servprof.detect.analysis import analyse
 from servprof.detect.steps import find_steps
 from servprof.trace import load_trace
@@ -174,6 +176,10 @@ def test_the_wait_for_a_new_request_before_a_step_of_unknown_kind_is_not_a_gap(t
 def test_a_served_compiled_model_gets_its_steps_in_a_deep_window_and_says_what_a_light_one_lacks(
         tmp_path: Path) -> None:
     requests, max_tokens = 3, 8
+    # One process is one server: this one starts here (earlier tests' requests would make the
+    # compile at import a compile while serving), and compiles at import, before its first request.
+    get_controller().first_model_request_ns = None
+    importlib.import_module("servers.compiled_model")
     deep = session_on("servers.compiled_model", tmp_path / "deep", ["/v1/generate"] * requests, max_tokens,
                       spaced_s=0.05, tier="deep")
     light = session_on("servers.compiled_model", tmp_path / "light", ["/v1/generate"] * requests, max_tokens,
