@@ -49,9 +49,11 @@ def record_memory_trace(path: Path, leak_bytes: int, requests: int = 6, decode_s
 
 
 def record_compile_trace(path: Path, warm: list[int], served: list[int], graph_break: bool = False,
-                         probes: bool = True) -> tuple[Path, list[Any]]:
+                         probes: bool = True, backend: str = "eager", eager_sleep_s: float = 0.0
+                         ) -> tuple[Path, list[Any]]:
     """Compile for the `warm` batch sizes, then serve one decode step per size in `served` under
-    the profiler. Returns (trace path, torch's compile records made while profiling)."""
+    the profiler (``eager_sleep_s``: a sleep after the graph break, run eagerly). Returns (trace
+    path, torch's compile records made while profiling)."""
     import torch._dynamo
     from torch._dynamo.utils import get_compilation_metrics
 
@@ -63,9 +65,11 @@ def record_compile_trace(path: Path, warm: list[int], served: list[int], graph_b
         y = layer(x).relu()
         if graph_break:
             torch._dynamo.graph_break()
+            if eager_sleep_s:
+                time.sleep(eager_sleep_s)
         return y * 2
 
-    compiled = torch.compile(forward, dynamic=False, backend="eager")
+    compiled = torch.compile(forward, dynamic=False, backend=backend)
     with torch.inference_mode():
         for size in warm:
             compiled(torch.randn(size, 32))

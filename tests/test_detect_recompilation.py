@@ -79,6 +79,22 @@ def test_graph_breaks_are_counted_per_step(tmp_path: Path):
     assert bare_analysis.summary["compile"]["graph_breaks_per_step"] is None
     assert not _kind(bare_analysis, "graph_break")
     assert any(m["what"] == "graph breaks" for m in bare_analysis.summary["missing"])
+    # Dynamo's eager backend marks no graph's own run: the eager time between graphs is unknown, not 0.
+    assert findings[0].evidence["eager_ms"] is None and "not in this trace" in findings[0].title
+
+
+@slow
+def test_the_eager_time_of_a_graph_break_is_the_time_no_graph_ran(tmp_path: Path):
+    """The code after a break runs inside the broken frame's region (the resume frame's region
+    nests in it): a sleep there, 4 ms a step, is eager time, under the steps' own time. Inductor,
+    whose generated code marks each graph's run (``## Call CompiledFxGraph``)."""
+    path, _ = record_compile_trace(tmp_path / "gb.json", warm=[2], served=[2, 2, 2], graph_break=True,
+                                   backend="inductor", eager_sleep_s=0.004)
+    analysis = analyse(load_trace(path))
+    (finding,) = _kind(analysis, "graph_break")
+    steps_ms = sum(s.dur_us for s in analysis.steps) / 1e3
+    assert 3 * 4.0 <= finding.evidence["eager_ms"] <= steps_ms
+    assert finding.evidence["share_of_steps"] >= 0.1 and finding.severity == "warning"
 
 
 def test_compile_workers_on_other_threads_are_part_of_one_stall(tmp_path: Path):

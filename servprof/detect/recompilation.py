@@ -43,6 +43,11 @@ WARNING_MS, CRITICAL_MS = 50.0, 500.0
 
 # What every name _regions_per_step looks for holds (name_scan.py asks the predicate of those names only).
 REGION_LITERAL = "Torch-Compiled Region: "
+# A compiled graph's own run inside a region: Inductor's generated code, AOTAutograd's function.
+GRAPH_CALL = re.compile(r"^## Call CompiledFxGraph|^CompiledFunction$")
+GRAPH_CALL_LITERALS = ("## Call CompiledFxGraph", "CompiledFunction")
+NO_GRAPH_CALLS = ("the eager time between graphs is not in this trace (no compiled graph's own run is marked, as "
+                  "with Dynamo's eager backend)")
 GRAPH_BREAK_FIX = ("torch._dynamo.explain(fn)(*inputs) lists each break and its cause; remove it from the "
                    "compiled code (print/logging, .item() or .tolist(), data-dependent Python branches, "
                    "unsupported calls) or wrap the call with torch.compiler.allow_in_graph / a custom op.")
@@ -267,6 +272,7 @@ def _regions_per_step(trace: Trace, steps: list[Step], frames: dict[str, Any]) -
             per_step.setdefault(index, []).append(row)
     if not per_step:
         return {"steps_with_compiled_code": 0}
+    graph_calls = _graph_calls(trace)
     counts, breaks, eager_us, step_us = [], [], 0.0, 0.0
     for index, mine in per_step.items():
         mine.sort(key=lambda r: trace.ts[r])
@@ -274,29 +280,56 @@ def _regions_per_step(trace: Trace, steps: list[Step], frames: dict[str, Any]) -
         counts.append(len(mine))
         known = [frames.get(f) for f in frame_ids]
         breaks.append(sum(1 for f in known if f and f.get("resume")) if all(known) else None)
-        covered = _union_us([(float(trace.ts[r]), float(trace.ts[r] + trace.dur[r])) for r in mine])
-        eager_us += max(float(trace.ts[mine[-1]] + trace.dur[mine[-1]] - trace.ts[mine[0]]) - covered, 0.0)
+        if graph_calls is not None:
+            eager_us += _eager_us(trace, mine, graph_calls)
         step_us += steps[index].dur_us
     known_breaks = [b for b in breaks if b is not None]
+    eager = eager_us if graph_calls is not None else None
     summary: dict[str, Any] = {
         "steps_with_compiled_code": len(per_step), "compiled_regions_per_step": median(counts),
         "graph_breaks_per_step": median(known_breaks) if known_breaks else None,
-        "eager_ms_between_regions": eager_us / 1e3,
+        "eager_ms_between_regions": None if eager is None else eager / 1e3,
     }
     if known_breaks and median(known_breaks) >= 1:
-        share = eager_us / step_us if step_us else 0.0
+        share = eager / step_us if eager is not None and step_us else None
         resumes = sorted({f["name"] for f in frames.values() if f.get("resume")})
+        eager_text = (f"{eager / 1e3:,.1f} ms ({share:.0%} of those steps) ran eagerly between compiled graphs"
+                      if eager is not None and share is not None else NO_GRAPH_CALLS)
         summary["graph_break_finding"] = Finding(
-            "graph_break", "warning" if share >= 0.1 else "info", eager_us / 1e3,
+            "graph_break", "warning" if share is not None and share >= 0.1 else "info", (eager or 0.0) / 1e3,
             min(steps[i].start_us for i in per_step), max(steps[i].end_us for i in per_step),
-            f"{median(known_breaks):g} graph break(s) per step in {len(per_step)} steps: "
-            f"{eager_us / 1e3:,.1f} ms ({share:.0%} of those steps) ran eagerly between compiled graphs",
+            f"{median(known_breaks):g} graph break(s) per step in {len(per_step)} steps: {eager_text}",
             request_ids=list(dict.fromkeys(r for i in per_step for r in steps[i].request_ids))[:100],
             evidence={"steps": len(per_step), "graph_breaks_per_step": median(known_breaks),
-                      "compiled_regions_per_step": median(counts), "eager_ms": eager_us / 1e3,
+                      "compiled_regions_per_step": median(counts),
+                      "eager_ms": None if eager is None else eager / 1e3,
                       "share_of_steps": share, "resume_functions": resumes[:10]},
             fix=GRAPH_BREAK_FIX)
     return summary
+
+
+def _graph_calls(trace: Trace) -> np.ndarray | None:
+    """Rows of the compiled graphs' own runs (time-sorted), or None where the trace names none
+    (Dynamo's eager backend runs a graph's ops bare): then the eager time between graphs is unknown."""
+    ids = ids_holding(trace, GRAPH_CALL_LITERALS, lambda s: GRAPH_CALL.match(s) is not None)
+    if ids.size == 0:
+        return None
+    rows = np.flatnonzero(np.isin(trace.name_id, ids) & trace.complete())
+    return rows[np.argsort(trace.ts[rows], kind="stable")]
+
+
+def _eager_us(trace: Trace, regions: list[int], graph_calls: np.ndarray) -> float:
+    """Time inside a step's compiled regions (from the first to start to the last to end) that no
+    graph ran in, on their thread. A graph break's resume frame runs inside the frame it broke
+    (its region nests in the first), so the eager code lies inside a region, between two graphs."""
+    start = min(float(trace.ts[r]) for r in regions)
+    end = max(float(trace.ts[r] + trace.dur[r]) for r in regions)
+    tid = trace.tid[regions[0]]
+    lo, hi = np.searchsorted(trace.ts[graph_calls], [start, end], side="left")
+    inside = graph_calls[lo:hi]
+    inside = inside[trace.tid[inside] == tid]
+    ran = _union_us([(float(trace.ts[r]), min(float(trace.ts[r] + trace.dur[r]), end)) for r in inside.tolist()])
+    return max(end - start - ran, 0.0)
 
 
 def _union_us(intervals: list[tuple[float, float]]) -> float:
