@@ -12,6 +12,7 @@ from _kineto_builder import KinetoTrace
 from _memory_compile_helpers import record_compile_trace
 
 from servprof.detect.analysis import analyse
+from servprof.detect.compile_causes import describe_cause
 from servprof.detect.finding import severity_for
 from servprof.detect.recompilation import CRITICAL_MS, WARNING_MS, classify, compile_stalls
 from servprof.trace import load_trace
@@ -146,6 +147,16 @@ def test_recording_a_cuda_graph_is_not_called_a_compile(tmp_path: Path, inside_a
 def test_reasons_are_classified(reason, batch, cause):
     compile_id = "0/1" if reason else "0/0"
     assert classify(reason, compile_id, batch)["cause"] == cause
+
+
+def test_a_reason_of_no_known_kind_is_quoted_not_called_unnamed():
+    # What torch 2.13 records when compiled transformers generate() runs on a thread pool under load.
+    reason = ("0/5: Unexpected recompilation: runtime guards failed even though they passed during "
+              "recompilation-reason analysis. Please open an issue with a minimal repro: https://github.com/pytorch/pytorch")
+    detail = classify(reason, "0/6", None)
+    assert detail["cause"] == "unknown" and detail["torch_reason"].startswith("Unexpected recompilation: runtime")
+    assert "Unexpected recompilation" in describe_cause(detail) and "did not name" not in describe_cause(detail)
+    assert describe_cause(classify(None, "0/3", None)) == "a guard failure torch did not name here"
 
 
 def test_an_inductor_recompile_recorded_by_the_project_is_found():

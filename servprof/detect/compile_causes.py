@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+REASON_CHARS = 200  # of torch's words kept for a guard failure of no known kind
 SIZE_GUARD = re.compile(r"tensor '([^']+)' size mismatch at index (\d+)\. expected (\d+), actual (\d+)")
 VALUE_GUARD = re.compile(r"(L\[[^\]]+\](?:\[[^\]]+\])*)\s*==\s*([^\s,]+)")
 
@@ -46,7 +47,9 @@ def classify(reason: str | None, compile_id: str | None, batch: int | None, grap
     value = VALUE_GUARD.search(reason)
     if value:
         return {"cause": "value", "guard": f"{value.group(1)} == {value.group(2)}"}
-    return {"cause": "unknown"}
+    # torch's own words, first line, without the "0/1: " of the entry that failed
+    words = re.sub(r"^\d+/\d+:\s*", "", reason.strip().splitlines()[0]).strip() if reason.strip() else ""
+    return {"cause": "unknown", "torch_reason": words[:REASON_CHARS]} if words else {"cause": "unknown"}
 
 
 def describe_cause(detail: dict[str, Any]) -> str:
@@ -61,6 +64,8 @@ def describe_cause(detail: dict[str, Any]) -> str:
         return "a first compile while serving"
     if cause == "cudagraph_record":
         return "a new shape's CUDA graph recorded while serving (cudagraph trees)"
+    if detail.get("torch_reason"):
+        return f"a guard failure servprof cannot tell more of (torch: \"{detail['torch_reason']}\")"
     return "a guard failure torch did not name here"
 
 
