@@ -42,8 +42,8 @@ def analyse(trace: Trace, requests: list[dict[str, Any]] | None = None, device: 
 
 def _analyse(trace: Trace, requests: list[dict[str, Any]] | None, device: str | None) -> Analysis:
     steps = find_steps(trace)
-    arrivals = [times.arrival_us for times in request_times(trace, requests).values()]
-    gaps, gap_stats = find_gaps(trace, steps, arrivals)
+    windows = [(times.arrival_us, times.end_us) for times in request_times(trace, requests).values()]
+    gaps, gap_stats = find_gaps(trace, steps, windows)
     gap_findings, gap_summary = detect_decode_gaps(trace, steps, (gaps, gap_stats))
     token_findings, token_summary = detect_tokenization_stalls(trace, steps, gaps)
     bw_findings, bw_summary, kernels = detect_bandwidth_bound(trace, steps, device)

@@ -95,14 +95,14 @@ class Gap:
             **self.evidence,
         }
 
-def find_gaps(trace: Any, steps: list[Step], arrivals_us: list[float] | None = None) -> tuple[list[Gap], dict[str, Any]]:
-    """Idle between and inside steps, with causes. ``arrivals_us``: when the sampled requests
-    arrived (a session's records): a step whose kind the trace does not say, with an arrival
-    between it and its thread's previous step, may be that request's prefill, and the wait before
-    it is not the engine's."""
+def find_gaps(trace: Any, steps: list[Step], requests_us: list[tuple[float, float]] | None = None
+              ) -> tuple[list[Gap], dict[str, Any]]:
+    """Idle between and inside steps, with causes. ``requests_us``: (arrival, end) of each sampled
+    request (a session's records): a step whose kind the trace does not say may be the first of a
+    request that arrived in the gap before it, and that wait is not the engine's (after_arrival)."""
     gaps: list[Gap] = []
     stats: dict[str, Any] = {"steps": len(steps), "mode": "cpu"}
-    fresh = after_arrival(steps, arrivals_us)
+    fresh = after_arrival(steps, requests_us)
     stats["unknown_steps_after_arrival"] = len(fresh)
     light = is_light(trace)
     classes = NameClasses(trace) if steps else None
@@ -125,21 +125,31 @@ def find_gaps(trace: Any, steps: list[Step], arrivals_us: list[float] | None = N
     return gaps, stats
 
 
-def after_arrival(steps: list[Step], arrivals_us: list[float] | None) -> set[int]:
-    """id() of each step of unknown kind ("step") with a request's arrival after its thread's
-    previous step ended and before it began."""
-    if arrivals_us is None or len(arrivals_us) == 0 or not any(s.kind == "step" for s in steps):
+def after_arrival(steps: list[Step], requests_us: list[tuple[float, float]] | None) -> set[int]:
+    """id() of each step of unknown kind ("step") that may be the first of a request which arrived
+    in the gap before it on its thread, when that thread had nothing else to run: the sampled
+    requests in flight all through the gap are no more than the other threads running steps in it
+    (a thread runs one request's steps at a time, an engine's one thread all of them; a request in
+    flight beyond those was this thread's, and the gap its own). ``requests_us``: (arrival, end) of
+    each sampled request."""
+    if not requests_us or not any(s.kind == "step" for s in steps):
         return set()
-    arrivals = np.sort(np.asarray(arrivals_us, dtype=float))
-    fresh: set[int] = set()
-    previous_end: dict[tuple[int, int], float] = {}
+    arrivals = np.sort(np.array([a for a, _ in requests_us], dtype=float))
+    by_thread: dict[tuple[int, int], list[Step]] = {}
     for step in sorted(steps, key=lambda s: s.start_us):
-        thread = (step.rank, step.tid)
-        before = previous_end.get(thread)
-        if step.kind == "step" and before is not None and \
-                np.searchsorted(arrivals, step.start_us, side="right") > np.searchsorted(arrivals, before, side="right"):
-            fresh.add(id(step))
-        previous_end[thread] = max(before or -np.inf, step.end_us)
+        by_thread.setdefault((step.rank, step.tid), []).append(step)
+    fresh: set[int] = set()
+    for (rank, tid), mine in by_thread.items():
+        for before, step in zip(mine, mine[1:], strict=False):
+            a, b = before.end_us, step.start_us
+            if step.kind != "step" or b <= a or \
+                    np.searchsorted(arrivals, b, side="right") == np.searchsorted(arrivals, a, side="right"):
+                continue
+            in_flight = sum(1 for arrival, end in requests_us if arrival <= a and end > b)
+            others_busy = sum(1 for (r, t), theirs in by_thread.items() if r == rank and t != tid
+                              and any(s.start_us < b and s.end_us > a for s in theirs))
+            if in_flight <= others_busy:
+                fresh.add(id(step))
     return fresh
 
 
