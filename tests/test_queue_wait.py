@@ -5,7 +5,7 @@ against the requests' own records and step phases. A server that starts each req
 call at once (tests/servers/thread_pool.py) gets no such finding.
 
 Real parts: uvicorn on loopback, the real profiler and analysis child, a real tiny transformers
-Llama; synthetic traces only for the rules' edges.
+Llama; synthetic traces only for the rules' edges (a wait on the request's own thread).
 """
 
 from __future__ import annotations
@@ -14,9 +14,13 @@ from typing import Any
 
 import orjson
 import pytest
+from _kineto_builder import KinetoTrace
 from _server_session import session_on
 
+from servprof.auto.emit import auto_phase_name
 from servprof.cli import main
+from servprof.detect.analysis import analyse
+from servprof.trace import load_trace
 
 MAX_TOKENS = 6
 REQUESTS = 4
@@ -74,3 +78,36 @@ def test_a_server_that_starts_each_request_at_once_has_no_queue_wait(tmp_path_fa
     assert len(summary["waits"]) + len(summary["unmeasured"]) == REQUESTS and len(summary["waits"]) >= REQUESTS - 1
     assert not [f for f in result["findings"] if f["kind"] == "queue_wait"], \
         result["summary"]["detect"]["queue_wait"]["waits"]
+
+
+BASE_NS = 1_700_000_000_000_000_000
+
+
+def queued_trace(tmp_path: Any, step_thread: int) -> tuple[Any, list[dict[str, Any]]]:
+    """A request tokenized on thread 1 at 1 ms, its prefill on ``step_thread`` at 21 ms, nothing
+    recorded between; then four decode steps. Its record: arrival 0.5 ms, first byte 22 ms."""
+    built = KinetoTrace(metadata={"baseTimeNanoseconds": BASE_NS})
+    built.annotation(auto_phase_name("tokenize", ["req"]), 1000.0, 300.0, tid=1)
+    start = 21_000.0
+    for kind in ("prefill", "decode_step", "decode_step", "decode_step", "decode_step"):
+        built.annotation(auto_phase_name(kind, ["req"]), start, 400.0, tid=step_thread)
+        start += 500.0
+    record = {"request_id": "req", "arrival_ns": BASE_NS + 500_000, "arrival_perf_ns": 7_000_000 + 500_000,
+              "first_byte_ns": 7_000_000 + 22_000_000, "end_ns": 7_000_000 + 24_000_000}
+    return load_trace(built.write(tmp_path / f"queued{step_thread}.json", device_name="CPU")), [record]
+
+
+@pytest.mark.parametrize("step_thread", [1, 2])
+def test_a_wait_on_the_requests_own_thread_is_its_work_a_hand_off_is_a_queue(tmp_path: Any, step_thread: int) -> None:
+    """Tokenized on the thread that then runs its prefill (generate() on a pool thread): the 20 ms
+    before the prefill are that thread's own set-up, not a queue. Handed to another thread (an
+    engine), the same 20 ms with no step running are the wait this finds."""
+    trace, records = queued_trace(tmp_path, step_thread)
+    analysis = analyse(trace, records)
+    (wait,) = analysis.summary["queue_wait"]["waits"]
+    assert wait["wait_ms"] == pytest.approx(20.5, abs=0.01)
+    findings = [f for f in analysis.findings if f.kind == "queue_wait"]
+    if step_thread == 1:
+        assert wait["idle_ms"] == 0 and not findings
+    else:  # judged from the trace's start plus its longest step (1.0 + 0.4 ms) to the prefill (21 ms)
+        assert wait["idle_ms"] == pytest.approx(21.0 - 1.4, abs=0.01) and len(findings) == 1

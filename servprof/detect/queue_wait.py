@@ -5,7 +5,9 @@ other requests' steps (the server is at capacity: the wait is queueing) or runs 
 a batcher holding a window open, an engine thread polling its queue with ``sleep``, a lock held
 around other work. The second is the server's own delay and is what this reports: the time in
 that wait covered by no step on any thread (nor by the request's own tokenize / detokenize
-phases, which have their own finding).
+phases, which have their own finding, nor, when it was tokenized on the thread that then ran its
+prefill, by anything after its tokenization began: that thread was working on it, with no queue
+between, such as ``generate()``'s own set-up before its first forward).
 
 The request's prefill is the first prefill after its arrival that names it: its own (a request
 served on its own thread), or a batch's (steps with no request of their own name every request in
@@ -46,12 +48,13 @@ def detect_queue_wait(trace: Trace, steps: list[Step], requests: list[dict[str, 
     # recorded step, whichever comes first. Waits count from there.
     longest = max(s.end_us - s.start_us for s in steps)
     recorded_from = min(float(busy_start[0]), float(trace.ts.min()) + longest)
-    own: dict[str, list[tuple[float, float]]] = {}
+    own: dict[str, list[tuple[float, float, int]]] = {}
     for event in phase_events(trace):
         if event.phase in OWN_PHASES:
             for rid in event.request_ids:
-                own.setdefault(rid, []).append((event.start_us, event.end_us))
+                own.setdefault(rid, []).append((event.start_us, event.end_us, event.tid))
     ordered = sorted(steps, key=lambda s: s.start_us)
+    busy_spans = list(zip(busy_start.tolist(), busy_end.tolist(), strict=True))
     waits: list[dict[str, Any]] = []
     unmeasured: list[dict[str, str]] = []
     for rid, t in sorted(times.items()):
@@ -66,11 +69,15 @@ def detect_queue_wait(trace: Trace, steps: list[Step], requests: list[dict[str, 
                                                               "ran (a step then running is not recorded)"})
             continue
         busy = float(covered(busy_start, busy_end, np.array([a]), np.array([b]))[0])
-        spans = own.get(rid, [])
-        own_start, own_end = merge(np.array([s for s, _ in spans]), np.array([e for _, e in spans]))
-        # The request's own phases outside any step: its own work, not the server's delay.
-        own_us = float(covered(own_start, own_end, np.array([a]), np.array([b]))[0]) if spans else 0.0
-        idle = max(0.0, (b - a) - busy - own_us)
+        spans = [(start, end) for start, end, _ in own.get(rid, [])]
+        # Tokenized on the thread that then ran its prefill: that thread worked on the request from
+        # then on (the model call's own set-up, unrecorded in a light trace), with no hand-off to wait in.
+        on_its_thread = [start for start, _, tid in own.get(rid, []) if tid == first.tid and start < b]
+        if on_its_thread:
+            spans.append((min(on_its_thread), b))
+        own_us = _covered_by(spans, a, b)
+        # The request's own work and other requests' steps: what is left is the model doing nothing.
+        idle = max(0.0, (b - a) - _covered_by([*spans, *busy_spans], a, b))
         until = t.first_byte_us if t.first_byte_us is not None else t.end_us
         waits.append({"request_id": rid, "arrival_us": t.arrival_us, "first_step_us": first.start_us,
                       "wait_ms": round((first.start_us - t.arrival_us) / 1e3, 3), "idle_ms": round(idle / 1e3, 3),
@@ -107,6 +114,14 @@ def detect_queue_wait(trace: Trace, steps: list[Step], requests: list[dict[str, 
              "model's lock around the model call only."),
     )
     return [finding], summary
+
+
+def _covered_by(spans: list[tuple[float, float]], a: float, b: float) -> float:
+    """µs of [a, b] inside any of the spans."""
+    if not spans:
+        return 0.0
+    start, end = merge(np.array([s for s, _ in spans]), np.array([e for _, e in spans]))
+    return float(covered(start, end, np.array([a]), np.array([b]))[0])
 
 
 def _first_step(ordered: list[Step], rid: str, arrival_us: float) -> Step | None:
