@@ -7,7 +7,8 @@ around other work. The second is the server's own delay and is what this reports
 that wait covered by no step on any thread (nor by the request's own tokenize / detokenize
 phases, which have their own finding, nor, when it was tokenized on the thread that then ran its
 prefill, by anything after its tokenization began: that thread was working on it, with no queue
-between, such as ``generate()``'s own set-up before its first forward).
+between, such as ``generate()``'s own set-up before its first forward; nor at all when the thread
+of its prefill ran no other request's steps: a thread started for it has no queue).
 
 The request's prefill is the first prefill after its arrival that names it: its own (a request
 served on its own thread), or a batch's (steps with no request of their own name every request in
@@ -55,6 +56,9 @@ def detect_queue_wait(trace: Trace, steps: list[Step], requests: list[dict[str, 
                 own.setdefault(rid, []).append((event.start_us, event.end_us, event.tid))
     ordered = sorted(steps, key=lambda s: s.start_us)
     busy_spans = list(zip(busy_start.tolist(), busy_end.tolist(), strict=True))
+    served: dict[tuple[int, int], set[str]] = {}  # the requests each thread's steps name
+    for step in steps:
+        served.setdefault((step.rank, step.tid), set()).update(step.request_ids or ("",))
     waits: list[dict[str, Any]] = []
     unmeasured: list[dict[str, str]] = []
     for rid, t in sorted(times.items()):
@@ -75,6 +79,11 @@ def detect_queue_wait(trace: Trace, steps: list[Step], requests: list[dict[str, 
         on_its_thread = [start for start, _, tid in own.get(rid, []) if tid == first.tid and start < b]
         if on_its_thread:
             spans.append((min(on_its_thread), b))
+        if served.get((first.rank, first.tid)) == {rid}:
+            # A thread that ran this request's steps only (started for it, as transformers' streaming
+            # recipe does): everything before its first step was this request's own way there
+            # (handler, hand-off, generate()'s set-up), with no queue of other requests to wait in.
+            spans.append((a, b))
         own_us = _covered_by(spans, a, b)
         # The request's own work and other requests' steps: what is left is the model doing nothing.
         idle = max(0.0, (b - a) - _covered_by([*spans, *busy_spans], a, b))
