@@ -40,6 +40,7 @@ def test_a_polling_engine_keeps_requests_waiting_with_the_model_idle(tmp_path_fa
     result, session = observed["result"], observed["session"]
     assert result["error"] is None, result["error"]
     (finding,) = [f for f in result["findings"] if f["kind"] == "queue_wait"]
+    assert len(session["auto"]["threads_without_request"]) == 1  # the engine thread: no request of its own
     summary = result["summary"]["detect"]["queue_wait"]
     waits = {w["request_id"]: w for w in summary["waits"]}
     records = {r["request_id"]: r for r in session["requests"]}
@@ -83,11 +84,16 @@ def test_a_server_that_starts_each_request_at_once_has_no_queue_wait(tmp_path_fa
 BASE_NS = 1_700_000_000_000_000_000
 
 
-def queued_trace(tmp_path: Any, step_thread: int, engine: bool = False) -> tuple[Any, list[dict[str, Any]]]:
+def queued_trace(tmp_path: Any, step_thread: int, engine: bool = False, said_engine: bool = False
+                 ) -> tuple[Any, list[dict[str, Any]]]:
     """A request tokenized on thread 1 at 1 ms, its prefill on ``step_thread`` at 21 ms, nothing
     recorded between; then four decode steps. Its record: arrival 0.5 ms, first byte 22 ms.
-    ``engine``: the step thread ran another request's steps before (0.2-0.6 ms)."""
-    built = KinetoTrace(metadata={"baseTimeNanoseconds": BASE_NS})
+    ``engine``: the step thread ran another request's steps before (0.2-0.6 ms); ``said_engine``:
+    the session's metadata lists the step thread among those with no request of their own."""
+    metadata: dict[str, Any] = {"baseTimeNanoseconds": BASE_NS}
+    if said_engine:
+        metadata["servprof"] = {"auto": {"threads_without_request": [step_thread]}}
+    built = KinetoTrace(metadata=metadata)
     if engine:
         built.annotation(auto_phase_name("decode_step", ["earlier"]), 200.0, 400.0, tid=step_thread)
     built.annotation(auto_phase_name("tokenize", ["req"]), 1000.0, 300.0, tid=1)
@@ -97,23 +103,27 @@ def queued_trace(tmp_path: Any, step_thread: int, engine: bool = False) -> tuple
         start += 500.0
     record = {"request_id": "req", "arrival_ns": BASE_NS + 500_000, "arrival_perf_ns": 7_000_000 + 500_000,
               "first_byte_ns": 7_000_000 + 22_000_000, "end_ns": 7_000_000 + 24_000_000}
-    name = f"queued{step_thread}{engine}.json"
+    name = f"queued{step_thread}{engine}{said_engine}.json"
     return load_trace(built.write(tmp_path / name, device_name="CPU")), [record]
 
 
-@pytest.mark.parametrize(("step_thread", "engine"), [(1, False), (2, False), (2, True)])
+@pytest.mark.parametrize(("step_thread", "engine", "said_engine"),
+                         [(1, False, False), (2, False, False), (2, True, False), (2, False, True)])
 def test_a_wait_on_the_requests_own_thread_is_its_work_a_hand_off_to_an_engine_is_a_queue(
-        tmp_path: Any, step_thread: int, engine: bool) -> None:
+        tmp_path: Any, step_thread: int, engine: bool, said_engine: bool) -> None:
     """Tokenized on the thread that then runs its prefill (generate() on a pool thread), or handed to
     a thread that runs its steps only (one started for it): the 20 ms before the prefill are the
-    request's own way there. Handed to an engine thread that serves other requests too, the same
-    20 ms with no step running are the wait this finds."""
-    trace, records = queued_trace(tmp_path, step_thread, engine)
+    request's own way there. Handed to an engine thread — seen serving other requests too, or said
+    by the session to have no request of its own — the same 20 ms with no step running are the wait
+    this finds."""
+    trace, records = queued_trace(tmp_path, step_thread, engine, said_engine)
     analysis = analyse(trace, records)
     (wait,) = analysis.summary["queue_wait"]["waits"]
     assert wait["wait_ms"] == pytest.approx(20.5, abs=0.01)
     findings = [f for f in analysis.findings if f.kind == "queue_wait"]
-    if not engine:
-        assert wait["idle_ms"] == 0 and not findings
-    else:  # arrival (0.5 ms) to prefill (21 ms), less its tokenize (0.3 ms) and the earlier step's last 0.1 ms
+    if engine:  # arrival (0.5 ms) to prefill (21 ms), less its tokenize (0.3 ms) and the earlier step's last 0.1 ms
         assert wait["idle_ms"] == pytest.approx(21.0 - 0.5 - 0.3 - 0.1, abs=0.01) and len(findings) == 1
+    elif said_engine:  # from the trace's start plus its longest step (1.0 + 0.4 ms), less nothing of its own
+        assert wait["idle_ms"] == pytest.approx(21.0 - 1.4, abs=0.01) and len(findings) == 1
+    else:
+        assert wait["idle_ms"] == 0 and not findings

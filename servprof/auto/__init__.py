@@ -24,6 +24,7 @@ from servprof.budget import LiveSignals
 
 __all__ = ["AutoInstrumentation", "install_thread_inheritance", "range_kind", "set_range_kind"]
 
+MAX_THREADS_LISTED = 64
 COMPILED = ("a torch.compile'd model runs in this process: servprof registers no module hooks (adding or "
             "removing them could make it recompile). A deep window reads its steps from the compiled regions "
             "torch records, without prefill or decode and without request ids; a light session records no "
@@ -90,7 +91,10 @@ class AutoInstrumentation:
                 "decode": steps.decode_steps, "module_calls_per_step": steps.calls_per_step,
                 "models": sorted(steps.models), "tokenizer_libraries": list(self.tokenizers.libraries),
                 "tokenizer_calls": dict(self.tokenizers.calls), "range_kind": range_kind(),
-                "problem": self.problem}
+                "problem": self.problem,
+                # Threads whose steps had no request of their own (named the requests in flight): an
+                # engine's, a pool's. A thread not listed ran steps for the request it was started for.
+                "threads_without_request": sorted(steps.threads_without_request)[:MAX_THREADS_LISTED]}
 
     def missing(self) -> list[dict[str, str]]:
         """What the automatic phases could not mark in this session, and how to get it."""

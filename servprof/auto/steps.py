@@ -175,6 +175,7 @@ class StepHooks:
         self.steps = self.prefill_steps = self.decode_steps = self.module_calls = self.discovery_steps = 0
         self.open_steps = self.open_started_ns = 0
         self.models = set()
+        self.threads_without_request: set[int] = set()  # threads whose steps named the session's requests
 
     def stop(self) -> None:
         """No new step opens; ranges still open close when their forward returns."""
@@ -306,6 +307,8 @@ class StepHooks:
             state.handle = _UNRECORDED
         else:
             request_id = request_id_here()
+            if request_id is None:  # an engine's thread, or one of a pool: it serves whoever is in flight
+                self.threads_without_request.add(threading.get_native_id())
             ids = [request_id] if request_id is not None else self._session_ids()
             state.handle = open_range(auto_phase_name(kind, ids))
         state.owner = module

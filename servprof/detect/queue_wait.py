@@ -59,6 +59,7 @@ def detect_queue_wait(trace: Trace, steps: list[Step], requests: list[dict[str, 
     served: dict[tuple[int, int], set[str]] = {}  # the requests each thread's steps name
     for step in steps:
         served.setdefault((step.rank, step.tid), set()).update(step.request_ids or ("",))
+    shared = _threads_without_request(trace)
     waits: list[dict[str, Any]] = []
     unmeasured: list[dict[str, str]] = []
     for rid, t in sorted(times.items()):
@@ -79,7 +80,7 @@ def detect_queue_wait(trace: Trace, steps: list[Step], requests: list[dict[str, 
         on_its_thread = [start for start, _, tid in own.get(rid, []) if tid == first.tid and start < b]
         if on_its_thread:
             spans.append((min(on_its_thread), b))
-        if served.get((first.rank, first.tid)) == {rid}:
+        if served.get((first.rank, first.tid)) == {rid} and first.tid not in shared:
             # A thread that ran this request's steps only (started for it, as transformers' streaming
             # recipe does): everything before its first step was this request's own way there
             # (handler, hand-off, generate()'s set-up), with no queue of other requests to wait in.
@@ -123,6 +124,14 @@ def detect_queue_wait(trace: Trace, steps: list[Step], requests: list[dict[str, 
              "model's lock around the model call only."),
     )
     return [finding], summary
+
+
+def _threads_without_request(trace: Trace) -> set[int]:
+    """Threads whose automatic steps named the requests in flight, not a request of their own (the
+    session's ``auto.threads_without_request``): an engine thread serving one request stays an engine's."""
+    auto = trace.servprof_metadata().get("auto")
+    listed = auto.get("threads_without_request") if isinstance(auto, dict) else None
+    return {t for t in listed if isinstance(t, int) and not isinstance(t, bool)} if isinstance(listed, list) else set()
 
 
 def _covered_by(spans: list[tuple[float, float]], a: float, b: float) -> float:
