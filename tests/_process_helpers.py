@@ -3,6 +3,7 @@ real signal: the environment, start-up until it answers, SIGTERM and the exit.""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -29,9 +30,13 @@ def server_env(out: Path, **extra: str) -> dict[str, str]:
 
 
 @contextmanager
-def server_process(command: list[str], env: dict[str, str], port: int, log: Path) -> Iterator[subprocess.Popen]:
+def server_process(command: list[str], env: dict[str, str], port: int, log: Path, group: bool = False
+                   ) -> Iterator[subprocess.Popen]:
+    """The server, answering /health. ``group``: in a process group of its own, all of it killed at
+    the end (a pre-fork master's workers outlive a kill of the master alone)."""
     with log.open("wb") as sink:
-        process = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        process = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   start_new_session=group)
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -47,9 +52,12 @@ def server_process(command: list[str], env: dict[str, str], port: int, log: Path
             time.sleep(0.2)
         yield process
     finally:
+        if group:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
         if process.poll() is None:
             process.kill()
-            process.wait()
+        process.wait()
 
 
 def terminate(process: subprocess.Popen, log: Path) -> float:

@@ -4,8 +4,9 @@ thread held) does not survive a fork: before servprof forgot its parent's state 
 sampled request waited START_WAIT_S (5 s) for a session that never started, and was then served
 unsampled. Now the worker starts its own capture thread with its first sampled request.
 
-Real parts: gunicorn with uvicorn's worker class, in its own process group, on loopback; the
-real profiler and analysis child in the forked worker.
+Real parts: gunicorn with uvicorn's worker class, in a process group of its own (killed whole at
+the end: its workers would outlive their master), on loopback; the real profiler and analysis
+child in the forked worker.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def test_a_forked_worker_samples_without_making_requests_wait(tmp_path: Path) ->
     command = [sys.executable, "-m", "gunicorn", "--preload", "--workers", "1", "--bind", f"127.0.0.1:{port}",
                "--worker-class", "uvicorn.workers.UvicornWorker", "--chdir", str(TESTS), "servers.prefork:app"]
     env = server_env(tmp_path / "out", PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    with server_process(command, env, port, tmp_path / "server.log") as master:
+    with server_process(command, env, port, tmp_path / "server.log", group=True) as master:
         status = httpx.get(base + "/servprof/status", headers=AUTH).json()
         worker = status["process"]
         assert worker["parent_pid"] == master.pid and worker["pid"] != master.pid  # a fork of the master
@@ -46,6 +47,8 @@ def test_a_forked_worker_samples_without_making_requests_wait(tmp_path: Path) ->
                     or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
+        master.terminate()  # gunicorn stops its workers on SIGTERM (the group is killed after, whatever happens)
+        master.wait(60)
     assert status["skipped_by_reason"] == {}, status["skipped_by_reason"]  # no request waited out its start
     assert status["counters"]["sampled"] == SAMPLED and status["counters"]["sessions_done"] == 1, status["counters"]
     (session,) = status["last_sessions"]
