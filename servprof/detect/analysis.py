@@ -42,8 +42,8 @@ def analyse(trace: Trace, requests: list[dict[str, Any]] | None = None, device: 
 
 def _analyse(trace: Trace, requests: list[dict[str, Any]] | None, device: str | None) -> Analysis:
     steps = find_steps(trace)
-    windows = [(times.arrival_us, times.end_us) for times in request_times(trace, requests).values()]
-    gaps, gap_stats = find_gaps(trace, steps, windows)
+    times = request_times(trace, requests)  # each sampled request's arrival, first byte and end, in trace µs
+    gaps, gap_stats = find_gaps(trace, steps, [(t.arrival_us, t.end_us) for t in times.values()])
     gap_findings, gap_summary = detect_decode_gaps(trace, steps, (gaps, gap_stats))
     token_findings, token_summary = detect_tokenization_stalls(trace, steps, gaps)
     bw_findings, bw_summary, kernels = detect_bandwidth_bound(trace, steps, device)
@@ -51,7 +51,7 @@ def _analyse(trace: Trace, requests: list[dict[str, Any]] | None, device: str | 
     compile_findings, compile_summary = detect_recompilation(trace, steps)
     stall_findings, stall_summary = detect_loop_stalls(trace, token_findings)
     on_loop_findings, stall_summary["model_on_loop"] = detect_model_on_loop(trace, steps)
-    wait_findings, wait_summary = detect_queue_wait(trace, steps, requests)
+    wait_findings, wait_summary = detect_queue_wait(trace, steps, times)
     findings = sorted([*gap_findings, *token_findings, *bw_findings, *memory_findings, *compile_findings,
                        *stall_findings, *on_loop_findings, *wait_findings], key=lambda f: (SEVERITY_ORDER[f.severity], f.cost_ms), reverse=True)
     sampled = sampled_request_ids(trace, requests)

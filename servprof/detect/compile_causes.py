@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 REASON_CHARS = 200  # of torch's words kept for a guard failure of no known kind
+FAILED_ENTRY = re.compile(r"^\d+/\d+:\s*")  # "0/1: " before a reason: the cache entry whose guard failed
 SIZE_GUARD = re.compile(r"tensor '([^']+)' size mismatch at index (\d+)\. expected (\d+), actual (\d+)")
 VALUE_GUARD = re.compile(r"(L\[[^\]]+\](?:\[[^\]]+\])*)\s*==\s*([^\s,]+)")
 
@@ -48,7 +49,7 @@ def classify(reason: str | None, compile_id: str | None, batch: int | None, grap
     if value:
         return {"cause": "value", "guard": f"{value.group(1)} == {value.group(2)}"}
     # torch's own words, first line, without the "0/1: " of the entry that failed
-    words = re.sub(r"^\d+/\d+:\s*", "", reason.strip().splitlines()[0]).strip() if reason.strip() else ""
+    words = FAILED_ENTRY.sub("", reason.strip().splitlines()[0]).strip() if reason.strip() else ""
     return {"cause": "unknown", "torch_reason": words[:REASON_CHARS]} if words else {"cause": "unknown"}
 
 

@@ -38,3 +38,9 @@ def covered(block_start: np.ndarray, block_end: np.ndarray, a: np.ndarray, b: np
         return np.where(i >= 0, cum[j] + partial, 0.0)
 
     return before(np.asarray(b, dtype=float)) - before(np.asarray(a, dtype=float))
+
+
+def covered_within(starts: np.ndarray, ends: np.ndarray, a: float, b: float) -> float:
+    """How much of [a, b] the intervals cover (overlaps counted once)."""
+    block_start, block_end = merge(np.asarray(starts, dtype=float), np.asarray(ends, dtype=float))
+    return float(covered(block_start, block_end, np.array([a]), np.array([b]))[0])

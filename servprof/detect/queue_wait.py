@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from servprof.detect.finding import WARNING_SHARE, Finding, severity_for_share
-from servprof.detect.intervals import covered, merge
-from servprof.detect.request_times import request_times
+from servprof.detect.intervals import covered, covered_within, merge
+from servprof.detect.request_times import RequestTimes
 from servprof.detect.steps import Step
 from servprof.trace.model import Trace, median
 from servprof.trace.phases import phase_events
@@ -37,9 +37,9 @@ FIRST_STEP_KINDS = ("prefill", "mixed")
 OWN_PHASES = ("tokenize", "detokenize")
 
 
-def detect_queue_wait(trace: Trace, steps: list[Step], requests: list[dict[str, Any]] | None
+def detect_queue_wait(trace: Trace, steps: list[Step], times: dict[str, RequestTimes]
                       ) -> tuple[list[Finding], dict[str, Any]]:
-    times = request_times(trace, requests)
+    """``times``: the sampled requests' (request_times.py), from the session's records."""
     summary: dict[str, Any] = {"requests_timed": len(times), "waits": []}
     if not times or not steps:
         return [], summary
@@ -85,9 +85,9 @@ def detect_queue_wait(trace: Trace, steps: list[Step], requests: list[dict[str, 
             # recipe does): everything before its first step was this request's own way there
             # (handler, hand-off, generate()'s set-up), with no queue of other requests to wait in.
             spans.append((a, b))
-        own_us = _covered_by(spans, a, b)
+        own_us = _covered(spans, a, b)
         # The request's own work and other requests' steps: what is left is the model doing nothing.
-        idle = max(0.0, (b - a) - _covered_by([*spans, *busy_spans], a, b))
+        idle = max(0.0, (b - a) - _covered([*spans, *busy_spans], a, b))
         until = t.first_byte_us if t.first_byte_us is not None else t.end_us
         waits.append({"request_id": rid, "arrival_us": t.arrival_us, "first_step_us": first.start_us,
                       "wait_ms": round((first.start_us - t.arrival_us) / 1e3, 3), "idle_ms": round(idle / 1e3, 3),
@@ -134,12 +134,8 @@ def _threads_without_request(trace: Trace) -> set[int]:
     return {t for t in listed if isinstance(t, int) and not isinstance(t, bool)} if isinstance(listed, list) else set()
 
 
-def _covered_by(spans: list[tuple[float, float]], a: float, b: float) -> float:
-    """µs of [a, b] inside any of the spans."""
-    if not spans:
-        return 0.0
-    start, end = merge(np.array([s for s, _ in spans]), np.array([e for _, e in spans]))
-    return float(covered(start, end, np.array([a]), np.array([b]))[0])
+def _covered(spans: list[tuple[float, float]], a: float, b: float) -> float:
+    return covered_within(np.array([s for s, _ in spans]), np.array([e for _, e in spans]), a, b)
 
 
 def _first_step(ordered: list[Step], rid: str, arrival_us: float) -> Step | None:

@@ -29,20 +29,18 @@ from servprof.detect.compile_ranges import (
     is_compile_range,
 )
 from servprof.detect.finding import Finding, severity_for
-from servprof.detect.intervals import merge
+from servprof.detect.intervals import covered_within, merge
 from servprof.detect.name_scan import host_name_text, ids_holding
+from servprof.detect.step_compiled import REGION, REGION_LITERAL
 from servprof.detect.steps import Step, step_index
 from servprof.detect.tier import DEEP_WINDOW_HOW, is_light
 from servprof.trace.model import Trace, median
 from servprof.trace.phases import request_phases
 
 COMPILE_ID_ARG = re.compile(r"compile_id=\[?(\d+)/(\d+)")
-REGION = re.compile(r"^Torch-Compiled Region: \[?(\d+)/(\d+)")
 MAX_STALLS_LISTED = 20
 WARNING_MS, CRITICAL_MS = 50.0, 500.0
 
-# What every name _regions_per_step looks for holds (name_scan.py asks the predicate of those names only).
-REGION_LITERAL = "Torch-Compiled Region: "
 # A compiled graph's own run inside a region: Inductor's generated code, AOTAutograd's function.
 GRAPH_CALL = re.compile(r"^## Call CompiledFxGraph|^CompiledFunction$")
 GRAPH_CALL_LITERALS = ("## Call CompiledFxGraph", "CompiledFunction")
@@ -328,17 +326,8 @@ def _eager_us(trace: Trace, regions: list[int], graph_calls: np.ndarray) -> floa
     lo, hi = np.searchsorted(trace.ts[graph_calls], [start, end], side="left")
     inside = graph_calls[lo:hi]
     inside = inside[trace.tid[inside] == tid]
-    ran = _union_us([(float(trace.ts[r]), min(float(trace.ts[r] + trace.dur[r]), end)) for r in inside.tolist()])
+    ran = covered_within(trace.ts[inside], trace.ts[inside] + trace.dur[inside], start, end)
     return max(end - start - ran, 0.0)
-
-
-def _union_us(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, -np.inf
-    for start, stop in sorted(intervals):
-        if stop > end:
-            total += stop - max(start, end)
-            end = stop
-    return total
 
 
 def _stalls_from_records(records: list[dict[str, Any]], base_ns: float | None,

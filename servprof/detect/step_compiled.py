@@ -21,8 +21,9 @@ from servprof.detect.name_guard import Guarded
 from servprof.detect.step_forms import Step, host_rows, outermost, step_from_row
 from servprof.trace.model import Trace
 
-REGION = re.compile(r"^Torch-Compiled Region: \[?(\d+)/\d+")
-REGION_ROWS = Guarded(REGION, "Torch-Compiled Region: ")
+REGION_LITERAL = "Torch-Compiled Region: "
+REGION = re.compile(r"^Torch-Compiled Region: \[?(\d+)/(\d+)")  # (frame, its compile); recompilation.py reads it too
+REGION_ROWS = Guarded(REGION, REGION_LITERAL)
 
 
 def compiled_steps(trace: Trace) -> list[Step]:
