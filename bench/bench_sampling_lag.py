@@ -32,6 +32,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import orjson
 import uvicorn
 from rich.console import Console
 from rich.table import Table
@@ -118,20 +119,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--details", action="store_true", help="also print lag per session state")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    parser.add_argument("--size", default="tiny", help="demo model size (tiny, small, 1b)")
+    parser.add_argument("--budgets", type=int, nargs="+", default=None,
+                        help=f"indexes of the budgets to run (0..{len(BUDGETS) - 1}; default all)")
+    parser.add_argument("--status-out", type=Path, default=None,
+                        help="write the server's /servprof/status at the end here (per-event stop cost, timings)")
     args = parser.parse_args(argv)
     if args.users < 1 or args.baseline_s <= 0 or args.requests < 1 or args.repeat < 1:
         parser.error("--users, --baseline-s, --requests and --repeat must be positive")
     console = Console(width=130)
 
     out_dir = Path(tempfile.mkdtemp(prefix="servprof-bench-"))
-    demo = create_app(DemoConfig(size="tiny", device=args.device, servprof=False, max_batch=max(16, args.users)))
+    budgets = [BUDGETS[i] for i in args.budgets] if args.budgets else BUDGETS
+    demo = create_app(DemoConfig(size=args.size, device=args.device, servprof=False, max_batch=max(16, args.users)))
     demo_server = demo.state.demo
     middleware = ServprofMiddleware(demo, Settings(out_dir=out_dir, telemetry=False, control_token=TOKEN,
                                                    on_demand_min_interval_s=0.1, max_on_demand=64))
     served = TickedServer(middleware)
     url, ticker = served.url, served.ticker
 
-    total_s = args.baseline_s + 5 + len(BUDGETS) * args.repeat * (40 + args.window_s)
+    total_s = args.baseline_s + 5 + len(budgets) * args.repeat * (40 + args.window_s)
     locust = subprocess.Popen(
         [sys.executable, "-m", "locust", "-f", "servprof/harness/locustfile.py", "-H", url, "--headless",
          "-u", str(args.users), "-r", str(args.users), "-t", f"{int(total_s)}s", "--only-summary",
@@ -148,11 +155,14 @@ def main(argv: list[str] | None = None) -> int:
         base_lags = [lag for ts, lag, state in ticker.samples if t0 <= ts <= t1 and state == "none"]
         rows.append(("no sampling", "-", base_lags, base_tps, base_tps, base_lags))
         with httpx.Client(timeout=30) as client:
-            for label, overrides in BUDGETS:
+            for label, overrides in budgets:
                 middleware.runtime.settings = dataclasses.replace(middleware.runtime.settings, **overrides)
                 for _ in range(args.repeat):
                     rows.append(_one_session(args, url, client, middleware, demo_server, ticker, label))
                     console.print(f"{label}: session {rows[-1][1].get('stop_reason')}")
+            if args.status_out:
+                args.status_out.write_bytes(orjson.dumps(client.get(f"{url}/servprof/status", headers={
+                    "Authorization": f"Bearer {TOKEN}"}).json(), option=orjson.OPT_INDENT_2))
     finally:
         locust.terminate()
         try:
@@ -284,8 +294,6 @@ def _event_count(session: dict[str, Any]) -> Any:
         return "-"
     result_path = Path(path.replace(".pt.trace.json.gz", ".analysis.json"))
     try:
-        import orjson
-
         return orjson.loads(result_path.read_bytes())["summary"].get("event_count", "-")
     except (OSError, ValueError, KeyError):
         return "-"

@@ -49,13 +49,16 @@ PROMPT = (
 
 
 def record(name: str, knobs: dict[str, float | bool], out_dir: Path, requests: int = 3, max_tokens: int = 8,
-           stagger_s: float = 0.01) -> Path:
+           stagger_s: float = 0.01, device: str = "cpu", size: str = "tiny") -> Path:
     """Serve ``requests`` requests through the demo engine with ``knobs`` under the profiler;
-    returns the path of the gzipped trace written to ``out_dir``."""
+    returns the path of the gzipped trace written to ``out_dir`` (demo_NAME on CPU, cuda_SIZE_NAME
+    on a GPU, recorded with CUDA activity in bf16 as the demo server runs there)."""
     torch.manual_seed(0)
     tokenizer = DemoTokenizer(slow_us_per_token=float(knobs.get("slow_tokenizer_us_per_token", 0.0)))
-    config = model_config("tiny", min_vocab=tokenizer.vocab_size)
-    model = LlamaLikeModel(config, slots=8, context=512)
+    config = model_config(size, min_vocab=tokenizer.vocab_size)
+    on_gpu = device.startswith("cuda")
+    model = LlamaLikeModel(config, slots=8, context=512, device=device,
+                           dtype=torch.bfloat16 if on_gpu else torch.float32)
     engine = Engine(model, tokenizer, step_delay_ms=float(knobs.get("step_delay_ms", 0.0)),
                     sync_per_step=bool(knobs.get("sync_per_step", False)))
     engine.start()
@@ -91,7 +94,7 @@ def record(name: str, knobs: dict[str, float | bool], out_dir: Path, requests: i
     # Warm up outside the profiler (first-call allocations, tokenizer load).
     asyncio.run(_warm(engine, tokenizer))
     profiler = torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU],
+        activities=[torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_gpu else []),
         record_shapes=True,
         experimental_config=_ExperimentalConfig(profile_all_threads=True),
     )
@@ -107,6 +110,8 @@ def record(name: str, knobs: dict[str, float | bool], out_dir: Path, requests: i
     }).decode())
     profiler.add_metadata_json("servprof_fixture", orjson.dumps({
         "scenario": name, "knobs": knobs, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
+        "device": torch.cuda.get_device_name(device) if on_gpu else "cpu", "model_size": size,
+        "torch": torch.__version__,
     }).decode())
     profiler.stop()
     engine.stop()
@@ -114,7 +119,7 @@ def record(name: str, knobs: dict[str, float | bool], out_dir: Path, requests: i
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "trace.json"
         profiler.export_chrome_trace(str(raw))
-        target = out_dir / f"demo_{name}.json.gz"
+        target = out_dir / (f"cuda_{size}_{name}.json.gz" if on_gpu else f"demo_{name}.json.gz")
         document = orjson.loads(raw.read_bytes())
         for event in document["traceEvents"]:
             args = event.get("args")
@@ -142,6 +147,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "tests" / "fixtures")
     parser.add_argument("--only", nargs="*", choices=sorted(SCENARIOS), help="record only these scenarios")
+    parser.add_argument("--device", default="cpu", help="cpu (the demo_* fixtures) or cuda (the cuda_* ones)")
+    parser.add_argument("--size", default="tiny", help="demo model size (default tiny)")
     args = parser.parse_args()
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     for name in args.only or SCENARIOS:
@@ -149,7 +156,7 @@ def main() -> None:
         # slow_tokenizer: far apart, so nothing else holds the GIL while one tokenizes and its wall
         # time is the injected work; tokenize_on_loop_slow: close together, to show the harm.
         stagger = 0.12 if name == "slow_tokenizer" else 0.01
-        path = record(name, knobs, args.out, stagger_s=stagger)
+        path = record(name, knobs, args.out, stagger_s=stagger, device=args.device, size=args.size)
         print(f"{path}  {path.stat().st_size / 1024:.0f} KiB")
 
 

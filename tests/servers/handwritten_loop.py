@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import unicodedata
 from collections.abc import AsyncIterator
@@ -65,7 +66,9 @@ class TinyLM(nn.Module):
 
 tokenizer = build_tokenizer()
 torch.manual_seed(0)
-model = TinyLM(tokenizer.get_vocab_size()).eval()
+# SERVPROF_TEST_DEVICE=cuda runs the model on a GPU (the GPU checks, bench/gpu/device_checks.sh).
+DEVICE = torch.device(os.environ.get("SERVPROF_TEST_DEVICE", "cpu"))
+model = TinyLM(tokenizer.get_vocab_size()).eval().to(DEVICE)
 
 
 class CompletionRequest(BaseModel):
@@ -91,11 +94,11 @@ def tokenize_prompt(text: str) -> list[int]:
 def decode_loop(ids: list[int], max_tokens: int, out: asyncio.Queue[int | None],
                 loop: asyncio.AbstractEventLoop) -> None:
     with torch.inference_mode():
-        logits, context = model(torch.tensor([ids]))
+        logits, context = model(torch.tensor([ids], device=DEVICE))
         for _ in range(max_tokens):
             next_id = int(torch.argmax(logits, dim=-1)[0].item())
             loop.call_soon_threadsafe(out.put_nowait, next_id)
-            logits, context = model(torch.tensor([[next_id]]), context)
+            logits, context = model(torch.tensor([[next_id]], device=DEVICE), context)
     loop.call_soon_threadsafe(out.put_nowait, None)
 
 

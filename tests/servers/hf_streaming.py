@@ -13,6 +13,7 @@ screen that runs on the event loop (the kind of helper that blocks a server unno
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterator
 from threading import Thread
@@ -55,7 +56,9 @@ def build_model(vocab_size: int) -> LlamaForCausalLM:
 
 
 tokenizer = build_tokenizer()
-model = build_model(len(tokenizer))
+# SERVPROF_TEST_DEVICE=cuda runs the model on a GPU (the GPU checks, bench/gpu/device_checks.sh).
+DEVICE = torch.device(os.environ.get("SERVPROF_TEST_DEVICE", "cpu"))
+model = build_model(len(tokenizer)).to(DEVICE)
 
 
 class CompletionRequest(BaseModel):
@@ -82,7 +85,7 @@ def create_app() -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest) -> StreamingResponse:
         screen_prompt(request.prompt)
-        inputs = tokenizer(request.prompt, return_tensors="pt")
+        inputs = tokenizer(request.prompt, return_tensors="pt").to(DEVICE)
         streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
         kwargs = dict(**inputs, streamer=streamer, max_new_tokens=request.max_tokens,
                       min_new_tokens=request.max_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)

@@ -1,0 +1,170 @@
+"""servprof's achieved GB/s per decode op against Nsight Compute's DRAM counters (issue 15).
+
+    python bench/gpu/ncu_compare.py TRACE.json.gz NCU.csv [--json OUT]   # one batch size
+    python bench/gpu/ncu_compare.py --fixture tests/fixtures/gpu_decode   # every batch in the fixture
+
+The torch.profiler trace and the ncu run are the same decode step in two processes
+(bench/gpu/decode_step.py): the same kernels in the same order, so the n-th kernel of the
+trace is the n-th kernel ncu profiled (their names are checked). servprof's side is the
+bandwidth detector's own: the modelled ops it counts (``_outermost_modelled``), each one's
+bytes from its shapes and its time from the kernels it launched (``_device_time``). ncu's side,
+for the same kernels: ``dram__bytes_read.sum + dram__bytes_write.sum`` over
+``gpu__time_duration.sum``. The ops judged are those whose kernels carry the step's time, the
+longest first, until 80% of the step's kernel time is covered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from servprof.detect.bandwidth_bound_decode import _device_time, _outermost_modelled
+from servprof.detect.byte_models import MODELLED, op_family
+from servprof.trace.loader import load_trace
+from servprof.trace.model import Trace
+
+METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "gpu__time_duration.sum")
+COVERED_SHARE = 0.8
+TOLERANCE = 0.10
+
+
+def read_ncu_csv(text: str) -> list[dict[str, Any]]:
+    """ncu --csv --page raw --print-units base rows, in profiling order: name, bytes, ns."""
+    rows = list(csv.DictReader(io.StringIO(text[text.find('"ID"'):])))
+    kernels = []
+    for row in rows:
+        if not row.get("ID", "").strip().isdigit():  # the units row
+            continue
+        values = {m: float(row[m].replace(",", "")) for m in METRICS}
+        kernels.append({"id": int(row["ID"]), "name": row["Kernel Name"],
+                        "dram_bytes": values["dram__bytes_read.sum"] + values["dram__bytes_write.sum"],
+                        "duration_ns": values["gpu__time_duration.sum"]})
+    return sorted(kernels, key=lambda k: k["id"])
+
+
+def _kernel_rows(trace: Trace) -> np.ndarray:
+    rows = np.flatnonzero(trace.device_mask() & trace.mask_category("kernel", "Kernel"))
+    return rows[np.argsort(trace.ts[rows], kind="stable")]
+
+
+def _base_name(name: str) -> str:
+    """A kernel's function name without its template arguments and parameters, as ncu prints it."""
+    name = re.sub(r"^void\s+", "", name.strip())
+    depth, out = 0, []
+    for char in name:
+        if char == "<":
+            depth += 1
+        elif char == ">":
+            depth -= 1
+        elif char == "(" and depth == 0:
+            break
+        elif depth == 0:
+            out.append(char)
+    return "".join(out).split("::")[-1].strip()
+
+
+def compare(trace: Trace, ncu: list[dict[str, Any]]) -> dict[str, Any]:
+    kernels = _kernel_rows(trace)
+    if len(kernels) != len(ncu):
+        raise ValueError(f"the trace has {len(kernels)} kernels, ncu profiled {len(ncu)}: not the same step")
+    names_differ = sum(_base_name(trace.name(int(r))) != _base_name(k["name"]) for r, k in zip(kernels.tolist(), ncu, strict=True))
+    index_of = {int(row): i for i, row in enumerate(kernels.tolist())}
+    rows = np.flatnonzero(trace.mask_name(MODELLED.__contains__, trace.host_names()) & trace.complete()
+                          & (trace.stream < 0))
+    taken, costs = _outermost_modelled(trace, rows)
+    times = _device_time(trace, taken)
+    launch = trace.launch_row_for(kernels)
+    step_kernel_us = float(trace.dur[kernels].sum())
+    ops = []
+    for row, cost, time_us in zip(taken.tolist(), costs, times.tolist(), strict=True):
+        start, end = trace.ts[row], trace.ts[row] + trace.dur[row]
+        same_thread = (trace.tid[launch] == trace.tid[row]) & (trace.pid[launch] == trace.pid[row])
+        mine = kernels[(launch >= 0) & same_thread & (trace.ts[launch] >= start) & (trace.ts[launch] <= end)]
+        if not mine.size or not time_us > 0:
+            continue
+        measured = [ncu[index_of[int(k)]] for k in mine.tolist()]
+        ncu_bytes = sum(k["dram_bytes"] for k in measured)
+        ncu_us = sum(k["duration_ns"] for k in measured) / 1e3
+        servprof_gbs = cost.bytes / (time_us * 1e-6) / 1e9
+        ncu_gbs = ncu_bytes / (ncu_us * 1e-6) / 1e9 if ncu_us > 0 else float("nan")
+        ops.append({"op": trace.name(row), "family": op_family(trace.name(row)), "shapes": cost.shapes,
+                    "kernels": [_base_name(trace.name(int(k))) for k in mine.tolist()],
+                    "time_us": time_us, "bytes": cost.bytes, "servprof_gbs": servprof_gbs,
+                    "ncu_us": ncu_us, "ncu_bytes": ncu_bytes, "ncu_gbs": ncu_gbs,
+                    "gbs_ratio": servprof_gbs / ncu_gbs if ncu_gbs > 0 else float("nan"),
+                    "bytes_ratio": cost.bytes / ncu_bytes if ncu_bytes > 0 else float("nan")})
+    by_time = sorted(ops, key=lambda o: -o["time_us"])
+    judged, covered = [], 0.0
+    for op in by_time:
+        if covered >= COVERED_SHARE * step_kernel_us:
+            break
+        judged.append(op)
+        covered += op["time_us"]
+    return {"kernels": len(kernels), "kernel_names_differ": names_differ, "step_kernel_us": step_kernel_us,
+            "modelled_kernel_us": sum(o["time_us"] for o in ops), "judged_share": covered / step_kernel_us,
+            "ops": ops, "judged": judged,
+            "within": sum(abs(o["gbs_ratio"] - 1) <= TOLERANCE for o in judged)}
+
+
+def ncu_fixture_rows(ncu: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What the fixture keeps of an ncu run: per kernel in order, its name and the two figures."""
+    return [{"name": k["name"], "dram_bytes": k["dram_bytes"], "duration_ns": k["duration_ns"]} for k in ncu]
+
+
+def families(result: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per op family over the judged ops: time, servprof's and ncu's GB/s (bytes over time summed)."""
+    out: dict[str, dict[str, float]] = {}
+    for op in result["judged"]:
+        f = out.setdefault(op["family"], {"ops": 0, "time_us": 0.0, "bytes": 0.0, "ncu_bytes": 0.0, "ncu_us": 0.0})
+        f["ops"] += 1
+        for key in ("time_us", "bytes", "ncu_bytes", "ncu_us"):
+            f[key] += op[key]
+    for f in out.values():
+        f["servprof_gbs"] = f["bytes"] / f["time_us"] / 1e3
+        f["ncu_gbs"] = f["ncu_bytes"] / f["ncu_us"] / 1e3
+        f["share_of_step"] = f["time_us"] / result["step_kernel_us"]
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("trace", nargs="?")
+    parser.add_argument("ncu", nargs="?", help="ncu --csv --page raw --print-units base output")
+    parser.add_argument("--fixture", type=Path, help="a folder of decode_bN.json.gz + ncu.json (tests/fixtures)")
+    parser.add_argument("--json", type=Path, help="write every op's figures here")
+    args = parser.parse_args()
+    if args.fixture:
+        recorded = orjson.loads((args.fixture / "ncu.json").read_bytes())
+        runs = {b: (load_trace(args.fixture / f"decode_b{b}.json.gz"), recorded["batches"][b]) for b in recorded["batches"]}
+    elif args.trace and args.ncu:
+        runs = {"?": (load_trace(args.trace), read_ncu_csv(Path(args.ncu).read_text()))}
+    else:
+        parser.error("give TRACE and NCU, or --fixture")
+    results = {}
+    for batch, (trace, ncu) in runs.items():
+        result = results[batch] = compare(trace, ncu)
+        print(f"batch {batch}: {result['kernels']} kernels ({result['kernel_names_differ']} names differ), "
+              f"step {result['step_kernel_us']:.0f} µs, judged {len(result['judged'])} ops = "
+              f"{result['judged_share']:.0%} of it, {result['within']} within ±{TOLERANCE:.0%}")
+        for name, f in sorted(families(result).items(), key=lambda kv: -kv[1]["time_us"]):
+            print(f"  {name:<12} {f['ops']:>4} ops {f['share_of_step']:>5.0%} of step  servprof "
+                  f"{f['servprof_gbs']:>7.0f} GB/s  ncu {f['ncu_gbs']:>7.0f} GB/s  ratio "
+                  f"{f['servprof_gbs'] / f['ncu_gbs']:.2f}  bytes ratio {f['bytes'] / f['ncu_bytes']:.2f}")
+        for op in result["judged"]:
+            if abs(op["gbs_ratio"] - 1) > TOLERANCE:
+                print(f"    off: {op['op']} {op['shapes']} {op['time_us']:.1f} µs servprof {op['servprof_gbs']:.0f} "
+                      f"ncu {op['ncu_gbs']:.0f} GB/s (bytes {op['bytes']:.3g} vs {op['ncu_bytes']:.3g}) {op['kernels']}")
+    if args.json:
+        args.json.write_bytes(orjson.dumps(results, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
