@@ -19,6 +19,7 @@ import argparse
 import csv
 import io
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,10 @@ from servprof.trace.model import Trace
 METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "gpu__time_duration.sum")
 COVERED_SHARE = 0.8
 TOLERANCE = 0.10
+# An op this large reads and writes DRAM for most of its bytes (weights, the KV cache), so ncu's DRAM
+# counters measure its traffic; a smaller one's tensors can live in L2 (a write need never reach DRAM
+# during the kernel), where DRAM counters say nothing about the bytes the op moved.
+LARGE_OP_BYTES = 1 << 20
 
 
 def read_ncu_csv(text: str) -> list[dict[str, Any]]:
@@ -56,7 +61,7 @@ def _kernel_rows(trace: Trace) -> np.ndarray:
 
 def _base_name(name: str) -> str:
     """A kernel's function name without its template arguments and parameters, as ncu prints it."""
-    name = re.sub(r"^void\s+", "", name.strip())
+    name = re.sub(r"^void\s+", "", name.strip()).replace("(anonymous namespace)::", "")
     depth, out = 0, []
     for char in name:
         if char == "<":
@@ -107,15 +112,18 @@ def compare(trace: Trace, ncu: list[dict[str, Any]]) -> dict[str, Any]:
             break
         judged.append(op)
         covered += op["time_us"]
+    large = [o for o in ops if o["bytes"] >= LARGE_OP_BYTES]
     return {"kernels": len(kernels), "kernel_names_differ": names_differ, "step_kernel_us": step_kernel_us,
             "modelled_kernel_us": sum(o["time_us"] for o in ops), "judged_share": covered / step_kernel_us,
             "ops": ops, "judged": judged,
-            "within": sum(abs(o["gbs_ratio"] - 1) <= TOLERANCE for o in judged)}
+            "within": sum(abs(o["gbs_ratio"] - 1) <= TOLERANCE for o in judged),
+            "large": large, "large_share": sum(o["time_us"] for o in large) / step_kernel_us}
 
 
 def ncu_fixture_rows(ncu: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """What the fixture keeps of an ncu run: per kernel in order, its name and the two figures."""
-    return [{"name": k["name"], "dram_bytes": k["dram_bytes"], "duration_ns": k["duration_ns"]} for k in ncu]
+    """What the fixture keeps of an ncu run: per kernel in order, its function name and the two figures."""
+    return [{"name": _base_name(k["name"]), "dram_bytes": k["dram_bytes"], "duration_ns": k["duration_ns"]}
+            for k in ncu]
 
 
 def families(result: dict[str, Any]) -> dict[str, dict[str, float]]:
@@ -133,18 +141,35 @@ def families(result: dict[str, Any]) -> dict[str, dict[str, float]]:
     return out
 
 
+def _add_to_fixture(folder: Path, batch: str | None, trace: Path, ncu: list[dict[str, Any]]) -> None:
+    if not batch:
+        raise SystemExit("--write-fixture needs --batch")
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(trace, folder / f"decode_b{batch}.json.gz")
+    index = folder / "ncu.json"
+    recorded = orjson.loads(index.read_bytes()) if index.exists() else {"metrics": list(METRICS), "batches": {}}
+    recorded["batches"][batch] = ncu_fixture_rows(ncu)
+    index.write_bytes(orjson.dumps(recorded))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trace", nargs="?")
     parser.add_argument("ncu", nargs="?", help="ncu --csv --page raw --print-units base output")
     parser.add_argument("--fixture", type=Path, help="a folder of decode_bN.json.gz + ncu.json (tests/fixtures)")
     parser.add_argument("--json", type=Path, help="write every op's figures here")
+    parser.add_argument("--write-fixture", type=Path, metavar="DIR",
+                        help="with TRACE and NCU: add this batch (--batch) to the fixture in DIR")
+    parser.add_argument("--batch", help="the batch size of TRACE and NCU (--write-fixture)")
     args = parser.parse_args()
     if args.fixture:
         recorded = orjson.loads((args.fixture / "ncu.json").read_bytes())
         runs = {b: (load_trace(args.fixture / f"decode_b{b}.json.gz"), recorded["batches"][b]) for b in recorded["batches"]}
     elif args.trace and args.ncu:
-        runs = {"?": (load_trace(args.trace), read_ncu_csv(Path(args.ncu).read_text()))}
+        ncu = read_ncu_csv(Path(args.ncu).read_text())
+        runs = {args.batch or "?": (load_trace(args.trace), ncu)}
+        if args.write_fixture:
+            _add_to_fixture(args.write_fixture, args.batch, Path(args.trace), ncu)
     else:
         parser.error("give TRACE and NCU, or --fixture")
     results = {}
@@ -153,6 +178,13 @@ def main() -> int:
         print(f"batch {batch}: {result['kernels']} kernels ({result['kernel_names_differ']} names differ), "
               f"step {result['step_kernel_us']:.0f} µs, judged {len(result['judged'])} ops = "
               f"{result['judged_share']:.0%} of it, {result['within']} within ±{TOLERANCE:.0%}")
+        large = result["large"]
+        if large:
+            bytes_ratios = [o["bytes_ratio"] for o in large]
+            gbs_ratios = [o["gbs_ratio"] for o in large]
+            print(f"  ops moving >= 1 MiB: {len(large)}, {result['large_share']:.0%} of the step; bytes / ncu's DRAM "
+                  f"bytes {min(bytes_ratios):.3f}..{max(bytes_ratios):.3f}, GB/s / ncu's {min(gbs_ratios):.2f}.."
+                  f"{max(gbs_ratios):.2f}")
         for name, f in sorted(families(result).items(), key=lambda kv: -kv[1]["time_us"]):
             print(f"  {name:<12} {f['ops']:>4} ops {f['share_of_step']:>5.0%} of step  servprof "
                   f"{f['servprof_gbs']:>7.0f} GB/s  ncu {f['ncu_gbs']:>7.0f} GB/s  ratio "
