@@ -8,7 +8,8 @@ session stopped before it passes the budget:
   events per step measured from earlier sessions' stored traces. Before a session has
   measured it, a prior from the module calls seen in the first steps:
   ``PRIOR_EVENTS_PER_MODULE_CALL`` per nested module call (transformers' Llama makes ~18-21
-  events per module call, a hand-written model ~11). While those first steps run, module
+  events per module call, a hand-written model ~11), ``CUDA_DEEP_EVENTS_FACTOR`` times that
+  where CUDA is there (the device timeline comes on top of the ops). While those first steps run, module
   calls are counted live and the estimate is calls x that prior.
   Steps scale with load (more threads or more requests step more), so a load that jumps
   mid-session moves the estimate with it; events per step do not depend on batch size.
@@ -69,6 +70,10 @@ MIN_COST_EVENTS = 300  # smaller sessions are dominated by stop()'s fixed costs
 # plus the phases the server marks (the demo: ~3 per step); set high so a first session errs short.
 LIGHT_EVENTS_PER_STEP = 8.0
 LIGHT_CUDA_EVENTS_PER_MODULE_CALL = 8.0  # a module call's kernels, their launches and copies
+# A deep trace on CUDA holds, besides every op, its kernels, their runtime launches and the flow
+# between them: 2.03-2.18x the op events on the demo engine's H100 traces (tests/fixtures/cuda_*,
+# tests/fixtures/gpu_decode). Until a session has measured the model, the prior counts them too.
+CUDA_DEEP_EVENTS_FACTOR = 2.2
 LIGHT_RATE_DIVISOR = 20.0
 # A light range measured cheaper to stop than the nominal event lets the budget hold up to 1/this
 # more (at most 3x: export, not timed in the budget, costs ~3 µs per range on top).
@@ -119,6 +124,8 @@ class EventBudget:
         # nothing (light on the CPU: only the step's own range, counted per step).
         self.prior_per_call = PRIOR_EVENTS_PER_MODULE_CALL
         self.prior_per_step: float | None = None
+        if not light and _cuda_available():
+            self.prior_per_call *= CUDA_DEEP_EVENTS_FACTOR
         if light:
             cuda = _cuda_available()
             self.prior_per_call = LIGHT_CUDA_EVENTS_PER_MODULE_CALL if cuda else 0.0

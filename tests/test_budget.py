@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from servprof import budget as budget_module
 from servprof.budget import (
     BASE_STOP_US_PER_EVENT,
+    CUDA_DEEP_EVENTS_FACTOR,
+    LIGHT_CUDA_EVENTS_PER_MODULE_CALL,
     PER_STEP_FADE,
     PRIOR_EVENTS_PER_MODULE_CALL,
     SHAPES_COST_FACTOR,
@@ -29,6 +32,22 @@ def test_the_first_session_counts_module_calls_and_running_steps() -> None:
     assert budget.estimate(5.0, 0, live, 100_000.0) == 60 * PRIOR_EVENTS_PER_MODULE_CALL
     assert budget.estimate(STEPLESS_GRACE_S * 0.9, 0, LiveSignals(hooks_active=True), 100_000.0) == 0.0
     assert budget.call_limit(SETTINGS) == int(2000 * STOP_AT / PRIOR_EVENTS_PER_MODULE_CALL)
+
+
+def test_the_first_deep_session_on_cuda_counts_the_device_timeline_too(monkeypatch) -> None:
+    # A deep CUDA trace holds each op's kernels, launches and flows besides the ops (~2.1x the op
+    # events on the H100 fixtures): the prior counts them before a session has measured the model.
+    # (No GPU here: CUDA's presence is all that is stood in for.)
+    monkeypatch.setattr(budget_module, "_cuda_available", lambda: True)
+    deep, light = EventBudget(), EventBudget(light=True)
+    assert deep.prior_per_call == PRIOR_EVENTS_PER_MODULE_CALL * CUDA_DEEP_EVENTS_FACTOR
+    assert light.prior_per_call == LIGHT_CUDA_EVENTS_PER_MODULE_CALL  # measured for the device timeline already
+    monkeypatch.setattr(budget_module, "_cuda_available", lambda: False)
+    on_cpu = EventBudget()
+    assert on_cpu.prior_per_call == PRIOR_EVENTS_PER_MODULE_CALL
+    # The same budget stops a CUDA session after fewer module calls.
+    assert deep.call_limit(SETTINGS) == int(deep.budget(SETTINGS) * STOP_AT / deep.prior_per_call)
+    assert deep.call_limit(SETTINGS) < on_cpu.call_limit(SETTINGS)
 
 
 def test_a_server_without_modules_falls_back_to_time_after_a_grace() -> None:
