@@ -41,7 +41,7 @@ def test_the_first_deep_session_on_cuda_counts_the_device_timeline_too(monkeypat
     monkeypatch.setattr(budget_module, "_cuda_available", lambda: True)
     deep, light = EventBudget(), EventBudget(light=True)
     assert deep.prior_per_call == PRIOR_EVENTS_PER_MODULE_CALL * CUDA_DEEP_EVENTS_FACTOR
-    assert light.prior_per_call == LIGHT_CUDA_EVENTS_PER_MODULE_CALL  # measured for the device timeline already
+    assert light.prior_per_call == LIGHT_CUDA_EVENTS_PER_MODULE_CALL  # the device timeline alone: no op
     monkeypatch.setattr(budget_module, "_cuda_available", lambda: False)
     on_cpu = EventBudget()
     assert on_cpu.prior_per_call == PRIOR_EVENTS_PER_MODULE_CALL
