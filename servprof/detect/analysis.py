@@ -15,6 +15,7 @@ from servprof.detect.overhead import overhead_summary
 from servprof.detect.queue_wait import detect_queue_wait
 from servprof.detect.recompilation import detect_recompilation
 from servprof.detect.request_times import request_times
+from servprof.detect.shape_setup import detect_shape_setup
 from servprof.detect.steps import Step, find_steps
 from servprof.detect.tier import NEEDS_DEEP_CAUSE, light_missing, tier_of
 from servprof.detect.tokenization_stall import detect_tokenization_stalls
@@ -52,8 +53,9 @@ def _analyse(trace: Trace, requests: list[dict[str, Any]] | None, device: str | 
     stall_findings, stall_summary = detect_loop_stalls(trace, token_findings)
     on_loop_findings, stall_summary["model_on_loop"] = detect_model_on_loop(trace, steps)
     wait_findings, wait_summary = detect_queue_wait(trace, steps, times)
+    setup_findings, setup_summary = detect_shape_setup(trace, steps)
     findings = sorted([*gap_findings, *token_findings, *bw_findings, *memory_findings, *compile_findings,
-                       *stall_findings, *on_loop_findings, *wait_findings], key=lambda f: (SEVERITY_ORDER[f.severity], f.cost_ms), reverse=True)
+                       *stall_findings, *on_loop_findings, *wait_findings, *setup_findings], key=lambda f: (SEVERITY_ORDER[f.severity], f.cost_ms), reverse=True)
     sampled = sampled_request_ids(trace, requests)
     _attribute_to_session(findings, requests, trace)
     for finding in findings:
@@ -85,6 +87,7 @@ def _analyse(trace: Trace, requests: list[dict[str, Any]] | None, device: str | 
         "compile": compile_summary,
         "loop_stalls": stall_summary,
         "queue_wait": wait_summary,
+        "shape_setup": setup_summary,
         "requests_given": len(requests or []),
         "sampled_request_ids": sorted(sampled),
         # What the user must know to trust the figures (two files claiming one rank, a --device the

@@ -1,0 +1,207 @@
+"""Ops that pay a set-up on the host for every new input shape.
+
+Some ops build something the first time they see a shape and cache it per shape: cuDNN's
+attention an execution plan, oneDNN a primitive, an autotuner its choice. A server whose shapes
+change every step (a growing key length, each new prompt length) pays that set-up over and over,
+while the device waits. The trace shows it without knowing the library: with ``record_shapes``,
+an op whose calls with a shape new to the trace are slow on the host, and whose calls with a shape
+seen before are fast. Found in the demo engine on an H100 (tests/fixtures/cuda_tiny_*): cuDNN
+attention took 44-654 ms on its first call with each shape and 0.12-0.2 ms on every repeat.
+
+An op's time is its own host time: runtime and driver calls inside it are taken out, so a copy
+waiting for the device (a sync) or a launch loading its kernel's code on first use (lazy loading,
+per kernel rather than per shape; decode_gap names those) is not taken for a set-up. Only the
+innermost such op is named (the SDPA op around cuDNN's is slow for the same reason), and only when
+at least ``MIN_SHAPES`` new shapes were slow, most new shapes were (``NEW_SLOW_SHARE``) and most
+slow calls were new shapes (``SLOW_NEW_SHARE``), with a repeat to compare with: one slow first call
+(a lazy initialisation), or a few slow calls that happen to be new shapes, is not this.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+import orjson
+
+from servprof.detect.finding import Finding, severity_for_share
+from servprof.detect.steps import Step
+from servprof.trace.model import RUNTIME_CATEGORIES, Trace
+
+OP_CATEGORIES = ("cpu_op", "Operator")  # Kineto's category for ATen ops (and older traces')
+SLOW_US = 1000.0  # a first call with a shape that took less than this on the host is not worth naming
+SLOWER = 10.0  # new-shape calls at least this many times the repeats' median
+MIN_SHAPES = 3
+SLOW_NEW_SHARE = 0.8  # of the slow calls, at least this share had a shape new to the trace
+NEW_SLOW_SHARE = 0.75  # ... and of the calls with a new shape, at least this share were slow
+MAX_CALLS = 5_000  # calls of one op read (their shapes), the first in time order: enough to judge it
+NESTED_SHARE = 0.5  # an op half of whose slow calls hold another candidate's slow call: the inner one is named
+EXAMPLES = 3
+SPECIFIC_FIXES = (
+    ("cudnn_attention", "This is cuDNN's attention building an execution plan for each new shape (PyTorch's "
+                        "SDPA picks its cuDNN backend on recent GPUs): pad the key/query lengths to a few "
+                        "buckets, or run SDPA with another backend, e.g. `with torch.nn.attention.sdpa_kernel("
+                        "[SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):`."),
+    ("mkldnn", "oneDNN builds a primitive for each new shape: pad inputs to a few bucketed sizes."),
+)
+GENERAL_FIX = ("Keep the shapes this op sees few: pad the sequence lengths to buckets (multiples of 64 or 128, "
+               "masking the padding), and run each bucket once at start-up, before taking traffic.")
+
+
+class _Op(NamedTuple):
+    name: str
+    slow_new: np.ndarray  # rows: calls with a shape new to the trace, slow
+    repeat_median_us: float
+    repeats: int
+    shapes: int  # distinct shapes of all its calls read
+    slow_seen: int  # slow calls whose shape had been seen
+    setup_us: float
+    examples: list[dict[str, Any]]
+    new_median_us: float  # own host time of the slow new-shape calls, median
+
+
+def detect_shape_setup(trace: Trace, steps: list[Step]) -> tuple[list[Finding], dict[str, Any]]:
+    ops = _candidates(trace)
+    ops = _innermost(trace, ops)
+    judged_us = sum(s.dur_us for s in steps) if steps else _span(trace)
+    findings = [_finding(trace, op, steps, judged_us) for op in ops]
+    summary = {"ops": [{"op": op.name, "shapes": op.shapes, "slow_new_shapes": int(op.slow_new.size),
+                        "setup_ms": round(op.setup_us / 1000, 3)} for op in ops]}
+    return findings, summary
+
+
+def _candidates(trace: Trace) -> list[_Op]:
+    runtime = trace.complete() & trace.mask_category(*RUNTIME_CATEGORIES)
+    # Ops only (record_shapes gives them their shapes): not Python frames nor annotations.
+    host = trace.complete() & (trace.stream < 0) & trace.mask_category(*OP_CATEGORIES)
+    slow = host & (trace.dur >= SLOW_US)
+    names, slow_calls = np.unique(trace.name_id[slow], return_counts=True)
+    names = names[slow_calls >= MIN_SHAPES]  # fewer slow calls than that cannot make a finding
+    out = []
+    nested = _NestedRuntime(trace, np.flatnonzero(runtime)) if names.size else None
+    for name_id in names.tolist():
+        calls = np.flatnonzero(host & (trace.name_id == name_id))
+        calls = calls[np.argsort(trace.ts[calls], kind="stable")][:MAX_CALLS]
+        op = _judge(trace, trace.names[name_id], calls, nested.own_us(calls))
+        if op is not None:
+            out.append(op)
+    return out
+
+
+class _NestedRuntime:
+    """Per thread, the runtime and driver calls (leaves), to take out of an op's host time."""
+
+    def __init__(self, trace: Trace, rows: np.ndarray) -> None:
+        self.trace = trace
+        self.by_thread: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
+        threads, thread_of = _threads(trace, rows)
+        for number, key in enumerate(threads):
+            mine = rows[thread_of == number]
+            mine = mine[np.argsort(trace.ts[mine], kind="stable")]
+            self.by_thread[key] = (trace.ts[mine], np.concatenate([[0.0], np.cumsum(trace.dur[mine])]))
+
+    def own_us(self, calls: np.ndarray) -> np.ndarray:
+        trace = self.trace
+        own = trace.dur[calls].astype(np.float64)
+        threads, thread_of = _threads(trace, calls)
+        for number, key in enumerate(threads):
+            found = self.by_thread.get(key)
+            if found is None:
+                continue
+            starts, total = found
+            at = np.flatnonzero(thread_of == number)
+            lo = np.searchsorted(starts, trace.ts[calls[at]], side="left")
+            hi = np.searchsorted(starts, trace.ts[calls[at]] + trace.dur[calls[at]], side="right")
+            own[at] -= total[hi] - total[lo]
+        return np.maximum(own, 0.0)
+
+
+def _threads(trace: Trace, rows: np.ndarray) -> tuple[list[tuple[int, int, int]], np.ndarray]:
+    """The distinct (rank, pid, tid) of ``rows`` and each row's index among them."""
+    if not rows.size:
+        return [], np.zeros(0, dtype=np.int64)
+    keys = np.stack([trace.rank[rows], trace.pid[rows], trace.tid[rows]], axis=1)
+    unique, thread_of = np.unique(keys, axis=0, return_inverse=True)
+    return [tuple(int(v) for v in k) for k in unique.tolist()], thread_of.ravel()
+
+
+def _judge(trace: Trace, name: str, calls: np.ndarray, dur: np.ndarray) -> _Op | None:
+    keys, seen, new = [], set(), []
+    for args in trace.args_each(calls):
+        dims = args.get("Input Dims")
+        if dims is None:  # no shapes recorded: nothing to tell shapes apart by
+            return None
+        key = orjson.dumps([dims, args.get("Input type")], default=str)
+        keys.append(key)
+        new.append(key not in seen)
+        seen.add(key)
+    is_new = np.array(new, dtype=bool)
+    repeats = dur[~is_new]
+    if repeats.size == 0:
+        return None
+    repeat_median = float(np.median(repeats))
+    slow = dur >= max(SLOW_US, SLOWER * repeat_median)
+    slow_new = slow & is_new
+    if (int(slow_new.sum()) < MIN_SHAPES or slow_new.sum() < SLOW_NEW_SHARE * slow.sum()
+            or slow_new.sum() < NEW_SLOW_SHARE * is_new.sum()):
+        return None
+    setup = float((dur[slow_new] - repeat_median).sum())
+    picked = np.flatnonzero(slow_new)
+    longest = picked[np.argsort(-dur[picked], kind="stable")][:EXAMPLES]
+    examples = [{"shapes": orjson.loads(keys[i])[0], "host_ms": round(float(dur[i]) / 1000, 3)}
+                for i in longest.tolist()]
+    return _Op(name, calls[slow_new], repeat_median, int(repeats.size), len(seen), int((slow & ~is_new).sum()),
+               setup, examples, float(np.median(dur[slow_new])))
+
+
+def _innermost(trace: Trace, ops: list[_Op]) -> list[_Op]:
+    """Drop an op whose slow calls mostly hold another candidate's slow call (on the same thread)."""
+    kept = []
+    for op in ops:
+        inner = [other for other in ops if other is not op and _holds(trace, op.slow_new, other.slow_new)]
+        if not inner:
+            kept.append(op)
+    return sorted(kept, key=lambda o: -o.setup_us)
+
+
+def _holds(trace: Trace, outer: np.ndarray, inner: np.ndarray) -> bool:
+    held = 0
+    for row in outer.tolist():
+        start, end = trace.ts[row], trace.ts[row] + trace.dur[row]
+        same = (trace.tid[inner] == trace.tid[row]) & (trace.pid[inner] == trace.pid[row])
+        within = same & (trace.ts[inner] >= start) & (trace.ts[inner] + trace.dur[inner] <= end)
+        held += bool(within.any())
+    return held >= NESTED_SHARE * outer.size
+
+
+def _span(trace: Trace) -> float:
+    host = trace.complete()
+    if not host.any():
+        return 0.0
+    return float((trace.ts[host] + trace.dur[host]).max() - trace.ts[host].min())
+
+
+def _finding(trace: Trace, op: _Op, steps: list[Step], judged_us: float) -> Finding:
+    starts = trace.ts[op.slow_new]
+    ends = starts + trace.dur[op.slow_new]
+    request_ids: list[str] = []
+    for step in steps:
+        if ((starts < step.end_us) & (ends > step.start_us)).any():
+            request_ids.extend(r for r in step.request_ids if r not in request_ids)
+    setup_ms = op.setup_us / 1000
+    share = op.setup_us / judged_us if judged_us > 0 else 0.0
+    where = "step time" if steps else "the trace's span"
+    new_ms = op.new_median_us / 1000
+    title = (f"{op.name} paid a set-up on the host for each new input shape: {op.slow_new.size} new shape(s), "
+             f"{setup_ms:,.2f} ms ({share:.0%} of {where}); a call with a shape seen before took "
+             f"{op.repeat_median_us / 1000:.3f} ms, a new one {new_ms:.1f} ms (medians)")
+    specific = next((text for key, text in SPECIFIC_FIXES if key in op.name), "")
+    return Finding(
+        kind="shape_setup", severity=severity_for_share(share, setup_ms), cost_ms=setup_ms,
+        start_us=float(starts.min()), end_us=float(ends.max()), title=title, request_ids=request_ids,
+        evidence={"op": op.name, "new_shape_calls": int(op.slow_new.size), "shapes_seen": op.shapes,
+                  "repeat_calls": op.repeats, "repeat_median_ms": round(op.repeat_median_us / 1000, 4),
+                  "new_median_ms": round(new_ms, 3), "slow_repeats": op.slow_seen,
+                  "share_of_judged_time": round(share, 4), "examples": op.examples},
+        fix=f"{specific} {GENERAL_FIX}".strip(),
+    )
