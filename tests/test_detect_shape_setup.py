@@ -36,6 +36,9 @@ def test_cudnn_attention_rebuilding_its_plan_every_step_is_named_on_the_h100_tra
     assert top.cost_ms <= sum(trace.dur[r] for r in calls) / 1000
     assert set(top.request_ids) == set(trace.metadata[0]["servprof_fixture"]["prompt_tokens"])
     assert "sdpa_kernel" in top.fix and "bucket" in top.fix
+    # The device idle it causes (decode_gap: a slow host op) gets the same fix, not "move the op out".
+    waits = [f for f in analysis.findings if f.kind == "decode_gap" and f.evidence.get("cause") == "host_ops"]
+    assert waits and all(f.evidence["shape_setup_op"] == CUDNN and "sdpa_kernel" in f.fix for f in waits)
 
 
 def test_a_step_whose_shapes_repeat_has_none():

@@ -15,7 +15,7 @@ from servprof.detect.overhead import overhead_summary
 from servprof.detect.queue_wait import detect_queue_wait
 from servprof.detect.recompilation import detect_recompilation
 from servprof.detect.request_times import request_times
-from servprof.detect.shape_setup import detect_shape_setup
+from servprof.detect.shape_setup import detect_shape_setup, explain_slow_host_ops
 from servprof.detect.steps import Step, find_steps
 from servprof.detect.tier import NEEDS_DEEP_CAUSE, light_missing, tier_of
 from servprof.detect.tokenization_stall import detect_tokenization_stalls
@@ -54,6 +54,7 @@ def _analyse(trace: Trace, requests: list[dict[str, Any]] | None, device: str | 
     on_loop_findings, stall_summary["model_on_loop"] = detect_model_on_loop(trace, steps)
     wait_findings, wait_summary = detect_queue_wait(trace, steps, times)
     setup_findings, setup_summary = detect_shape_setup(trace, steps)
+    explain_slow_host_ops(gap_findings, setup_findings)
     findings = sorted([*gap_findings, *token_findings, *bw_findings, *memory_findings, *compile_findings,
                        *stall_findings, *on_loop_findings, *wait_findings, *setup_findings], key=lambda f: (SEVERITY_ORDER[f.severity], f.cost_ms), reverse=True)
     sampled = sampled_request_ids(trace, requests)

@@ -205,3 +205,19 @@ def _finding(trace: Trace, op: _Op, steps: list[Step], judged_us: float) -> Find
                   "share_of_judged_time": round(share, 4), "examples": op.examples},
         fix=f"{specific} {GENERAL_FIX}".strip(),
     )
+
+
+def explain_slow_host_ops(gap_findings: list[Finding], setups: list[Finding]) -> None:
+    """A decode_gap whose slow host op is one that pays a set-up per shape gets that fix: "move the op
+    out of the step" is wrong for a plan built for each new shape, padding the shapes is right."""
+    by_op = {f.evidence["op"]: f for f in setups}
+    if not by_op:
+        return
+    for finding in gap_findings:
+        if finding.evidence.get("cause") != "host_ops":
+            continue
+        tops = [gap["top_frames"][0]["name"] for gap in finding.evidence.get("worst_gaps", []) if gap.get("top_frames")]
+        named = next((name for name in tops if name in by_op), None)
+        if named is not None:
+            finding.evidence["shape_setup_op"] = named
+            finding.fix = f"{named} pays a set-up on the host for each new input shape here (shape_setup): {by_op[named].fix}"
