@@ -26,6 +26,7 @@ import orjson
 
 from servprof.detect.finding import Finding, severity_for_share
 from servprof.detect.steps import Step
+from servprof.detect.threads import thread_groups
 from servprof.trace.model import RUNTIME_CATEGORIES, Trace
 
 OP_CATEGORIES = ("cpu_op", "Operator")  # Kineto's category for ATen ops (and older traces')
@@ -71,58 +72,55 @@ def detect_shape_setup(trace: Trace, steps: list[Step]) -> tuple[list[Finding], 
 
 
 def _candidates(trace: Trace) -> list[_Op]:
-    runtime = trace.complete() & trace.mask_category(*RUNTIME_CATEGORIES)
     # Ops only (record_shapes gives them their shapes): not Python frames nor annotations.
-    host = trace.complete() & (trace.stream < 0) & trace.mask_category(*OP_CATEGORIES)
-    slow = host & (trace.dur >= SLOW_US)
-    names, slow_calls = np.unique(trace.name_id[slow], return_counts=True)
+    is_op = trace.complete() & (trace.stream < 0) & trace.mask_category(*OP_CATEGORIES)
+    slow = np.flatnonzero(trace.dur >= SLOW_US)
+    names, slow_calls = np.unique(trace.name_id[slow[is_op[slow]]], return_counts=True)
     names = names[slow_calls >= MIN_SHAPES]  # fewer slow calls than that cannot make a finding
+    if not names.size:
+        return []
+    rows = np.flatnonzero(trace.has_id(trace.name_id, names) & is_op)
+    rows = rows[np.lexsort((trace.ts[rows], trace.name_id[rows]))]  # by name, then in time order
+    firsts = np.flatnonzero(np.r_[True, trace.name_id[rows][1:] != trace.name_id[rows][:-1]])
+    nested = _NestedRuntime(trace)
     out = []
-    nested = _NestedRuntime(trace, np.flatnonzero(runtime)) if names.size else None
-    for name_id in names.tolist():
-        calls = np.flatnonzero(host & (trace.name_id == name_id))
-        calls = calls[np.argsort(trace.ts[calls], kind="stable")][:MAX_CALLS]
-        op = _judge(trace, trace.names[name_id], calls, nested.own_us(calls))
+    for calls in np.split(rows, firsts[1:]):
+        calls = calls[:MAX_CALLS]
+        op = _judge(trace, trace.name(int(calls[0])), calls, nested.own_us(calls))
         if op is not None:
             out.append(op)
     return out
 
 
 class _NestedRuntime:
-    """Per thread, the runtime and driver calls (leaves), to take out of an op's host time."""
+    """Per thread, the runtime and driver calls (leaves) to take out of an op's host time: read for
+    the threads asked about only."""
 
-    def __init__(self, trace: Trace, rows: np.ndarray) -> None:
+    def __init__(self, trace: Trace) -> None:
         self.trace = trace
+        self.rows = np.flatnonzero(trace.complete() & trace.mask_category(*RUNTIME_CATEGORIES))
         self.by_thread: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
-        threads, thread_of = _threads(trace, rows)
-        for number, key in enumerate(threads):
-            mine = rows[thread_of == number]
+
+    def _of_thread(self, key: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray]:
+        found = self.by_thread.get(key)
+        if found is None:
+            trace, rows = self.trace, self.rows
+            mine = rows[(trace.rank[rows] == key[0]) & (trace.pid[rows] == key[1]) & (trace.tid[rows] == key[2])]
             mine = mine[np.argsort(trace.ts[mine], kind="stable")]
-            self.by_thread[key] = (trace.ts[mine], np.concatenate([[0.0], np.cumsum(trace.dur[mine])]))
+            found = self.by_thread[key] = (trace.ts[mine], np.concatenate([[0.0], np.cumsum(trace.dur[mine])]))
+        return found
 
     def own_us(self, calls: np.ndarray) -> np.ndarray:
         trace = self.trace
         own = trace.dur[calls].astype(np.float64)
-        threads, thread_of = _threads(trace, calls)
-        for number, key in enumerate(threads):
-            found = self.by_thread.get(key)
-            if found is None:
-                continue
-            starts, total = found
-            at = np.flatnonzero(thread_of == number)
+        threads, thread_of = thread_groups(trace.rank[calls], trace.pid[calls], trace.tid[calls])
+        for number, key in enumerate(threads.tolist()):
+            starts, total = self._of_thread(tuple(key))
+            at = np.flatnonzero(thread_of.ravel() == number)
             lo = np.searchsorted(starts, trace.ts[calls[at]], side="left")
             hi = np.searchsorted(starts, trace.ts[calls[at]] + trace.dur[calls[at]], side="right")
             own[at] -= total[hi] - total[lo]
         return np.maximum(own, 0.0)
-
-
-def _threads(trace: Trace, rows: np.ndarray) -> tuple[list[tuple[int, int, int]], np.ndarray]:
-    """The distinct (rank, pid, tid) of ``rows`` and each row's index among them."""
-    if not rows.size:
-        return [], np.zeros(0, dtype=np.int64)
-    keys = np.stack([trace.rank[rows], trace.pid[rows], trace.tid[rows]], axis=1)
-    unique, thread_of = np.unique(keys, axis=0, return_inverse=True)
-    return [tuple(int(v) for v in k) for k in unique.tolist()], thread_of.ravel()
 
 
 def _judge(trace: Trace, name: str, calls: np.ndarray, dur: np.ndarray) -> _Op | None:
