@@ -9,8 +9,8 @@ session stopped before it passes the budget:
   measured it, a prior from the module calls seen in the first steps:
   ``PRIOR_EVENTS_PER_MODULE_CALL`` per nested module call (transformers' Llama makes ~18-21
   events per module call, a hand-written model ~11), ``CUDA_DEEP_EVENTS_FACTOR`` times that
-  where CUDA is there (the device timeline comes on top of the ops). While those first steps run, module
-  calls are counted live and the estimate is calls x that prior.
+  where CUDA is there (the device timeline comes on top of the ops). While those first steps
+  run, module calls are counted live and the estimate is calls x that prior.
   Steps scale with load (more threads or more requests step more), so a load that jumps
   mid-session moves the estimate with it; events per step do not depend on batch size.
 * **streamed chunks** of the sampled requests (the old decode-step estimate) times the
@@ -125,12 +125,10 @@ class EventBudget:
         self.light = light
         # Recorded per module call: every op under it (deep), its device work (light on CUDA), or
         # nothing (light on the CPU: only the step's own range, counted per step).
-        self.prior_per_call = PRIOR_EVENTS_PER_MODULE_CALL
+        cuda = _cuda_available()
+        self.prior_per_call = PRIOR_EVENTS_PER_MODULE_CALL * (CUDA_DEEP_EVENTS_FACTOR if cuda else 1.0)
         self.prior_per_step: float | None = None
-        if not light and _cuda_available():
-            self.prior_per_call *= CUDA_DEEP_EVENTS_FACTOR
         if light:
-            cuda = _cuda_available()
             self.prior_per_call = LIGHT_CUDA_EVENTS_PER_MODULE_CALL if cuda else 0.0
             self.prior_per_step = None if cuda else LIGHT_EVENTS_PER_STEP
         self.per_step: float | None = None  # events per model step (step hooks)

@@ -187,7 +187,8 @@ def _finding(trace: Trace, op: _Op, steps: list[Step], judged_us: float) -> Find
         if ((starts < step.end_us) & (ends > step.start_us)).any():
             request_ids.extend(r for r in step.request_ids if r not in request_ids)
     setup_ms = op.setup_us / 1000
-    share = op.setup_us / judged_us if judged_us > 0 else 0.0
+    # (A set-up outside every step can outlast the steps' time: the share is at most all of it.)
+    share = min(1.0, op.setup_us / judged_us) if judged_us > 0 else 0.0
     where = "step time" if steps else "the trace's span"
     new_ms = op.new_median_us / 1000
     title = (f"{op.name} paid a set-up on the host for each new input shape: {op.slow_new.size} new shape(s), "
