@@ -7,7 +7,7 @@ The torch.profiler trace and the ncu run are the same decode step in two process
 (bench/gpu/decode_step.py): the same kernels in the same order, so the n-th kernel of the
 trace is the n-th kernel ncu profiled (their names are checked). servprof's side is the
 bandwidth detector's own: the modelled ops it counts (``_outermost_modelled``), each one's
-bytes from its shapes and its time from the kernels it launched (``_device_time``). ncu's side,
+bytes from its shapes and its time from the kernels it launched (``launched_by``, ``_device_time``). ncu's side,
 for the same kernels: ``dram__bytes_read.sum + dram__bytes_write.sum`` over
 ``gpu__time_duration.sum``. The ops judged are those whose kernels carry the step's time, the
 longest first, until 80% of the step's kernel time is covered.
@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from servprof.detect.bandwidth_bound_decode import _device_time, _outermost_modelled
+from servprof.detect.bandwidth_bound_decode import _device_time, _outermost_modelled, launched_by
 from servprof.detect.byte_models import MODELLED, op_family
 from servprof.trace.loader import load_trace
 from servprof.trace.model import Trace
@@ -85,13 +85,14 @@ def compare(trace: Trace, ncu: list[dict[str, Any]]) -> dict[str, Any]:
                           & (trace.stream < 0))
     taken, costs = _outermost_modelled(trace, rows)
     times = _device_time(trace, taken)
-    launch = trace.launch_row_for(kernels)
     step_kernel_us = float(trace.dur[kernels].sum())
+    launched, by_op = launched_by(trace, taken)  # the detector's own attribution of device work to ops
+    is_kernel = np.isin(launched, kernels)
+    launched, by_op = launched[is_kernel], by_op[is_kernel]
     ops = []
-    for row, cost, time_us in zip(taken.tolist(), costs, times.tolist(), strict=True):
-        start, end = trace.ts[row], trace.ts[row] + trace.dur[row]
-        same_thread = (trace.tid[launch] == trace.tid[row]) & (trace.pid[launch] == trace.pid[row])
-        mine = kernels[(launch >= 0) & same_thread & (trace.ts[launch] >= start) & (trace.ts[launch] <= end)]
+    for i, (row, cost, time_us) in enumerate(zip(taken.tolist(), costs, times.tolist(), strict=True)):
+        mine = launched[by_op == i]
+        mine = mine[np.argsort(trace.ts[mine], kind="stable")]
         if not mine.size or not time_us > 0:
             continue
         measured = [ncu[index_of[int(k)]] for k in mine.tolist()]

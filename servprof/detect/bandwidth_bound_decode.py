@@ -37,7 +37,7 @@ from servprof.detect.devices import (
 )
 from servprof.detect.finding import WHOLE_TRACE, Finding, severity_for_share
 from servprof.detect.name_scan import ids_holding
-from servprof.detect.steps import Step, step_index
+from servprof.detect.steps import Step, step_index, time_judged_us
 from servprof.detect.threads import thread_groups
 from servprof.detect.tier import BANDWIDTH_NOTE, is_light
 from servprof.trace.model import Trace, distinct
@@ -80,7 +80,7 @@ def detect_bandwidth_bound(trace: Trace, steps: list[Step], device: str | None
                 same = shared[id(cost)] = _shared(trace.name(row), cost, spec)
             points.add(_point(same, cost, time_us, spec), same.group_key)
             step_bytes[step] = step_bytes.get(step, 0.0) + cost.bytes
-    time_judged = _time_judged(trace, decode_steps, on_device)  # no decode steps: the whole trace's span
+    time_judged = time_judged_us(trace, decode_steps, on_device)  # no decode steps: the whole trace's span
     summary, grouped = _summarise(points, spec, scope, trace, warnings)
     summary["time_judged_ms"] = round(time_judged / 1000, 3)
     # Every byte the ops of one step move, re-reads included: more than the data it touches.
@@ -134,20 +134,21 @@ def _outermost_modelled(trace: Trace, rows: np.ndarray) -> tuple[np.ndarray, lis
     return np.array(taken, dtype=np.int64), costs
 
 
-def _device_time(trace: Trace, ops: np.ndarray) -> np.ndarray:
-    """Per op: the summed duration of the device work launched from its thread inside its span (NaN: none)."""
-    out = np.full(ops.shape, np.nan)
+def launched_by(trace: Trace, ops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(device rows, the index in ``ops`` of the op that launched each): the device work launched from
+    an op's thread inside its span. Ops of one thread must not overlap (counted ops never do)."""
     dev = np.flatnonzero(trace.device_mask())
     launch = trace.launch_row_for(dev)
     linked = launch >= 0
     dev, launch = dev[linked], launch[linked]
+    found_dev, found_op = [], []
     if not ops.size or not dev.size:
-        return out
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     threads, thread_of = thread_groups(trace.rank[ops], trace.pid[ops], trace.tid[ops])
     launch_threads = np.stack([trace.rank[launch], trace.pid[launch], trace.tid[launch]], axis=1)
     for number, key in enumerate(threads.tolist()):
         mine = np.flatnonzero(thread_of.ravel() == number)
-        mine = mine[np.argsort(trace.ts[ops[mine]], kind="stable")]  # counted ops of one thread never overlap
+        mine = mine[np.argsort(trace.ts[ops[mine]], kind="stable")]
         starts, ends = trace.ts[ops[mine]], trace.ts[ops[mine]] + trace.dur[ops[mine]]
         here = np.flatnonzero((launch_threads == np.array(key)).all(axis=1))
         if not here.size:
@@ -155,11 +156,23 @@ def _device_time(trace: Trace, ops: np.ndarray) -> np.ndarray:
         at = trace.ts[launch[here]]
         pos = np.searchsorted(starts, at, side="right") - 1
         ok = (pos >= 0) & (at <= ends[np.maximum(pos, 0)])
-        totals = np.zeros(mine.size)
-        np.add.at(totals, pos[ok], trace.dur[dev[here[ok]]])
-        launched = np.zeros(mine.size, dtype=bool)
-        launched[pos[ok]] = True
-        out[mine[launched]] = totals[launched]
+        found_dev.append(dev[here[ok]])
+        found_op.append(mine[pos[ok]])
+    if not found_dev:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    return np.concatenate(found_dev), np.concatenate(found_op)
+
+
+def _device_time(trace: Trace, ops: np.ndarray) -> np.ndarray:
+    """Per op: the summed duration of the device work launched from its thread inside its span (NaN: none)."""
+    out = np.full(ops.shape, np.nan)
+    dev, op = launched_by(trace, ops)
+    if dev.size:
+        totals = np.zeros(ops.shape)
+        np.add.at(totals, op, trace.dur[dev])
+        launched = np.zeros(ops.shape, dtype=bool)
+        launched[op] = True
+        out[launched] = totals[launched]
     return out
 
 
@@ -203,20 +216,6 @@ def _roofline_us(flops: float, nbytes: float, spec: DeviceSpec) -> float | None:
         return None
     compute_s = flops / (spec.peak_tflops * 1e12) if spec.peak_tflops else 0.0
     return max(compute_s, nbytes / (spec.memory_bandwidth_gbs * 1e9)) * 1e6
-
-
-def _time_judged(trace: Trace, steps: list[Step], on_device: bool) -> float:
-    """What "left on the table" is a share of: the steps' time, or without steps the trace's span
-    per rank (its device timeline where it has one)."""
-    if steps:
-        return float(sum(s.time_us for s in steps))  # the device span under async scheduling
-    rows = trace.device_mask() if on_device else trace.complete()
-    total = 0.0
-    for rank in trace.ranks:
-        mine = np.flatnonzero(rows & (trace.rank == rank))
-        if mine.size:
-            total += float((trace.ts[mine] + trace.dur[mine]).max() - trace.ts[mine].min())
-    return total
 
 
 def _above_peak_summary(points: PointTally, spec: DeviceSpec) -> dict[str, Any] | None:

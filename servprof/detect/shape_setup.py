@@ -25,7 +25,7 @@ import numpy as np
 import orjson
 
 from servprof.detect.finding import Finding, severity_for_share
-from servprof.detect.steps import Step
+from servprof.detect.steps import Step, step_index, time_judged_us
 from servprof.detect.threads import thread_groups
 from servprof.trace.model import RUNTIME_CATEGORIES, Trace
 
@@ -64,7 +64,7 @@ class _Op(NamedTuple):
 def detect_shape_setup(trace: Trace, steps: list[Step]) -> tuple[list[Finding], dict[str, Any]]:
     ops = _candidates(trace)
     ops = _innermost(trace, ops)
-    judged_us = sum(s.dur_us for s in steps) if steps else _span(trace)
+    judged_us = time_judged_us(trace, steps, on_device=False)
     findings = [_finding(trace, op, steps, judged_us) for op in ops]
     summary = {"ops": [{"op": op.name, "shapes": op.shapes, "slow_new_shapes": int(op.slow_new.size),
                         "setup_ms": round(op.setup_us / 1000, 3)} for op in ops]}
@@ -166,26 +166,21 @@ def _holds(trace: Trace, outer: np.ndarray, inner: np.ndarray) -> bool:
     held = 0
     for row in outer.tolist():
         start, end = trace.ts[row], trace.ts[row] + trace.dur[row]
-        same = (trace.tid[inner] == trace.tid[row]) & (trace.pid[inner] == trace.pid[row])
+        same = ((trace.tid[inner] == trace.tid[row]) & (trace.pid[inner] == trace.pid[row])
+                & (trace.rank[inner] == trace.rank[row]))
         within = same & (trace.ts[inner] >= start) & (trace.ts[inner] + trace.dur[inner] <= end)
         held += bool(within.any())
     return held >= NESTED_SHARE * outer.size
-
-
-def _span(trace: Trace) -> float:
-    host = trace.complete()
-    if not host.any():
-        return 0.0
-    return float((trace.ts[host] + trace.dur[host]).max() - trace.ts[host].min())
 
 
 def _finding(trace: Trace, op: _Op, steps: list[Step], judged_us: float) -> Finding:
     starts = trace.ts[op.slow_new]
     ends = starts + trace.dur[op.slow_new]
     request_ids: list[str] = []
-    for step in steps:
-        if ((starts < step.end_us) & (ends > step.start_us)).any():
-            request_ids.extend(r for r in step.request_ids if r not in request_ids)
+    rows = op.slow_new
+    for index in np.unique(step_index(steps, trace.rank[rows], starts, trace.tid[rows])).tolist():
+        if index >= 0:
+            request_ids.extend(r for r in steps[index].request_ids if r not in request_ids)
     setup_ms = op.setup_us / 1000
     # (A set-up outside every step can outlast the steps' time: the share is at most all of it.)
     share = min(1.0, op.setup_us / judged_us) if judged_us > 0 else 0.0

@@ -27,7 +27,7 @@ import numpy as np
 
 from servprof.detect.name_guard import Guarded
 from servprof.detect.name_scan import host_ids_matching
-from servprof.trace.model import Trace
+from servprof.trace.model import DEVICE_MIRROR_CATEGORY, Trace
 from servprof.trace.phases import phase_events
 
 # vLLM writes "execute_<T>_context_..." with attention sums, or "execute_context_..." with token counts.
@@ -143,7 +143,7 @@ def host_rows(trace: Trace, pattern: re.Pattern[str] | Guarded, category: str | 
         mask &= trace.mask_category(category)
     rows = np.flatnonzero(mask)
     # The same annotation can be mirrored on the device timeline (gpu_user_annotation): keep the host one.
-    rows = rows[~trace.mask_category("gpu_user_annotation")[rows]]
+    rows = rows[~trace.mask_category(DEVICE_MIRROR_CATEGORY)[rows]]
     return rows[np.argsort(trace.ts[rows], kind="stable")]
 
 

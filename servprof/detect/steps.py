@@ -209,3 +209,17 @@ def _search(steps: list[Step], candidates: list[int], mine: np.ndarray, times: n
     pos_ok = np.maximum(pos, 0)
     ok &= times[mine] <= ends[pos_ok]
     out[mine[ok]] = indices[pos_ok[ok]]
+
+
+def time_judged_us(trace: Trace, steps: list[Step], on_device: bool) -> float:
+    """What a cost is a share of: the steps' time, or without steps the trace's span per rank (its
+    device timeline where it has one, ``on_device``)."""
+    if steps:
+        return float(sum(s.time_us for s in steps))  # the device span under async scheduling
+    rows = trace.device_mask() if on_device else trace.complete()
+    total = 0.0
+    for rank in trace.ranks:
+        mine = np.flatnonzero(rows & (trace.rank == rank))
+        if mine.size:
+            total += float((trace.ts[mine] + trace.dur[mine]).max() - trace.ts[mine].min())
+    return total

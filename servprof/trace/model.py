@@ -16,6 +16,9 @@ import numpy as np
 DEVICE_CATEGORIES = ("kernel", "Kernel", "gpu_memcpy", "Memcpy", "gpu_memset", "Memset", "mtia_ccp_events")
 # Host-side runtime/driver calls that launch device work and carry a correlation id.
 RUNTIME_CATEGORIES = ("cuda_runtime", "cuda_driver", "Runtime", "hip_runtime", "privateuse1_runtime")
+# A record_function range recorded with CUDA activity is mirrored on the stream it launched onto
+# (on a stream's pseudo-thread): the host range is the one to read.
+DEVICE_MIRROR_CATEGORY = "gpu_user_annotation"
 
 
 def distinct(values: np.ndarray) -> np.ndarray:

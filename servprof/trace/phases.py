@@ -7,7 +7,7 @@ from weakref import WeakKeyDictionary
 
 import numpy as np
 
-from servprof.trace.model import Trace
+from servprof.trace.model import DEVICE_MIRROR_CATEGORY, Trace
 
 PHASE_PREFIX = "servprof:"  # what servprof.phases.phase_event_name writes before every phase
 # Phases servprof marked by itself (zero-touch: module forward hooks, tokenizer patches) are
@@ -61,10 +61,9 @@ def _phase_events(trace: Trace) -> list[PhaseEvent]:
     if ids.size == 0:
         return []
     parsed: dict[int, tuple[str, list[str]] | None] = {int(i): parse_phase_event_name(trace.names[int(i)]) for i in ids}
-    # A range recorded with CUDA activity is mirrored on the device timeline (gpu_user_annotation,
-    # on a stream's pseudo-thread): the host range is the phase, its mirror would count it twice.
+    # The host range is the phase: its device mirror would count it twice.
     rows = np.flatnonzero(trace.has_id(trace.name_id, ids) & trace.complete()
-                          & ~trace.mask_category("gpu_user_annotation"))
+                          & ~trace.mask_category(DEVICE_MIRROR_CATEGORY))
     rows = rows[np.argsort(trace.ts[rows], kind="stable")]
     out, ranks = [], []
     # (Columns as lists: one conversion each, not a numpy scalar per row and column.)
