@@ -2,7 +2,7 @@
 # The GPU checks of issues 14 and 15 as one command for a lent GPU machine (H100/H200, torch with
 # CUDA, ncu, no network): every part has its own time limit inside one overall deadline, writes
 # under $OUT/r as it goes, and a part that fails or runs out of time leaves the others' results.
-# Pure-Python dependencies travel as wheels in .whl/ (see the device tool's README).
+# Pure-Python dependencies travel as wheels in .whl/: bench/gpu/device-wheels.txt says which and how.
 #
 #   OUT=/tmp/gpu DEADLINE_S=540 bash bench/gpu/device_checks.sh
 set -u
