@@ -1,50 +1,44 @@
 """Analysis of one session's trace, in a child process, and the serving side's hand-off.
 
-The serving process never parses traces: it runs
+The serving process never parses traces: it hands each session to a warm worker process,
+
+    python -m servprof.analysis --serve      (analysis_worker.py: one job per line, reused)
+
+with a timeout (``run_analysis``, called on the capture thread). The worker loads the trace
+with ``servprof.trace.load_trace`` (its size and gzip-bomb guards apply) and runs the
+detectors; if a detector fails, the phase timings are still reported. One trace can also be
+analysed on its own, as a fresh child would:
 
     python -m servprof.analysis <trace.json.gz> <session.json> <result.json>
 
-with a timeout (``run_analysis``, called on the capture thread). The child loads the
-trace once with ``servprof.trace.load_trace`` (its size and gzip-bomb guards apply) and
-runs the detectors; if a detector fails, the phase timings are still reported. The
-result format is the one in docs/CONTRACTS.md.
+The result format is the one in docs/CONTRACTS.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import subprocess
+import select
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import orjson
 
-# Low priority, not idle priority: under SCHED_IDLE the analysis would get no CPU for as long as
-# serving keeps every core busy; at nice 10 it gets ~10% of a core from a saturated server.
-CHILD_NICENESS = 10
-
-
-def analysis_command(trace_path: Path, session_path: Path, result_path: Path) -> list[str]:
-    """The child's command line (tests replace this to make the child crash or hang)."""
-    command = [sys.executable, "-m", "servprof.analysis", str(trace_path), str(session_path), str(result_path)]
-    # `nice` lowers the child's priority from its first instruction, Python's start-up included
-    # (a preexec_fn would do it too, but makes the serving process fork instead of vfork).
-    nice = shutil.which("nice")
-    return [nice, "-n", str(CHILD_NICENESS), *command] if nice else command
-
-
-_running: set[subprocess.Popen[bytes]] = set()  # live children, killed at process exit
-if hasattr(os, "register_at_fork"):  # a forked worker's children are its own, not its parent's
-    os.register_at_fork(after_in_child=_running.clear)
+from servprof.analysis_worker import (
+    CHILD_NICENESS,
+    IDLE_EXIT_S,
+    MAX_JOBS,
+    RETIRE_RSS_BYTES,
+    SETTINGS_PREFIX,
+    WORKERS,
+    JobFailed,
+)
 
 
 def kill_running_analyses() -> None:
-    for child in list(_running):
-        _kill_group(child)
+    WORKERS.kill_all()
 
 
 def empty_result(session_id: str, trace_path: Path | None, error: str | None = None,
@@ -60,35 +54,22 @@ def failed_result(session_id: str, trace_path: Path | None, error: str) -> dict[
 
 def run_analysis(session_id: str, trace_path: Path, session_path: Path, result_path: Path,
                  timeout_s: float, should_stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
-    """Run the child; always returns a result dict, with ``error`` set when the child failed.
+    """Have the worker analyse the trace; always returns a result dict, with ``error`` set when the
+    analysis failed.
 
-    Blocking: call it from a worker thread. Each call is a fresh process, so a crashed
-    or hung analysis never poisons the next session. ``should_stop`` is asked once the child
-    is registered: a shutdown that ran kill_running_analyses() just before then is not missed.
+    Blocking: call it from a worker thread. A job that crashes or hangs its worker kills it (the
+    next session gets a fresh one), so it never poisons the next session. ``should_stop`` is asked
+    once the job's worker is registered: a shutdown that ran kill_running_analyses() just before
+    then is not missed.
     """
     result_path.unlink(missing_ok=True)
-    command = analysis_command(trace_path, session_path, result_path)
+    job = {"trace": str(trace_path), "session": str(session_path), "result": str(result_path)}
     try:
-        # A new session (process group) so a kill takes any grandchildren with it.
-        child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.PIPE, start_new_session=True)
-    except OSError as exc:
-        return failed_result(session_id, trace_path, f"analysis process could not start: {exc}")
-    _running.add(child)
-    if should_stop():
-        _kill_group(child)
-    try:
-        _, stderr = child.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        _kill_group(child)
-        child.communicate()
-        return failed_result(session_id, trace_path, f"analysis timed out after {timeout_s:g} s and was killed")
-    finally:
-        _running.discard(child)
-    if child.returncode != 0:
-        last_line = stderr.decode(errors="replace").strip().splitlines()[-1:] or [""]
-        return failed_result(session_id, trace_path,
-                             f"analysis process exited with status {child.returncode}: {last_line[0][:300]}")
+        reply = WORKERS.run(job, timeout_s, should_stop)
+    except JobFailed as exc:
+        return failed_result(session_id, trace_path, str(exc))
+    if not reply.get("ok"):
+        return failed_result(session_id, trace_path, f"analysis process exited with status 1: {reply.get('error')}")
     try:
         result = orjson.loads(result_path.read_bytes())
     except (OSError, orjson.JSONDecodeError) as exc:
@@ -97,13 +78,6 @@ def run_analysis(session_id: str, trace_path: Path, session_path: Path, result_p
     if problem:
         return failed_result(session_id, trace_path, f"analysis output invalid: {problem}")
     return result
-
-
-def _kill_group(child: subprocess.Popen[bytes]) -> None:
-    try:
-        os.killpg(child.pid, 9)
-    except OSError:
-        child.kill()
 
 
 def _shape_problem(result: Any, session_id: str) -> str | None:
@@ -198,23 +172,82 @@ def analyse(trace_path: Path, session: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
+    if argv == ["--serve"]:
+        _lower_priority()
+        import servprof.detect.analysis  # noqa: F401 - a worker imports once, before its first job
+        return serve(sys.stdin.buffer, sys.stdout.buffer)
     if len(argv) != 3:
-        print("usage: python -m servprof.analysis TRACE SESSION_JSON RESULT_JSON", file=sys.stderr)
+        print("usage: python -m servprof.analysis TRACE SESSION_JSON RESULT_JSON  (or --serve)", file=sys.stderr)
         return 2
-    with contextlib.suppress(OSError):
-        if os.nice(0) < CHILD_NICENESS:  # started without `nice`
-            os.nice(CHILD_NICENESS - os.nice(0))
-    trace_path, session_path, result_path = (Path(a) for a in argv)
+    _lower_priority()
+    error = _analyse_to_file(*(Path(a) for a in argv))
+    if error is not None:
+        print(error, file=sys.stderr)
+        return 1
+    return 0
+
+
+def serve(jobs: IO[bytes], replies: IO[bytes], idle_exit_s: float = IDLE_EXIT_S, max_jobs: int = MAX_JOBS) -> int:
+    """The worker's loop: one job per line (JSON: trace, session, result, env; ``retire``: the last
+    one), one reply per line (``{"ok": bool, "error": str | null, "retire": bool}``). Ends when its
+    input closes (the serving process is gone), after ``idle_exit_s`` without a job, or after a job
+    that retires it."""
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith(SETTINGS_PREFIX)}
+    done = 0
+    while True:
+        ready, _, _ = select.select([jobs], [], [], idle_exit_s)
+        line = jobs.readline() if ready else b""
+        if not line:
+            return 0
+        try:
+            job = orjson.loads(line)
+            paths = [Path(job[key]) for key in ("trace", "session", "result")]
+            settings = {str(k): str(v) for k, v in job.get("env", {}).items() if str(k).startswith(SETTINGS_PREFIX)}
+        except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            job, error = {}, f"servprof analysis: a job it cannot read ({type(exc).__name__})"
+        else:
+            os.environ.clear()  # the serving process's settings now, as a fresh child would read them
+            os.environ.update({**base_env, **settings})
+            error = _analyse_to_file(*paths)
+        done += 1
+        retire = (done >= max_jobs or (isinstance(job, dict) and job.get("retire") is True)
+                  or _resident_bytes() > RETIRE_RSS_BYTES)
+        replies.write(orjson.dumps({"ok": error is None, "error": error, "retire": retire}) + b"\n")
+        replies.flush()
+        if retire:
+            return 0
+
+
+def _analyse_to_file(trace_path: Path, session_path: Path, result_path: Path) -> str | None:
+    """Analyse one trace into ``result_path`` (mode 0600); the error's one line, or None."""
     try:
         session = orjson.loads(session_path.read_bytes())
         result = analyse(trace_path, session)
     except Exception as exc:  # noqa: BLE001 - one clear line for the parent's status, not a traceback
-        print(f"servprof analysis failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    fd = os.open(result_path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as out:
-        out.write(orjson.dumps(result, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY))
-    return 0
+        return f"servprof analysis failed: {type(exc).__name__}: {exc}"
+    try:
+        fd = os.open(result_path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            out.write(orjson.dumps(result, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY))
+    except OSError as exc:
+        return f"servprof analysis failed: cannot write {result_path}: {exc.strerror}"
+    return None
+
+
+def _lower_priority() -> None:
+    with contextlib.suppress(OSError):
+        if os.nice(0) < CHILD_NICENESS:  # started without `nice`
+            os.nice(CHILD_NICENESS - os.nice(0))
+
+
+def _resident_bytes() -> int:
+    """The memory the worker holds now (what a big trace's analysis leaves resident). Not the peak:
+    a child's peak starts at the serving process's size, copied at the fork before its exec."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):  # not Linux: MAX_JOBS alone retires it
+        return 0
 
 
 if __name__ == "__main__":

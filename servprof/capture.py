@@ -26,6 +26,7 @@ import torch.autograd.profiler as autograd_profiler
 from torch.profiler import profile
 
 from servprof.analysis import kill_running_analyses
+from servprof.analysis_worker import WORKERS
 from servprof.auto import AutoInstrumentation
 from servprof.auto.session import SessionInstruments, trace_metadata_json
 from servprof.budget import STOP_AT, EventBudget, LiveSignals
@@ -68,6 +69,7 @@ class CaptureController:
         self.warm = False
         self.warmup_wanted = False
         self.warmup_error: str | None = None
+        self.prestart_analysis = False  # start the analysis worker with the warm-up (a runtime that can sample)
         self.sessions_started = 0  # profiler starts by servprof in this process (warm-up excluded)
         self.in_flight = 0  # HTTP requests being served by any ServprofMiddleware in this process
         self.model_requests_done = 0  # POST requests served (model calls in OpenAI-style APIs), for memory history
@@ -309,6 +311,9 @@ class CaptureController:
             except Exception as exc:  # noqa: BLE001
                 self.warmup_error = f"warm-up failed: {exc}"
             self.warm = True
+        if self.prestart_analysis:
+            # Its imports (~100 ms of CPU) paid at start-up too, not beside the first session's requests.
+            WORKERS.prestart()
 
     def _start(self, session: Session) -> None:
         problem = session.store.check_writable()

@@ -72,6 +72,8 @@ class ServprofRuntime:
         self.memory_snapshots = memory_snapshots(settings, self.store.traces_dir)  # CUDA only; off by default
         if settings.enabled:
             self.controller.memory_history = self.controller.memory_history or settings.memory_samples
+            can_sample = settings.sample_every > 0 or settings.sample_rate > 0 or bool(settings.control_token)
+            self.controller.prestart_analysis |= settings.warmup and settings.analysis and can_sample
             self.controller.ensure_running(settings.warmup)
             self.controller.add_shutdown_hook(self.flush_observers)
             if settings.auto_instrument:

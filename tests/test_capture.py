@@ -18,7 +18,7 @@ import pytest
 import torch.autograd.profiler as autograd_profiler
 from _middleware_helpers import AUTH, TOKEN, sse_post, tiny_server, wait_idle, wait_sessions
 
-from servprof import analysis
+from servprof import analysis, analysis_worker
 from servprof.capture import Session, get_controller
 
 SAMPLE = {"x-servprof-sample": "1", "x-servprof-token": TOKEN}
@@ -202,22 +202,25 @@ def test_unwritable_trace_dir_pauses_sampling_and_serving_goes_on(tmp_path: Path
 def test_analysis_failure_marks_the_session_failed_and_the_next_one_works(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
     wait_idle()
-    real_command = analysis.analysis_command
+    analysis.kill_running_analyses()  # the next session starts a worker: the faulty one
+    real_command = analysis_worker.worker_command
     children = {
-        # Stand-ins for a broken analysis child: the only way to make the real one crash/hang.
+        # Stand-ins for a broken analysis worker: the only way to make the real one crash/hang.
         "crash": "import os; os.abort()",
         "hang": "import time; time.sleep(600)",
-        "garbage": "import sys; open(sys.argv[3], 'w').write('[1, 2')",
+        # Takes the job and answers that all went well, but wrote garbage as the result.
+        "garbage": ("import json, sys; job = json.loads(sys.stdin.readline()); open(job['result'], 'w').write('[1, 2');"
+                    " print(json.dumps({'ok': True, 'error': None, 'retire': True}), flush=True)"),
     }
     calls = []
 
-    def faulty_then_real(trace: Path, session: Path, result: Path) -> list[str]:
-        calls.append(trace)
+    def faulty_then_real() -> list[str]:
+        calls.append(1)
         if len(calls) == 1:
-            return [sys.executable, "-c", children[fault], str(trace), str(session), str(result)]
-        return real_command(trace, session, result)
+            return [sys.executable, "-c", children[fault]]
+        return real_command()
 
-    monkeypatch.setattr(analysis, "analysis_command", faulty_then_real)
+    monkeypatch.setattr(analysis_worker, "worker_command", faulty_then_real)
     with tiny_server(tmp_path, control_token=TOKEN, analysis_timeout_s=2, requests_per_session=1) as (url, mw, _e), \
             httpx.Client(timeout=30) as client:
         assert sse_post(client, url, tokens=3, headers=SAMPLE)[0] == 200

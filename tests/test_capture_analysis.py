@@ -14,7 +14,7 @@ from _middleware_helpers import wait_idle, wait_warm
 from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile
 
-from servprof import analysis
+from servprof import analysis, analysis_worker
 from servprof.phases import phase
 
 
@@ -91,4 +91,4 @@ def test_an_analysis_stopped_as_it_starts_is_killed(real_trace: Path, tmp_path: 
     result = analysis.run_analysis("s1", real_trace, session, tmp_path / "s1.analysis.json", timeout_s=60,
                                    should_stop=lambda: True)
     assert result["error"] == "analysis process exited with status -9: ", result["error"]
-    assert not analysis._running
+    assert not analysis_worker.WORKERS.running

@@ -1,0 +1,191 @@
+"""The warm analysis worker (servprof/analysis_worker.py): one process reused from session to
+session, replaced when it retires, goes idle, crashes or hangs; a second analysis at once gets a
+one-shot worker; a forked process never touches its parent's worker. Real worker processes
+(``python -m servprof.analysis --serve``) on a real profiler trace; the stand-ins below replace
+the worker only where a real one cannot be made to misbehave, and say so."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+import torch
+from _middleware_helpers import wait_idle, wait_warm
+from torch.profiler import ProfilerActivity, profile
+
+from servprof import analysis, analysis_worker
+from servprof.analysis_worker import WORKERS
+from servprof.phases import phase
+
+
+@pytest.fixture(scope="module")
+def session_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A real capture with servprof phases, and its session description."""
+    folder = tmp_path_factory.mktemp("worker")
+    wait_warm()
+    wait_idle()  # never start a second profiler while servprof's own one runs
+    prof = profile(activities=[ProfilerActivity.CPU])
+    prof.start()
+    with phase("decode_step", request_ids=["r1"]):
+        torch.ones(8) * 2
+    prof.stop()
+    raw = folder / "t.json"
+    prof.export_chrome_trace(str(raw))
+    trace = folder / "w1.pt.trace.json.gz"
+    trace.write_bytes(gzip.compress(raw.read_bytes()))
+    session = folder / "w1.session.json"
+    session.write_bytes(orjson.dumps({"session_id": "w1", "requests": [{"request_id": "r1"}]}))
+    return trace, session
+
+
+@pytest.fixture(autouse=True)
+def fresh_workers() -> None:
+    analysis.kill_running_analyses()
+    yield
+    analysis.kill_running_analyses()
+
+
+def analyse(files: tuple[Path, Path], tmp_path: Path, name: str = "w1.analysis.json") -> dict:
+    trace, session = files
+    return analysis.run_analysis("w1", trace, session, tmp_path / name, timeout_s=60)
+
+
+def warm_pid() -> int | None:
+    warm = WORKERS._warm
+    return warm.process.pid if warm is not None and warm.alive() else None
+
+
+def test_one_worker_serves_session_after_session(session_files: tuple[Path, Path], tmp_path: Path) -> None:
+    first = analyse(session_files, tmp_path)
+    pid = warm_pid()
+    second = analyse(session_files, tmp_path, "again.json")
+    assert first["error"] is None and second["error"] is None, (first["error"], second["error"])
+    assert [p["name"] for p in second["requests"]["r1"]["phases"]] == ["decode_step"]
+    assert pid is not None and warm_pid() == pid and WORKERS._warm.jobs == 2
+    assert len(WORKERS.running) == 1
+    # Low priority, and one thread for its numeric libraries (it must not spin on torch's cores).
+    assert os.getpriority(os.PRIO_PROCESS, pid) >= analysis_worker.CHILD_NICENESS
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    assert b"OPENBLAS_NUM_THREADS=1" in environ and b"OMP_NUM_THREADS=1" in environ
+
+
+def test_prestart_imports_before_the_first_job(session_files: tuple[Path, Path], tmp_path: Path) -> None:
+    WORKERS.prestart()
+    pid = warm_pid()
+    assert pid is not None
+    assert analyse(session_files, tmp_path)["error"] is None and warm_pid() == pid
+
+
+def test_the_serving_process_settings_reach_a_warm_worker(session_files: tuple[Path, Path], tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker started before a setting changed reads it as a fresh child would."""
+    assert analyse(session_files, tmp_path)["error"] is None
+    monkeypatch.setenv("SERVPROF_MAX_TRACE_BYTES", "100")
+    refused = analyse(session_files, tmp_path)
+    assert "TraceError" in refused["error"] and "100" in refused["error"], refused["error"]
+    monkeypatch.delenv("SERVPROF_MAX_TRACE_BYTES")
+    assert analyse(session_files, tmp_path)["error"] is None
+
+
+def test_a_retired_worker_is_replaced(session_files: tuple[Path, Path], tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(analysis_worker, "ONE_JOB_PER_WORKER", True)
+    assert analyse(session_files, tmp_path)["error"] is None
+    assert warm_pid() is None and not WORKERS.running  # it said it retires: let go of at once
+    assert analyse(session_files, tmp_path)["error"] is None
+
+
+def test_a_worker_gone_idle_as_the_job_came_is_replaced_without_an_error(
+        session_files: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Stand-in: a worker that answers its first job, then exits 0 without answering the second, as
+    # a real one does when IDLE_EXIT_S runs out just as a job arrives (a race a test cannot time).
+    idle_then_gone = ("import json, sys\n"
+                      "job = json.loads(sys.stdin.readline())\n"
+                      "open(job['result'], 'w').write(json.dumps({'session_id': 'w1', 'error': None, 'requests': {}, 'findings': []}))\n"
+                      "print(json.dumps({'ok': True, 'error': None, 'retire': False}), flush=True)\n"
+                      "sys.stdin.readline()\n")
+    real_command = analysis_worker.worker_command
+    commands = iter([[sys.executable, "-c", idle_then_gone]])
+    monkeypatch.setattr(analysis_worker, "worker_command", lambda: next(commands, None) or real_command())
+    assert analyse(session_files, tmp_path)["error"] is None
+    result = analyse(session_files, tmp_path)
+    assert result["error"] is None and "r1" in result["requests"]  # from the real worker, started for it
+
+
+def test_a_worker_that_hangs_is_killed_and_the_next_job_gets_a_new_one(
+        session_files: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    trace, session = session_files
+    real_command = analysis_worker.worker_command
+    commands = iter([[sys.executable, "-c", "import time; time.sleep(600)"]])  # stand-in: a hung worker
+    monkeypatch.setattr(analysis_worker, "worker_command", lambda: next(commands, None) or real_command())
+    hung = analysis.run_analysis("w1", trace, session, tmp_path / "h.json", timeout_s=1)
+    assert hung["error"] == "analysis timed out after 1 s and was killed"
+    assert not WORKERS.running
+    assert analyse(session_files, tmp_path)["error"] is None
+
+
+def test_a_second_analysis_at_once_gets_a_one_shot_worker(session_files: tuple[Path, Path], tmp_path: Path) -> None:
+    assert analyse(session_files, tmp_path)["error"] is None
+    pid = warm_pid()
+    assert WORKERS._lock.acquire(blocking=False)  # the warm worker busy with another session's job
+    try:
+        assert analyse(session_files, tmp_path, "other.json")["error"] is None
+        assert WORKERS.running == {WORKERS._warm}  # the one-shot worker is gone
+    finally:
+        WORKERS._lock.release()
+    assert warm_pid() == pid and WORKERS._warm.jobs == 1
+
+
+def test_a_forked_process_lets_its_parents_worker_be(session_files: tuple[Path, Path], tmp_path: Path) -> None:
+    assert analyse(session_files, tmp_path)["error"] is None
+    pid = warm_pid()
+    child = os.fork()
+    if child == 0:  # the fork: no worker of its own yet, and the parent's left alone
+        os._exit(0 if not WORKERS.running and WORKERS._warm is None else 1)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert warm_pid() == pid and analyse(session_files, tmp_path)["error"] is None and WORKERS._warm.jobs == 2
+
+
+def serve_in_process(lines: list[bytes], **kwargs: float) -> tuple[int, list[dict]]:
+    """analysis.serve() on real pipes, its replies read back."""
+    jobs_read, jobs_write = os.pipe()
+    replies_read, replies_write = os.pipe()
+    with os.fdopen(jobs_write, "wb") as jobs:
+        jobs.write(b"".join(lines))
+    with os.fdopen(jobs_read, "rb") as jobs, os.fdopen(replies_write, "wb") as replies:
+        status = analysis.serve(jobs, replies, **kwargs)
+    with os.fdopen(replies_read, "rb") as replies:
+        return status, [orjson.loads(line) for line in replies.read().splitlines()]
+
+
+def test_serve_answers_each_job_and_a_bad_one_clearly(session_files: tuple[Path, Path], tmp_path: Path) -> None:
+    trace, session = session_files
+    good = orjson.dumps({"trace": str(trace), "session": str(session), "result": str(tmp_path / "r.json")}) + b"\n"
+    missing = orjson.dumps({"trace": str(tmp_path / "none.json.gz"), "session": str(session),
+                            "result": str(tmp_path / "n.json")}) + b"\n"
+    status, replies = serve_in_process([good, b"not json\n", missing, good])
+    assert status == 0 and [r["ok"] for r in replies] == [True, False, False, True]
+    assert replies[1]["error"] == "servprof analysis: a job it cannot read (JSONDecodeError)"
+    assert replies[2]["error"].startswith("servprof analysis failed: TraceError")
+    assert orjson.loads((tmp_path / "r.json").read_bytes())["session_id"] == "w1"
+    assert oct((tmp_path / "r.json").stat().st_mode & 0o777) == "0o600"
+
+
+def test_serve_retires_after_its_last_job_and_leaves_when_idle(session_files: tuple[Path, Path],
+                                                              tmp_path: Path) -> None:
+    trace, session = session_files
+    job = orjson.dumps({"trace": str(trace), "session": str(session), "result": str(tmp_path / "r.json")}) + b"\n"
+    status, replies = serve_in_process([job, job, job], max_jobs=2)
+    assert status == 0 and [r["retire"] for r in replies] == [False, True]  # the third is never read
+    retire = orjson.dumps({"trace": str(trace), "session": str(session), "result": str(tmp_path / "r.json"),
+                           "retire": True}) + b"\n"
+    assert [r["retire"] for r in serve_in_process([retire, job])[1]] == [True]
+    jobs_read, jobs_write = os.pipe()  # nothing ever written, the pipe kept open: it leaves when idle
+    with os.fdopen(jobs_read, "rb") as jobs, open(os.devnull, "wb") as replies:
+        assert analysis.serve(jobs, replies, idle_exit_s=0.05) == 0
+    os.close(jobs_write)
