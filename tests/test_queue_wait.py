@@ -71,6 +71,28 @@ def test_a_polling_engine_keeps_requests_waiting_with_the_model_idle(tmp_path_fa
     assert again == finding
 
 
+def test_a_batching_window_keeps_each_request_waiting_with_the_model_idle(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """tests/servers/dynamic_batching.py: requests queue for a batcher that holds a 10 ms window
+    open for more before it runs a batch on a worker thread. Each request here arrives alone,
+    so it waits the whole window with the model idle, then its batch's prefill names it."""
+    from servers.dynamic_batching import BATCH_WAIT_S
+
+    observed = observe("servers.dynamic_batching", tmp_path_factory, spaced_s=0.05)
+    result, session = observed["result"], observed["session"]
+    assert result["error"] is None, result["error"]
+    (finding,) = [f for f in result["findings"] if f["kind"] == "queue_wait"]
+    assert session["auto"]["threads_without_request"]  # the batch's thread: every request in flight
+    waits = result["summary"]["detect"]["queue_wait"]["waits"]
+    assert len(waits) >= REQUESTS - 1
+    for wait in waits:
+        assert wait["first_step"] == "prefill" and wait["other_steps_ms"] == 0.0
+        # The window is a timed wait: nothing ran for at least that long after the request came.
+        assert wait["idle_ms"] >= BATCH_WAIT_S * 1e3 * 0.95, wait
+    assert finding["evidence"]["cause"] == "model_idle_while_waiting"
+    assert finding["evidence"]["waited"] == len(waits) and "batching window" in finding["fix"]
+
+
 def test_a_server_that_starts_each_request_at_once_has_no_queue_wait(tmp_path_factory: pytest.TempPathFactory) -> None:
     observed = observe("servers.thread_pool", tmp_path_factory, spaced_s=None)
     result = observed["result"]
