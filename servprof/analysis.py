@@ -187,7 +187,8 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def serve(jobs: IO[bytes], replies: IO[bytes], idle_exit_s: float = IDLE_EXIT_S, max_jobs: int = MAX_JOBS) -> int:
+def serve(jobs: IO[bytes], replies: IO[bytes], idle_exit_s: float = IDLE_EXIT_S, max_jobs: int = MAX_JOBS,
+          retire_bytes: int = RETIRE_RSS_BYTES) -> int:
     """The worker's loop: one job per line (JSON: trace, session, result, env; ``retire``: the last
     one), one reply per line (``{"ok": bool, "error": str | null, "retire": bool}``). Ends when its
     input closes (the serving process is gone), after ``idle_exit_s`` without a job, or after a job
@@ -211,7 +212,7 @@ def serve(jobs: IO[bytes], replies: IO[bytes], idle_exit_s: float = IDLE_EXIT_S,
             error = _analyse_to_file(*paths)
         done += 1
         retire = (done >= max_jobs or (isinstance(job, dict) and job.get("retire") is True)
-                  or _resident_bytes() > RETIRE_RSS_BYTES)
+                  or _resident_bytes() > retire_bytes)
         replies.write(orjson.dumps({"ok": error is None, "error": error, "retire": retire}) + b"\n")
         replies.flush()
         if retire:

@@ -132,13 +132,14 @@ class Worker:
         return ""
 
     def kill(self) -> None:
+        """Kill it, pipes left open: a thread waiting for its reply (a shutdown kills from another
+        thread) then reads the end of its output, not a closed descriptor it would wait on forever."""
         try:
             os.killpg(self.process.pid, 9)  # (its own session: a kill takes any grandchildren with it)
         except OSError:
             self.process.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(5)
-        self.close()
 
     def close(self) -> None:
         """Let go of the pipes; a worker still alive then sees its stdin close and exits."""
@@ -240,6 +241,11 @@ class Workers:
     def kill_all(self) -> None:
         for worker in list(self.running):
             worker.kill()
+        if self._lock.acquire(blocking=False):  # the warm worker had no job: nobody else lets go of it
+            try:
+                self._forget(self._warm)
+            finally:
+                self._lock.release()
 
     def after_fork_in_child(self) -> None:
         """A forked process's workers are its parent's: close this copy of their pipes (so they

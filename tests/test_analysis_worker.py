@@ -9,6 +9,8 @@ from __future__ import annotations
 import gzip
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 
 import orjson
@@ -128,6 +130,27 @@ def test_a_worker_that_hangs_is_killed_and_the_next_job_gets_a_new_one(
     assert analyse(session_files, tmp_path)["error"] is None
 
 
+def test_a_shutdown_kills_a_worker_mid_job_and_the_analysis_returns_at_once(
+        session_files: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kill_running_analyses() from another thread (the shutdown path) while the capture thread
+    waits for the reply: the wait ends with the kill, not at the 60 s timeout."""
+    trace, session = session_files
+    monkeypatch.setattr(analysis_worker, "worker_command",  # stand-in: a worker that never answers
+                        lambda: [sys.executable, "-c", "import time; time.sleep(600)"])
+    results: list[dict] = []
+    waiting = threading.Thread(target=lambda: results.append(
+        analysis.run_analysis("w1", trace, session, tmp_path / "k.json", timeout_s=60)))
+    waiting.start()
+    deadline = time.monotonic() + 30
+    while not any(worker.jobs and worker.alive() for worker in list(WORKERS.running)):  # the job is sent
+        assert time.monotonic() < deadline and waiting.is_alive()
+        time.sleep(0.01)
+    analysis.kill_running_analyses()
+    waiting.join(30)
+    assert not waiting.is_alive() and results[0]["error"] == "analysis process exited with status -9: "
+    assert not WORKERS.running
+
+
 def test_a_second_analysis_at_once_gets_a_one_shot_worker(session_files: tuple[Path, Path], tmp_path: Path) -> None:
     assert analyse(session_files, tmp_path)["error"] is None
     pid = warm_pid()
@@ -152,7 +175,9 @@ def test_a_forked_process_lets_its_parents_worker_be(session_files: tuple[Path, 
 
 
 def serve_in_process(lines: list[bytes], **kwargs: float) -> tuple[int, list[dict]]:
-    """analysis.serve() on real pipes, its replies read back."""
+    """analysis.serve() on real pipes, its replies read back (in this process, whose memory is not
+    a worker's: it retires on memory only when a test asks)."""
+    kwargs.setdefault("retire_bytes", 2**62)
     jobs_read, jobs_write = os.pipe()
     replies_read, replies_write = os.pipe()
     with os.fdopen(jobs_write, "wb") as jobs:
@@ -185,6 +210,7 @@ def test_serve_retires_after_its_last_job_and_leaves_when_idle(session_files: tu
     retire = orjson.dumps({"trace": str(trace), "session": str(session), "result": str(tmp_path / "r.json"),
                            "retire": True}) + b"\n"
     assert [r["retire"] for r in serve_in_process([retire, job])[1]] == [True]
+    assert [r["retire"] for r in serve_in_process([job, job], retire_bytes=1)[1]] == [True]  # holds too much
     jobs_read, jobs_write = os.pipe()  # nothing ever written, the pipe kept open: it leaves when idle
     with os.fdopen(jobs_read, "rb") as jobs, open(os.devnull, "wb") as replies:
         assert analysis.serve(jobs, replies, idle_exit_s=0.05) == 0
