@@ -20,7 +20,7 @@ import contextlib
 import os
 import select
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -207,9 +207,8 @@ def serve(jobs: IO[bytes], replies: IO[bytes], idle_exit_s: float = IDLE_EXIT_S,
         except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
             job, error = {}, f"servprof analysis: a job it cannot read ({type(exc).__name__})"
         else:
-            os.environ.clear()  # the serving process's settings now, as a fresh child would read them
-            os.environ.update({**base_env, **settings})
-            error = _analyse_to_file(*paths)
+            with _settings(base_env, settings):
+                error = _analyse_to_file(*paths)
         done += 1
         retire = (done >= max_jobs or (isinstance(job, dict) and job.get("retire") is True)
                   or _resident_bytes() > retire_bytes)
@@ -217,6 +216,20 @@ def serve(jobs: IO[bytes], replies: IO[bytes], idle_exit_s: float = IDLE_EXIT_S,
         replies.flush()
         if retire:
             return 0
+
+
+@contextlib.contextmanager
+def _settings(base_env: dict[str, str], settings: dict[str, str]) -> Iterator[None]:
+    """The serving process's SERVPROF_* settings as they are now, as a fresh child would read them;
+    the environment as it was afterwards."""
+    before = dict(os.environ)
+    os.environ.clear()
+    os.environ.update({**base_env, **settings})
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
 
 
 def _analyse_to_file(trace_path: Path, session_path: Path, result_path: Path) -> str | None:

@@ -193,7 +193,9 @@ def test_serve_answers_each_job_and_a_bad_one_clearly(session_files: tuple[Path,
     good = orjson.dumps({"trace": str(trace), "session": str(session), "result": str(tmp_path / "r.json")}) + b"\n"
     missing = orjson.dumps({"trace": str(tmp_path / "none.json.gz"), "session": str(session),
                             "result": str(tmp_path / "n.json")}) + b"\n"
+    environ = dict(os.environ)
     status, replies = serve_in_process([good, b"not json\n", missing, good])
+    assert dict(os.environ) == environ  # each job's settings applied for it alone
     assert status == 0 and [r["ok"] for r in replies] == [True, False, False, True]
     assert replies[1]["error"] == "servprof analysis: a job it cannot read (JSONDecodeError)"
     assert replies[2]["error"].startswith("servprof analysis failed: TraceError")
