@@ -71,13 +71,19 @@ class TraceStore:
         os.close(os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600))
 
     def write_json(self, session_id: str, suffix: str, data: Any) -> Path:
+        """Write the file whole or not at all: a session file is rewritten while the session goes on
+        and read meanwhile (status tools, the analysis), and a reader must never see it half written.
+        A failed rewrite leaves the last complete one."""
         path = self.path_for(session_id, suffix)
+        partial = path.with_name(path.name + ".tmp")  # (retention removes it with its session)
+        document = orjson.dumps(data, option=orjson.OPT_NON_STR_KEYS)
         try:
-            self.create_private(path)
-            path.write_bytes(orjson.dumps(data, option=orjson.OPT_NON_STR_KEYS))
+            self.create_private(partial)
+            partial.write_bytes(document)
+            os.replace(partial, path)
         except OSError as exc:  # a full or unwritable dir: a store problem, as for the trace
             with contextlib.suppress(OSError):
-                path.unlink()
+                partial.unlink()
             raise StoreError(exc.errno, f"could not write {path}: {exc.strerror or exc}") from exc
         return path
 

@@ -6,9 +6,11 @@ import math
 import os
 import random
 import stat
+import threading
 import time
 from pathlib import Path
 
+import orjson
 import pytest
 
 from servprof.sampling import REASON_ON_DEMAND, RouteFilter, Sampler
@@ -189,6 +191,41 @@ def test_store_names_come_from_session_ids_only(tmp_path: Path) -> None:
     store.check_writable()
     path = store.write_json("abc-123", ".session.json", {"a": 1})
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_a_session_file_rewritten_while_read_is_always_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The capture thread rewrites .session.json while status tools (and the tests) read it: a
+    reader sees the last whole file, never an empty or half-written one, and a failed rewrite
+    keeps the last whole one."""
+    store = TraceStore(tmp_path, max_files=3, max_mb=1.0)
+    store.check_writable()
+    records = [{"request_id": f"r{i}", "route": "/v1/completions", "chunks": i} for i in range(20_000)]
+    path = store.write_json("s1", ".session.json", {"version": 0, "requests": records})
+    stop = threading.Event()
+
+    def rewrite() -> None:
+        version = 0
+        while not stop.is_set():
+            version += 1
+            store.write_json("s1", ".session.json", {"version": version, "requests": records})
+
+    writer = threading.Thread(target=rewrite)
+    writer.start()
+    try:
+        versions = [orjson.loads(path.read_bytes())["version"] for _ in range(300)]
+    finally:
+        stop.set()
+        writer.join()
+    assert versions == sorted(versions) and versions[-1] > 0
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and not list(store.traces_dir.glob("*.tmp"))
+
+    def disk_full(*_args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", disk_full)
+    with pytest.raises(StoreError, match="No space left"):
+        store.write_json("s1", ".session.json", {"version": -1})
+    assert orjson.loads(path.read_bytes())["requests"] == records and not list(store.traces_dir.glob("*.tmp"))
 
 
 def test_unwritable_store_says_why(tmp_path: Path) -> None:
