@@ -6,7 +6,6 @@ the worker only where a real one cannot be made to misbehave, and say so."""
 
 from __future__ import annotations
 
-import gzip
 import os
 import sys
 import threading
@@ -15,30 +14,17 @@ from pathlib import Path
 
 import orjson
 import pytest
-import torch
-from _middleware_helpers import wait_idle, wait_warm
-from torch.profiler import ProfilerActivity, profile
+from _analyze_helpers import record_phase_trace
 
 from servprof import analysis, analysis_worker
 from servprof.analysis_worker import WORKERS
-from servprof.phases import phase
 
 
 @pytest.fixture(scope="module")
 def session_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A real capture with servprof phases, and its session description."""
     folder = tmp_path_factory.mktemp("worker")
-    wait_warm()
-    wait_idle()  # never start a second profiler while servprof's own one runs
-    prof = profile(activities=[ProfilerActivity.CPU])
-    prof.start()
-    with phase("decode_step", request_ids=["r1"]):
-        torch.ones(8) * 2
-    prof.stop()
-    raw = folder / "t.json"
-    prof.export_chrome_trace(str(raw))
-    trace = folder / "w1.pt.trace.json.gz"
-    trace.write_bytes(gzip.compress(raw.read_bytes()))
+    trace = record_phase_trace(folder, "w1")
     session = folder / "w1.session.json"
     session.write_bytes(orjson.dumps({"session_id": "w1", "requests": [{"request_id": "r1"}]}))
     return trace, session
@@ -66,7 +52,7 @@ def test_one_worker_serves_session_after_session(session_files: tuple[Path, Path
     pid = warm_pid()
     second = analyse(session_files, tmp_path, "again.json")
     assert first["error"] is None and second["error"] is None, (first["error"], second["error"])
-    assert [p["name"] for p in second["requests"]["r1"]["phases"]] == ["decode_step"]
+    assert [p["name"] for p in second["requests"]["r1"]["phases"]] == ["tokenize", "decode_step"]
     assert pid is not None and warm_pid() == pid and WORKERS._warm.jobs == 2
     assert len(WORKERS.running) == 1
     # Low priority, and one thread for its numeric libraries (it must not spin on torch's cores).

@@ -9,34 +9,14 @@ from pathlib import Path
 
 import orjson
 import pytest
-import torch
-from _middleware_helpers import wait_idle, wait_warm
-from torch._C._profiler import _ExperimentalConfig
-from torch.profiler import ProfilerActivity, profile
+from _analyze_helpers import record_phase_trace
 
 from servprof import analysis, analysis_worker
-from servprof.phases import phase
 
 
 @pytest.fixture(scope="module")
 def real_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real profiler capture with servprof phases, gzipped as the store writes it."""
-    folder = tmp_path_factory.mktemp("trace")
-    wait_warm()
-    wait_idle()  # never start a second profiler while servprof's own one (or its warm-up) runs
-    prof = profile(activities=[ProfilerActivity.CPU],
-                   experimental_config=_ExperimentalConfig(profile_all_threads=True))
-    prof.start()
-    with phase("tokenize", request_id="r1"):
-        torch.ones(8).sum()
-    with phase("decode_step", request_ids=["r1", "r2"]):
-        torch.ones(8) * 2
-    prof.stop()
-    raw = folder / "t.json"
-    prof.export_chrome_trace(str(raw))
-    path = folder / "s1.pt.trace.json.gz"
-    path.write_bytes(gzip.compress(raw.read_bytes()))
-    return path
+    return record_phase_trace(tmp_path_factory.mktemp("trace"))
 
 
 def test_phase_timings_survive_a_failing_detector(real_trace: Path, tmp_path: Path,
