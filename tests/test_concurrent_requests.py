@@ -47,3 +47,23 @@ def test_gaps_between_concurrent_requests_steps_are_theirs_and_within_each_threa
         assert covered >= 0.5 * (gap["end_us"] - gap["start_us"]), gap
         assert gap["other_steps"]["us"] == pytest.approx(covered, abs=1.0)
     assert not [f for f in result["findings"] if f["evidence"].get("cause") == "model_on_event_loop"]
+
+
+def test_a_request_whose_steps_hop_between_pool_threads_keeps_them(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """tests/servers/to_thread_per_token.py: each token's forward is one ``await asyncio.to_thread``,
+    so one request's steps run on whichever of the executor's threads is free, beside other
+    requests' steps. Each step still names its own request (to_thread carries the request's
+    context), the first one its prefill, and no thread is taken for an engine's."""
+    requests, tokens = 4, 8
+    observed = session_on("servers.to_thread_per_token", tmp_path_factory.mktemp("to_thread"),
+                          ["/v1/completions"] * requests, tokens)
+    result, session = observed["result"], observed["session"]
+    assert [status for _, status, _ in observed["responses"]] == [200] * requests
+    assert result["error"] is None, result["error"]
+    sampled = {rid for _, _, rid in observed["responses"]}
+    for rid in sampled:
+        kinds = [p["name"] for p in sorted(result["requests"][rid]["phases"], key=lambda p: p["start_us"])
+                 if p["name"] in ("prefill", "decode_step")]
+        assert kinds == ["prefill"] + ["decode_step"] * tokens, (rid, kinds)
+    assert session["auto"]["threads_without_request"] == []
+    assert not [f for f in result["findings"] if f["evidence"].get("cause") == "model_on_event_loop"]
