@@ -63,3 +63,20 @@ def test_no_tokenization_in_the_trace_says_how_to_get_it(tmp_path: Path):
     # (The bandwidth detector also says it has no op shapes here; only one entry is about tokenization.)
     (entry,) = [m for m in analysis.summary["missing"] if m["what"] == "tokenization"]
     assert "servprof.phase(\"tokenize\")" in entry["message"] and "tiktoken" in entry["message"]
+
+
+def test_the_title_promises_a_first_model_step_only_when_the_trace_has_one(tmp_path: Path):
+    """A batch's tokenizer call names no request, and a request may have no step of its own in the
+    trace: neither is said to come 'before its first model step'."""
+    trace = KinetoTrace()
+    trace.host("servprof:tokenize", 0.0, 12_000.0, tid=ENGINE)  # a batch's call: no request named
+    trace.host("servprof:tokenize|r2", 20_000.0, 12_000.0, tid=LOOP)  # r2: no step after it
+    for k in range(4):
+        trace.host("servprof:decode_step|r1", 40_000.0 + k * 2100.0, 2000)
+    titles = {f.evidence["request_id"]: f.title for f in analyse(load_trace(trace.write(tmp_path / "t.json"))).findings
+              if f.kind == "tokenization_stall"}
+    assert titles[None] == "a tokenizer call spent 12.0 ms tokenizing (it names no request: a batch's, or outside any request)"
+    assert titles["r2"] == "request r2 spent 12.0 ms tokenizing (no model step of its own after it in the trace)"
+    (before,) = [f for f in analyse(load_trace(_trace(8.0).write(tmp_path / "u.json"))).findings
+                 if f.kind == "tokenization_stall"]
+    assert before.title == "request r1 spent 8.0 ms tokenizing before its first model step"

@@ -191,6 +191,10 @@ def detect_tokenization_stalls(trace: Trace, steps: list[Step], gaps: list[Gap])
         if entry["on_event_loop"]:
             harm += "; it ran on the event loop, blocking every other request"
         who = f"request {entry['request_id']}" if entry["request_id"] else "a tokenizer call"
+        # Only a request's own first model step, found in the trace, is one its tokenization came before.
+        where = " before its first model step" if ttft_path is not None else (
+            " (no model step of its own after it in the trace)" if entry["request_id"] else
+            " (it names no request: a batch's, or outside any request)")
         big = (share or 0) >= CRITICAL_SHARE or (session_us > 0 and cost * 1000 >= 0.2 * session_us) \
             or entry["on_event_loop"] or entry["delayed_steps"]
         noticeable = (share or 0) >= CRITICAL_SHARE or entry["on_event_loop"] or entry["tokenize_ms"] >= WARNING_MS
@@ -202,7 +206,7 @@ def detect_tokenization_stalls(trace: Trace, steps: list[Step], gaps: list[Gap])
             cost_ms=cost,
             start_us=entry["start_us"],
             end_us=entry["end_us"],
-            title=f"{who} spent {entry['tokenize_ms']:.1f} ms tokenizing before its first model step{harm}",
+            title=f"{who} spent {entry['tokenize_ms']:.1f} ms tokenizing{where}{harm}",
             request_ids=[r for r in [entry["request_id"], *entry["delayed_request_ids"]] if r],
             evidence={**entry, "share_of_time_to_first_step": round(share, 4) if share is not None else None},
         ))
