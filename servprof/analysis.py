@@ -69,7 +69,8 @@ def run_analysis(session_id: str, trace_path: Path, session_path: Path, result_p
     except JobFailed as exc:
         return failed_result(session_id, trace_path, str(exc))
     if not reply.get("ok"):
-        return failed_result(session_id, trace_path, f"analysis process exited with status 1: {reply.get('error')}")
+        # (The worker lives on: a trace it could not read fails that session alone.)
+        return failed_result(session_id, trace_path, str(reply.get("error") or "servprof analysis failed"))
     try:
         result = orjson.loads(result_path.read_bytes())
     except (OSError, orjson.JSONDecodeError) as exc:

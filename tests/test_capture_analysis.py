@@ -50,7 +50,8 @@ def test_child_failing_on_a_bad_trace_is_a_failed_result(tmp_path: Path) -> None
     session.write_bytes(orjson.dumps({"session_id": "bad", "requests": []}))
     result = analysis.run_analysis("bad", bad, session, tmp_path / "bad.analysis.json", timeout_s=60)
     assert result["session_id"] == "bad" and result["requests"] == {} and result["findings"] == []
-    assert result["error"].startswith("analysis process exited with status 1: servprof analysis failed:")
+    assert result["error"].startswith("servprof analysis failed: TraceError:"), result["error"]
+    assert analysis_worker.WORKERS._warm is not None and analysis_worker.WORKERS._warm.alive()  # it lives on
 
 
 def test_a_trace_over_the_size_limit_is_refused_not_read(real_trace: Path, tmp_path: Path,
