@@ -175,8 +175,9 @@ def analyse(trace_path: Path, session: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str]) -> int:
     if argv == ["--serve"]:
         _lower_priority()
+        replies = _own_stdout()
         import servprof.detect.analysis  # noqa: F401 - a worker imports once, before its first job
-        return serve(sys.stdin.buffer, sys.stdout.buffer)
+        return serve(sys.stdin.buffer, replies)
     if len(argv) != 3:
         print("usage: python -m servprof.analysis TRACE SESSION_JSON RESULT_JSON  (or --serve)", file=sys.stderr)
         return 2
@@ -247,6 +248,16 @@ def _analyse_to_file(trace_path: Path, session_path: Path, result_path: Path) ->
     except OSError as exc:
         return f"servprof analysis failed: cannot write {result_path}: {exc.strerror}"
     return None
+
+
+def _own_stdout() -> IO[bytes]:
+    """The replies' channel: stdout, kept for them alone. Whatever else writes to it (a print in a
+    library, a C library's output) goes to stderr instead of corrupting a reply."""
+    sys.stdout.flush()
+    replies = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return replies
 
 
 def _lower_priority() -> None:

@@ -87,6 +87,25 @@ def test_a_retired_worker_is_replaced(session_files: tuple[Path, Path], tmp_path
     assert analyse(session_files, tmp_path)["error"] is None
 
 
+def test_output_of_the_analysis_itself_never_corrupts_a_reply(session_files: tuple[Path, Path], tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A print, in Python or from C, during a job goes to the worker's stderr, not into its replies."""
+    noisy = ("import os, sys\n"
+             "from servprof import analysis\n"
+             "real = analysis.analyse\n"
+             "def noisy(*args):\n"
+             "    print('a library talking on stdout')\n"
+             "    os.write(1, b'and C code too\\n')\n"
+             "    return real(*args)\n"
+             "analysis.analyse = noisy\n"
+             "sys.exit(analysis.main(['--serve']))\n")
+    monkeypatch.setattr(analysis_worker, "worker_command", lambda: [sys.executable, "-c", noisy])
+    for name in ("a.json", "b.json"):
+        result = analyse(session_files, tmp_path, name)
+        assert result["error"] is None and "r1" in result["requests"], result["error"]
+    assert WORKERS._warm is not None and WORKERS._warm.jobs == 2
+
+
 def test_a_worker_gone_idle_as_the_job_came_is_replaced_without_an_error(
         session_files: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Stand-in: a worker that answers its first job, then exits 0 without answering the second, as
