@@ -195,7 +195,6 @@ def serve(jobs: IO[bytes], replies: IO[bytes], idle_exit_s: float = IDLE_EXIT_S,
     one), one reply per line (``{"ok": bool, "error": str | null, "retire": bool}``). Ends when its
     input closes (the serving process is gone), after ``idle_exit_s`` without a job, or after a job
     that retires it."""
-    base_env = {k: v for k, v in os.environ.items() if not k.startswith(SETTINGS_PREFIX)}
     done = 0
     while True:
         ready, _, _ = select.select([jobs], [], [], idle_exit_s)
@@ -209,11 +208,10 @@ def serve(jobs: IO[bytes], replies: IO[bytes], idle_exit_s: float = IDLE_EXIT_S,
         except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
             job, error = {}, f"servprof analysis: a job it cannot read ({type(exc).__name__})"
         else:
-            with _settings(base_env, settings):
+            with _settings(settings):
                 error = _analyse_to_file(*paths)
         done += 1
-        retire = (done >= max_jobs or (isinstance(job, dict) and job.get("retire") is True)
-                  or _resident_bytes() > retire_bytes)
+        retire = done >= max_jobs or job.get("retire") is True or _resident_bytes() > retire_bytes
         replies.write(orjson.dumps({"ok": error is None, "error": error, "retire": retire}) + b"\n")
         replies.flush()
         if retire:
@@ -221,12 +219,12 @@ def serve(jobs: IO[bytes], replies: IO[bytes], idle_exit_s: float = IDLE_EXIT_S,
 
 
 @contextlib.contextmanager
-def _settings(base_env: dict[str, str], settings: dict[str, str]) -> Iterator[None]:
-    """The serving process's SERVPROF_* settings as they are now, as a fresh child would read them;
-    the environment as it was afterwards."""
+def _settings(settings: dict[str, str]) -> Iterator[None]:
+    """The serving process's SERVPROF_* settings as they are now (the worker's own replaced), as a
+    fresh child would read them; the environment as it was afterwards."""
     before = dict(os.environ)
     os.environ.clear()
-    os.environ.update({**base_env, **settings})
+    os.environ.update({**{k: v for k, v in before.items() if not k.startswith(SETTINGS_PREFIX)}, **settings})
     try:
         yield
     finally:
