@@ -27,11 +27,13 @@ def servprof_middleware(app: Any) -> ServprofMiddleware:
 
 
 def session_on(module: str, out_dir: Path, paths: list[str], max_tokens: int, spaced_s: float | None = None,
+               body: dict[str, Any] | None = None, start_at_s: list[float] | None = None,
                **settings: Any) -> dict[str, Any]:
-    """POST {"prompt", "max_tokens"} to each of ``paths``, all at once (``spaced_s`` None) or each
-    after the last answered plus ``spaced_s``; one session samples them all. Returns the session,
-    the analysis result and (path, status, request id) per request. ``settings``: more of the
-    middleware's settings (``tier="deep"``)."""
+    """POST {"prompt", "max_tokens"} (or ``body``) to each of ``paths``, all at once (``spaced_s``
+    None), each after the last answered plus ``spaced_s``, or each ``start_at_s[i]`` seconds after
+    the first was sent; one session samples them all. Returns the session, the analysis result and
+    (path, status, request id) per request. ``settings``: more of the middleware's settings
+    (``tier="deep"``)."""
     app = importlib.import_module(module).create_app()
     app.add_middleware(ServprofMiddleware, out_dir=out_dir, telemetry=False, sample_every=1,
                        requests_per_session=len(paths), max_session_events=10**9, **settings)
@@ -40,13 +42,15 @@ def session_on(module: str, out_dir: Path, paths: list[str], max_tokens: int, sp
 
     def post(url: str, path: str) -> None:
         with httpx.Client(timeout=120) as client:
-            response = client.post(url + path, json={"prompt": PROMPT, "max_tokens": max_tokens})
+            response = client.post(url + path, json=body or {"prompt": PROMPT, "max_tokens": max_tokens})
             responses.append((path, response.status_code, response.headers.get("x-request-id")))
 
     with serve(app) as (url, _server):
         middleware = servprof_middleware(app)
-        clients = []
-        for path in paths:
+        clients, first = [], time.monotonic()
+        for index, path in enumerate(paths):
+            if start_at_s is not None:
+                time.sleep(max(0.0, first + start_at_s[index] - time.monotonic()))
             clients.append(threading.Thread(target=post, args=(url, path)))
             clients[-1].start()
             if spaced_s is not None:

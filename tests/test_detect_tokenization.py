@@ -80,3 +80,28 @@ def test_the_title_promises_a_first_model_step_only_when_the_trace_has_one(tmp_p
     (before,) = [f for f in analyse(load_trace(_trace(8.0).write(tmp_path / "u.json"))).findings
                  if f.kind == "tokenization_stall"]
     assert before.title == "request r1 spent 8.0 ms tokenizing before its first model step"
+
+
+def test_a_tokenization_beside_other_threads_model_steps_says_so_and_what_to_try(tmp_path: Path):
+    """A server that runs each request's model call on its own thread: r3 tokenizes on its thread
+    while r1's and r2's forwards run on two others. The title says which threads' steps covered how
+    much of it, and the fix starts from the contention (the tokenizer may be starved, not slow); a
+    tokenization with nothing running beside it keeps the slow-tokenizer fix."""
+    trace = KinetoTrace()
+    trace.host("servprof:prefill|r1", 0.0, 30_000.0, tid=11)
+    trace.host("servprof:prefill|r2", 2_000.0, 7_000.0, tid=12)
+    trace.host("servprof:prefill|r2", 12_000.0, 30_000.0, tid=12)
+    trace.host("servprof:tokenize|r3", 5_000.0, 8_000.0, tid=13)  # covered by r1 all through, r2 in part
+    trace.host("servprof:prefill|r3", 13_100.0, 20_000.0, tid=13)
+    trace.host("servprof:tokenize|r4", 60_000.0, 8_000.0, tid=14)  # alone
+    trace.host("servprof:prefill|r4", 68_100.0, 20_000.0, tid=14)
+    stalls = {f.evidence["request_id"]: f for f in analyse(load_trace(trace.write(tmp_path / "t.json"))).findings
+              if f.kind == "tokenization_stall"}
+    beside, alone = stalls["r3"], stalls["r4"]
+    assert beside.evidence["other_steps"] == {"us": 8000.0, "threads": 2}
+    assert beside.title == ("request r3 spent 8.0 ms tokenizing before its first model step; model steps ran on 2 "
+                            "other thread(s) for 8.0 ms of it")
+    assert beside.fix.startswith("It ran while model calls on other threads") and "time the same call alone" in beside.fix
+    assert alone.evidence["other_steps"] == {"us": 0.0, "threads": 0}
+    assert alone.title == "request r4 spent 8.0 ms tokenizing before its first model step"
+    assert alone.fix.startswith("Use a fast (Rust) tokenizer")

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from servprof.detect.concurrency import other_steps_during
 from servprof.detect.finding import Finding
 from servprof.detect.gaps import Gap
 from servprof.detect.host_stacks import TOKENIZER_NAMES
@@ -54,6 +55,17 @@ FIX_GIL = (
 FIX_SLOW = (
     "Use a fast (Rust) tokenizer (`tokenizers`, `AutoTokenizer.from_pretrained(..., use_fast=True)`), cache chat "
     "templates and repeated prefixes, and tokenize in a pool off the request's critical path."
+)
+# Model steps on other threads covered most of the tokenization: it shared the CPUs and the GIL with
+# them, so its time says as much about them as about the tokenizer.
+CONTENDED_SHARE = 0.5
+FIX_CONTENDED = (
+    "It ran while model calls on other threads kept the CPUs and the GIL busy, so the tokenizer may be starved "
+    "rather than slow: time the same call alone (a Rust tokenizer takes ~0.1-0.3 ms per 100 tokens). If it is fast "
+    "alone, leave it CPU: cap concurrent model calls at what the machine runs at once, or batch requests on one "
+    "model thread fed by a queue; on a CPU server keep a core for the server "
+    "(`torch.set_num_threads(os.cpu_count() - 1)`), or tokenize in a separate process (a ProcessPoolExecutor). "
+    "If it is slow alone too: " + FIX_SLOW[0].lower() + FIX_SLOW[1:]
 )
 
 
@@ -124,6 +136,24 @@ class _Near:
         return near if touching else near[self.end[near] > start]
 
 
+def _other_steps_during_spans(spans: list[tuple[str | None, float, float, int, int]], steps: list[Step]
+                              ) -> tuple[np.ndarray, np.ndarray]:
+    """Per tokenization: µs of it covered by model steps on other threads of its rank, and how many
+    threads those were."""
+    cover, threads = np.zeros(len(spans)), np.zeros(len(spans), dtype=np.int64)
+    if not spans or not steps:
+        return cover, threads
+    rank_of_span = np.array([rank for _, _, _, rank, _ in spans], dtype=np.int64)
+    for rank in np.unique(rank_of_span).tolist():
+        mine = np.flatnonzero(rank_of_span == rank)
+        rank_steps = [s for s in steps if s.rank == rank]
+        if rank_steps:
+            cover[mine], threads[mine] = other_steps_during(
+                rank_steps, np.array([spans[i][1] for i in mine]), np.array([spans[i][2] for i in mine]),
+                np.array([spans[i][4] for i in mine], dtype=np.int64))
+    return cover, threads
+
+
 def detect_tokenization_stalls(trace: Trace, steps: list[Step], gaps: list[Gap]) -> tuple[list[Finding], dict[str, Any]]:
     spans = _tokenize_spans(trace)
     session_us = float(trace.end.max() - trace.ts.min()) if len(trace) else 0.0
@@ -143,6 +173,7 @@ def detect_tokenization_stalls(trace: Trace, steps: list[Step], gaps: list[Gap])
     first_steps = _step_starts_by_request(steps)
     slow_near = _Near(slow_rank, slow_start, slow_end)
     gaps_near = _Near(gap_rank, gap_start, gap_end)
+    contended_us, contended_threads = _other_steps_during_spans(spans, steps)
     for index, (rid, start, end, rank, tid) in enumerate(spans):
         key = rid or f"unattributed-{index}"
         starts = first_steps.get((rank, rid)) if rid is not None else None
@@ -152,8 +183,11 @@ def detect_tokenization_stalls(trace: Trace, steps: list[Step], gaps: list[Gap])
             "request_id": rid, "tokenize_ms": 0.0, "start_us": start, "end_us": end, "thread": tid,
             "to_first_model_step_ms": None, "delayed_steps": 0, "delayed_step_ms": 0.0,
             "delayed_request_ids": set(), "overlapping_gap_ms": 0.0,
+            "other_steps": {"us": 0.0, "threads": 0},
         })
         entry["tokenize_ms"] += (end - start) / 1000.0
+        entry["other_steps"]["us"] += float(contended_us[index])
+        entry["other_steps"]["threads"] = max(entry["other_steps"]["threads"], int(contended_threads[index]))
         entry["end_us"] = max(entry["end_us"], end)
         if first_model is not None:
             entry["to_first_model_step_ms"] = round((first_model - entry["start_us"]) / 1000.0, 3)
@@ -179,6 +213,7 @@ def detect_tokenization_stalls(trace: Trace, steps: list[Step], gaps: list[Gap])
         entry["delayed_step_ms"] = round(entry["delayed_step_ms"], 3)
         entry["overlapping_gap_ms"] = round(entry["overlapping_gap_ms"], 3)
         entry["on_event_loop"] = (entry["thread"] == loop_tid) if loop_tid is not None else None
+        entry["other_steps"]["us"] = round(entry["other_steps"]["us"], 1)
         if entry["tokenize_ms"] < MIN_TOKENIZE_MS:
             continue
         ttft_path = entry["to_first_model_step_ms"]
@@ -190,6 +225,12 @@ def detect_tokenization_stalls(trace: Trace, steps: list[Step], gaps: list[Gap])
                     f"{entry['delayed_step_ms']:.1f} ms slower meanwhile")
         if entry["on_event_loop"]:
             harm += "; it ran on the event loop, blocking every other request"
+        # (Beside an on-loop call or one that slowed others' steps, that fix comes first.)
+        contended = not entry["on_event_loop"] and not entry["delayed_steps"] \
+            and entry["other_steps"]["us"] >= CONTENDED_SHARE * entry["tokenize_ms"] * 1000
+        if contended:
+            harm += (f"; model steps ran on {entry['other_steps']['threads']} other thread(s) for "
+                     f"{entry['other_steps']['us'] / 1000:.1f} ms of it")
         who = f"request {entry['request_id']}" if entry["request_id"] else "a tokenizer call"
         # Only a request's own first model step, found in the trace, is one its tokenization came before.
         where = " before its first model step" if ttft_path is not None else (
@@ -198,7 +239,8 @@ def detect_tokenization_stalls(trace: Trace, steps: list[Step], gaps: list[Gap])
         big = (share or 0) >= CRITICAL_SHARE or (session_us > 0 and cost * 1000 >= 0.2 * session_us) \
             or entry["on_event_loop"] or entry["delayed_steps"]
         noticeable = (share or 0) >= CRITICAL_SHARE or entry["on_event_loop"] or entry["tokenize_ms"] >= WARNING_MS
-        fix = FIX_ON_LOOP if entry["on_event_loop"] else (FIX_GIL if entry["delayed_steps"] else FIX_SLOW)
+        fix = FIX_ON_LOOP if entry["on_event_loop"] else (
+            FIX_GIL if entry["delayed_steps"] else (FIX_CONTENDED if contended else FIX_SLOW))
         findings.append(Finding(
             kind="tokenization_stall",
             severity="critical" if big and cost >= CRITICAL_MS else ("warning" if noticeable else "info"),
