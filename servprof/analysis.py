@@ -122,13 +122,17 @@ def steps_by_request(steps: list[Any], session: dict[str, Any], base_ns: int) ->
 
 
 def merged_missing(*lists: Any) -> list[dict[str, str]]:
-    """One ``summary["missing"]`` from the detectors' entries and the serving side's (the trace's
-    ``servprof`` metadata: automatic phases off, no tokenizer library, no loop watched)."""
+    """One ``summary["missing"]`` from the serving side's entries (the trace's ``servprof``
+    metadata: automatic phases off or no forward seen, no tokenizer library, no loop watched), which
+    know the process, and then the detectors'."""
     out: list[dict[str, str]] = []
     for entries in lists:
         for entry in entries if isinstance(entries, list) else []:
             if isinstance(entry, dict) and isinstance(entry.get("message"), str) and entry not in out:
                 out.append({"what": str(entry.get("what", "")), "message": entry["message"]})
+    # The serving side saw no forward in its process at all: that says more than "no step in the trace".
+    if any(entry["what"] == "automatic model steps" for entry in out):
+        out = [entry for entry in out if entry["what"] != "model steps"]
     return out
 
 
@@ -157,8 +161,8 @@ def analyse(trace_path: Path, session: dict[str, Any]) -> dict[str, Any]:
             # Traces without servprof's phase markers (vLLM's workers) still show the model steps
             # each sampled request was in flight for.
             requests = steps_by_request(detected.steps, session, int(base_ns))
-    summary["missing"] = merged_missing(summary.get("missing"), (summary.get("detect") or {}).get("missing"),
-                                        trace.servprof_metadata().get("missing"))
+    summary["missing"] = merged_missing(trace.servprof_metadata().get("missing"), summary.get("missing"),
+                                        (summary.get("detect") or {}).get("missing"))
     sampled = [r.get("request_id") for r in session.get("requests", [])]
     # Two different counts, named apart: the body chunks the sampled requests had streamed when the
     # capture stopped (the session's estimate of decode steps) and the model steps in the trace.

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from _middleware_helpers import serve, wait_idle, wait_sessions
+from _middleware_helpers import serve, wait_idle, wait_sessions, wait_warm
 
 from servprof.middleware import ServprofMiddleware
 
@@ -47,6 +47,7 @@ def session_on(module: str, out_dir: Path, paths: list[str], max_tokens: int, sp
 
     with serve(app) as (url, _server):
         middleware = servprof_middleware(app)
+        wait_warm()  # (the first test in a process: requests during the profiler's warm-up are not sampled)
         clients, first = [], time.monotonic()
         for index, path in enumerate(paths):
             if start_at_s is not None:

@@ -18,7 +18,7 @@ from _server_session import session_on
 
 # Long texts: tokenizing 32 of them takes ~17 ms alone here, and the encoder's forward over the
 # batch ~100 ms, so the later requests tokenize while the first one's forward runs.
-TEXTS = [("The harbour master counted the boats twice before the storm %d. " % i) * 30 for i in range(32)]
+TEXTS = [f"The harbour master counted the boats twice before the storm {i}. " * 30 for i in range(32)]
 START_AT_S = [0.0, 0.06, 0.06, 0.06]
 
 

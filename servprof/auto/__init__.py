@@ -103,9 +103,12 @@ class AutoInstrumentation:
             out.append({"what": "automatic model steps", "message": self.problem[0].upper() + self.problem[1:] + "."})
         elif self.steps.steps == 0:
             out.append({"what": "automatic model steps", "message": (
-                "No torch.nn.Module forward ran in this process while the session captured (a model served in "
-                "another process, or not built from nn.Module): mark each model step with "
-                "`with servprof.phase('decode_step'):` (or 'prefill').")})
+                "No torch.nn.Module forward ran in this process while the session captured: the sampled requests "
+                "did not run the model, or it runs in another process (a process pool, a worker or engine process, "
+                "a remote server), or it is not built from nn.Module. servprof records the process it is added to: "
+                "run the model there, or record the "
+                "process that runs it with torch.profiler and read that trace with `servprof analyze`; a model that "
+                "is not an nn.Module can mark its steps with `with servprof.phase('decode_step'):` (or 'prefill').")})
         if not self.tokenizers.libraries:
             names = ", ".join(TARGETS)
             out.append({"what": "tokenizer library", "message": (

@@ -1,0 +1,30 @@
+"""A server whose model runs in a worker process (tests/servers/process_pool.py): the serving
+process servprof is in never runs a forward. servprof says that first, with what to do about it
+(record the process that runs the model), instead of asking for step markers the serving process
+has no step to put in, and names no step, gap or kernel.
+
+Real parts: uvicorn on loopback, a light session of the real profiler and the real analysis
+worker, a real ProcessPoolExecutor (spawn) running a real transformers Llama's ``generate``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from _server_session import session_on
+
+
+def test_a_model_in_another_process_is_said_to_be_there_not_missing_markers(tmp_path: Path) -> None:
+    observed = session_on("servers.process_pool", tmp_path, ["/v1/generate"] * 2, 4)
+    result, session = observed["result"], observed["session"]
+    assert [status for _, status, _ in observed["responses"]] == [200, 200]
+    assert result["error"] is None, result["error"]
+    assert session["auto"]["steps"] == 0 and session["auto"]["models"] == []
+    assert result["summary"]["model_steps"] == 0
+    missing = result["summary"]["missing"]
+    assert missing[0]["what"] == "automatic model steps", missing
+    assert "runs in another process (a process pool" in missing[0]["message"]
+    assert "servprof analyze" in missing[0]["message"]
+    # The generic "no step in this trace: mark your steps" would send the user to the wrong process.
+    assert "model steps" not in [m["what"] for m in missing]
+    assert not [f for f in result["findings"] if f["kind"] in ("decode_gap", "bandwidth_bound_decode", "queue_wait")]
