@@ -4,7 +4,9 @@ and real models and tokenizers (built locally: nothing is downloaded)."""
 from __future__ import annotations
 
 import io
+import sys
 import threading
+import types
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -299,3 +301,20 @@ def _no_dynamo_counts_leak() -> Iterator[None]:
         return
     counters.clear()
 
+
+
+def test_no_forward_in_the_process_names_the_engine_that_runs_it_elsewhere(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session that saw no forward says the model may run in another process; with vLLM or
+    SGLang loaded it says how to profile their engine processes (module stand-ins: only their
+    presence in sys.modules is read)."""
+    for engine in ("vllm", "sglang"):
+        monkeypatch.delitem(sys.modules, engine, raising=False)
+    _phases, auto = auto_phases(tmp_path / "plain", lambda: None)
+    (entry,) = [m for m in auto.missing() if m["what"] == "automatic model steps"]
+    assert "runs in another process" in entry["message"] and "vLLM" not in entry["message"]
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "sglang", types.ModuleType("sglang"))
+    _phases, auto = auto_phases(tmp_path / "engines", lambda: None)
+    (entry,) = [m for m in auto.missing() if m["what"] == "automatic model steps"]
+    assert "VLLMMiddleware" in entry["message"] and "/start_profile" in entry["message"]

@@ -106,12 +106,28 @@ class AutoInstrumentation:
                 "No torch.nn.Module forward ran in this process while the session captured: the sampled requests "
                 "did not run the model, or it runs in another process (a process pool, a worker or engine process, "
                 "a remote server), or it is not built from nn.Module. servprof records the process it is added to: "
-                "run the model there, or record the "
-                "process that runs it with torch.profiler and read that trace with `servprof analyze`; a model that "
-                "is not an nn.Module can mark its steps with `with servprof.phase('decode_step'):` (or 'prefill').")})
+                "run the model there, or record the process that runs it with torch.profiler and read that trace "
+                "with `servprof analyze`; a model that is not an nn.Module can mark its steps with "
+                "`with servprof.phase('decode_step'):` (or 'prefill')." + _engine_hint())})
         if not self.tokenizers.libraries:
             names = ", ".join(TARGETS)
             out.append({"what": "tokenizer library", "message": (
                 f"No tokenizer library servprof knows ({names}) was loaded in this process, so tokenization was "
                 "not timed automatically: mark it with `with servprof.phase('tokenize'):`.")})
         return out
+
+
+# Engines that run the model in processes of their own, when loaded here, and how to profile those.
+ENGINE_HINTS = {
+    "vllm": " vLLM is loaded in this process, and it runs the model in its engine-core processes: use "
+            "`servprof.integrations.vllm.VLLMMiddleware` (`vllm serve --middleware ...`), which drives vLLM's own "
+            "profiler in them.",
+    "sglang": " SGLang is loaded in this process, and it runs the model in its scheduler processes: record them with "
+              "its profiler (`POST /start_profile`, SGLANG_TORCH_PROFILER_DIR) and read the traces with "
+              "`servprof analyze`.",
+}
+
+
+def _engine_hint() -> str:
+    return "".join(hint for module, hint in ENGINE_HINTS.items() if module in sys.modules)
+
