@@ -60,6 +60,8 @@ class ServprofMiddleware:
             if scope["type"] == "lifespan" and self._enabled:
                 await _lifespan(self.app, self.runtime, scope, receive, send)
                 return
+            if scope["type"] == "websocket":  # passed through; status says so (runtime.missing)
+                self.runtime.counters["websocket_connections"] += 1
             await self.app(scope, receive, send)
             return
         if self._control_prefix is not None:

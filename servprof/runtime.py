@@ -44,6 +44,14 @@ def create_observers(settings: Settings) -> tuple[list[RequestObserver], str | N
     return ([observer] if observer is not None else []), None
 
 
+WEBSOCKETS_UNSAMPLED = (
+    "{n} WebSocket connection(s) passed through unsampled: servprof samples HTTP requests (a connection is not one "
+    "request, and may outlast any session). Model work a connection starts still shows in a session sampled from "
+    "HTTP requests (every thread is recorded), named for no request; to sample it, serve the same model call over "
+    "an HTTP route (streamed, for tokens) and send requests there."
+)
+
+
 class ServprofRuntime:
     def __init__(self, settings: Settings, observers: list[RequestObserver] | None = None,
                  observer_problem: str | None = None, controller: CaptureController | None = None):
@@ -54,7 +62,8 @@ class ServprofRuntime:
         self.controller = controller or get_controller()
         self.observers = observers or []
         self.observer_problem = observer_problem
-        self.counters = {"requests": 0, "sampled": 0, "skipped": 0, "observer_errors": 0, "disconnects": 0,
+        self.counters = {"requests": 0, "websocket_connections": 0, "sampled": 0, "skipped": 0, "observer_errors": 0,
+                         "disconnects": 0,
                          "sessions_done": 0, "sessions_failed": 0, "control_requests": 0}
         self.skipped_by_reason: dict[str, int] = {}
         self.paused_reason: str | None = None
@@ -256,6 +265,9 @@ class ServprofRuntime:
         for entry in [*(summary.get("missing") or []), *(last_session.get("missing") or [])]:
             if isinstance(entry, dict) and entry not in out:
                 out.append(entry)
+        if self.counters["websocket_connections"]:
+            out.append({"what": "websocket connections", "message": WEBSOCKETS_UNSAMPLED.format(
+                n=self.counters["websocket_connections"])})
         return out
 
     def _telemetry_status(self) -> dict[str, Any] | None:

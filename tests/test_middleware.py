@@ -182,6 +182,10 @@ def test_lifespan_and_websocket_pass_through(tmp_path: Path, monkeypatch: pytest
     assert events == ["startup", "shutdown"]
     assert middleware.settings.sample_every == 1000 and middleware.settings.out_dir == tmp_path / "env-out"
     assert middleware.runtime.counters["requests"] == 1  # the websocket was not an HTTP request
+    # ... and status says it went through unsampled, and why.
+    assert middleware.runtime.counters["websocket_connections"] == 1
+    (entry,) = [m for m in middleware.runtime.status()["missing"] if m["what"] == "websocket connections"]
+    assert entry["message"].startswith("1 WebSocket connection(s) passed through unsampled")
 
 
 def test_bad_settings_are_a_clear_error() -> None:
