@@ -106,15 +106,16 @@ def test_a_server_that_starts_each_request_at_once_has_no_queue_wait(tmp_path_fa
 BASE_NS = 1_700_000_000_000_000_000
 
 
-def queued_trace(tmp_path: Any, step_thread: int, engine: bool = False, said_engine: bool = False
-                 ) -> tuple[Any, list[dict[str, Any]]]:
+def queued_trace(tmp_path: Any, step_thread: int, engine: bool = False, said_engine: bool = False,
+                 said_own: bool = False) -> tuple[Any, list[dict[str, Any]]]:
     """A request tokenized on thread 1 at 1 ms, its prefill on ``step_thread`` at 21 ms, nothing
     recorded between; then four decode steps. Its record: arrival 0.5 ms, first byte 22 ms.
     ``engine``: the step thread ran another request's steps before (0.2-0.6 ms); ``said_engine``:
-    the session's metadata lists the step thread among those with no request of their own."""
+    the session's metadata lists the step thread among those with no request of their own;
+    ``said_own``: the metadata lists no such thread (every step ran in its request's context)."""
     metadata: dict[str, Any] = {"baseTimeNanoseconds": BASE_NS}
-    if said_engine:
-        metadata["servprof"] = {"auto": {"threads_without_request": [step_thread]}}
+    if said_engine or said_own:
+        metadata["servprof"] = {"auto": {"threads_without_request": [step_thread] if said_engine else []}}
     built = KinetoTrace(metadata=metadata)
     if engine:
         built.annotation(auto_phase_name("decode_step", ["earlier"]), 200.0, 400.0, tid=step_thread)
@@ -125,7 +126,7 @@ def queued_trace(tmp_path: Any, step_thread: int, engine: bool = False, said_eng
         start += 500.0
     record = {"request_id": "req", "arrival_ns": BASE_NS + 500_000, "arrival_perf_ns": 7_000_000 + 500_000,
               "first_byte_ns": 7_000_000 + 22_000_000, "end_ns": 7_000_000 + 24_000_000}
-    name = f"queued{step_thread}{engine}{said_engine}.json"
+    name = f"queued{step_thread}{engine}{said_engine}{said_own}.json"
     return load_trace(built.write(tmp_path / name, device_name="CPU")), [record]
 
 
@@ -149,3 +150,37 @@ def test_a_wait_on_the_requests_own_thread_is_its_work_a_hand_off_to_an_engine_i
         assert wait["idle_ms"] == pytest.approx(21.0 - 1.4, abs=0.01) and len(findings) == 1
     else:
         assert wait["idle_ms"] == 0 and not findings
+
+
+def test_a_wait_before_a_model_call_made_in_the_requests_own_context_is_its_handlers(tmp_path: Any) -> None:
+    """The engine case's trace (the step thread served another request before), but the session
+    says every automatic step ran in its request's context (to_thread, a pool): nothing queued the
+    request, and the same 20.1 ms are its handler's before its model call, with that fix."""
+    trace, records = queued_trace(tmp_path, 2, engine=True, said_own=True)
+    analysis = analyse(trace, records)
+    (wait,) = analysis.summary["queue_wait"]["waits"]
+    assert wait["own_model_call"] and wait["idle_ms"] == pytest.approx(21.0 - 0.5 - 0.3 - 0.1, abs=0.01)
+    (finding,) = [f for f in analysis.findings if f.kind == "queue_wait"]
+    assert finding.evidence["cause"] == "before_model_call" and finding.severity == "warning"
+    assert finding.title.startswith("1 of 1 sampled requests spent 20.1 ms") and "in their handlers before" in finding.title
+    assert finding.fix.startswith("Each of these requests called the model from its own handler")
+    assert "queue_wait" not in [f.kind for f in analyse(*queued_trace(tmp_path, 2, said_own=True)).findings]
+
+
+def test_a_rag_handler_awaiting_its_retrieval_is_not_a_queue(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """tests/servers/rag.py: each request first awaits a search over HTTP (30 ms), then runs
+    generate() on a worker thread. The model sits idle meanwhile, but no queue held the requests:
+    servprof names that time as the handlers' own before their model call, never a queue's."""
+    from servers.rag import SEARCH_LATENCY_S
+
+    observed = session_on("servers.rag", tmp_path_factory.mktemp("rag"), ["/v1/generate"] * REQUESTS, MAX_TOKENS,
+                          spaced_s=0.05, skip_routes="/search*")
+    result = observed["result"]
+    assert [status for _, status, _ in observed["responses"]] == [200] * REQUESTS
+    assert result["error"] is None, result["error"]
+    waits = result["summary"]["detect"]["queue_wait"]["waits"]
+    assert len(waits) >= REQUESTS - 1 and all(w["own_model_call"] for w in waits), waits
+    # Each waited at least its search (the server's own sleep: a lower bound), and no step of its own ran.
+    assert all(w["wait_ms"] >= SEARCH_LATENCY_S * 1e3 and w["idle_ms"] <= w["wait_ms"] for w in waits), waits
+    causes = [f["evidence"]["cause"] for f in result["findings"] if f["kind"] == "queue_wait"]
+    assert causes == ["before_model_call"], causes

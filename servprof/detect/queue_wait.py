@@ -60,6 +60,8 @@ def detect_queue_wait(trace: Trace, steps: list[Step], times: dict[str, RequestT
     for step in steps:
         served.setdefault((step.rank, step.tid), set()).update(step.request_ids or ("",))
     shared = _threads_without_request(trace)
+    attributed = shared is not None  # the session said which threads' steps ran in no request's context
+    shared = shared or set()
     waits: list[dict[str, Any]] = []
     unmeasured: list[dict[str, str]] = []
     for rid, t in sorted(times.items()):
@@ -85,6 +87,11 @@ def detect_queue_wait(trace: Trace, steps: list[Step], times: dict[str, RequestT
             # recipe does): everything before its first step was this request's own way there
             # (handler, hand-off, generate()'s set-up), with no queue of other requests to wait in.
             spans.append((a, b))
+        # Its model call was made in its own context (an automatic step on a thread the session did
+        # not list as having no request of its own: to_thread, a pool, a thread started for it), so
+        # nothing queued it: the time before is its handler's way to that call.
+        own_call = attributed and first.source == "servprof_auto" and first.tid not in shared \
+            and list(first.request_ids) == [rid]
         own_us = _covered(spans, a, b)
         # The request's own work and other requests' steps: what is left is the model doing nothing.
         idle = max(0.0, (b - a) - _covered([*spans, *busy_spans], a, b))
@@ -93,45 +100,72 @@ def detect_queue_wait(trace: Trace, steps: list[Step], times: dict[str, RequestT
                       "wait_ms": round((first.start_us - t.arrival_us) / 1e3, 3), "idle_ms": round(idle / 1e3, 3),
                       "other_steps_ms": round(busy / 1e3, 3), "own_phases_ms": round(own_us / 1e3, 3),
                       "to_first_byte_ms": round((until - t.arrival_us) / 1e3, 3) if until < float("inf") else None,
-                      "first_step": first.label})
+                      "first_step": first.label, "own_model_call": own_call})
     summary["waits"], summary["unmeasured"] = waits, unmeasured
     idle_ones = [w for w in waits if w["idle_ms"] * 1e3 >= MIN_IDLE_US]
     judged = sum(w["to_first_byte_ms"] for w in waits if w["to_first_byte_ms"])
     if not idle_ones or judged <= 0:
         return [], summary
-    idle_ms = sum(w["idle_ms"] for w in idle_ones)
-    share = min(1.0, idle_ms / judged)
-    summary.update({"idle_ms": round(idle_ms, 3), "share_of_time_to_first_byte": round(share, 4)})
-    if share < WARNING_SHARE:  # a few ms of hand-off in a long answer: in the summary only
-        return [], summary
-    busy_ms = sum(w["other_steps_ms"] for w in idle_ones)
-    title = (f"{len(idle_ones)} of {len(waits)} sampled requests waited for their first model step while no model "
-             f"step ran: {idle_ms:.1f} ms in all (median {median([w['idle_ms'] for w in idle_ones]):.1f} ms each, "
-             f"{share:.0%} of their time to first byte)"
-             + (f"; other requests' steps ran {busy_ms:.1f} ms of those waits" if busy_ms >= 0.05 else ""))
-    finding = Finding(
-        kind=KIND, severity=severity_for_share(share, idle_ms),
-        cost_ms=idle_ms,
-        start_us=min(w["arrival_us"] for w in idle_ones), end_us=max(w["first_step_us"] for w in idle_ones),
-        title=title,
-        request_ids=[w["request_id"] for w in idle_ones],
-        evidence={"cause": "model_idle_while_waiting", "requests": len(waits), "waited": len(idle_ones),
-                  "idle_ms": round(idle_ms, 3), "share_of_time_to_first_byte": round(share, 4),
-                  "other_steps_ms": round(busy_ms, 3), "waits": sorted(idle_ones, key=lambda w: -w["idle_ms"])[:20]},
-        fix=("The model was free while these requests waited: start the next step as soon as one is waiting. Wake "
-             "the model thread with a blocking queue `get()` or a condition instead of polling with `sleep`; keep "
-             "a batching window only while there is nothing to run (take what has arrived and go); hold the "
-             "model's lock around the model call only."),
+    findings = []
+    for cause, group in ((QUEUED, [w for w in idle_ones if not w["own_model_call"]]),
+                         (BEFORE_CALL, [w for w in idle_ones if w["own_model_call"]])):
+        if not group:
+            continue
+        idle_ms = sum(w["idle_ms"] for w in group)
+        share = min(1.0, idle_ms / judged)
+        prefix = "" if cause == QUEUED else "before_model_call_"
+        summary.update({f"{prefix}idle_ms": round(idle_ms, 3), f"{prefix}share_of_time_to_first_byte": round(share, 4)})
+        if share >= WARNING_SHARE:  # (a few ms of hand-off in a long answer: in the summary only)
+            findings.append(_finding(cause, group, len(waits), idle_ms, share))
+    return findings, summary
+
+
+QUEUED, BEFORE_CALL = "model_idle_while_waiting", "before_model_call"
+FIX_QUEUED = (
+    "The model was free while these requests waited: start the next step as soon as one is waiting. Wake the model "
+    "thread with a blocking queue `get()` or a condition instead of polling with `sleep`; keep a batching window only "
+    "while there is nothing to run (take what has arrived and go); hold the model's lock around the model call only."
+)
+FIX_BEFORE_CALL = (
+    "Each of these requests called the model from its own handler, so no queue held it: the time is what its handler "
+    "did first (awaited calls such as retrieval or another service, an HTTP client or other object built per request, "
+    "a lock or a pool slot it waited for). Overlap those calls with each other or cache them, build clients once for "
+    "the app's life, and hold locks around the model call only; the loop_stall findings name any part of it that "
+    "blocked the event loop."
+)
+
+
+def _finding(cause: str, group: list[dict[str, Any]], requests: int, idle_ms: float, share: float) -> Finding:
+    busy_ms = sum(w["other_steps_ms"] for w in group)
+    each = f"median {median([w['idle_ms'] for w in group]):.1f} ms each, {share:.0%} of their time to first byte"
+    if cause == QUEUED:
+        title = (f"{len(group)} of {requests} sampled requests waited for their first model step while no model step "
+                 f"ran: {idle_ms:.1f} ms in all ({each})")
+    else:
+        title = (f"{len(group)} of {requests} sampled requests spent {idle_ms:.1f} ms ({each}) in their handlers "
+                 "before calling the model, while no model step ran")
+    title += f"; other requests' steps ran {busy_ms:.1f} ms of those waits" if busy_ms >= 0.05 else ""
+    severity = severity_for_share(share, idle_ms)
+    if cause == BEFORE_CALL and severity == "critical":
+        severity = "warning"  # the handler's own work (a retrieval may be the app's design), not capacity left idle
+    return Finding(
+        kind=KIND, severity=severity, cost_ms=idle_ms,
+        start_us=min(w["arrival_us"] for w in group), end_us=max(w["first_step_us"] for w in group),
+        title=title, request_ids=[w["request_id"] for w in group],
+        evidence={"cause": cause, "requests": requests, "waited": len(group), "idle_ms": round(idle_ms, 3),
+                  "share_of_time_to_first_byte": round(share, 4), "other_steps_ms": round(busy_ms, 3),
+                  "waits": sorted(group, key=lambda w: -w["idle_ms"])[:20]},
+        fix=FIX_QUEUED if cause == QUEUED else FIX_BEFORE_CALL,
     )
-    return [finding], summary
 
 
-def _threads_without_request(trace: Trace) -> set[int]:
+def _threads_without_request(trace: Trace) -> set[int] | None:
     """Threads whose automatic steps named the requests in flight, not a request of their own (the
-    session's ``auto.threads_without_request``): an engine thread serving one request stays an engine's."""
+    session's ``auto.threads_without_request``): an engine thread serving one request stays an
+    engine's. None when the trace does not say (no servprof session, automatic phases off)."""
     auto = trace.servprof_metadata().get("auto")
     listed = auto.get("threads_without_request") if isinstance(auto, dict) else None
-    return {t for t in listed if isinstance(t, int) and not isinstance(t, bool)} if isinstance(listed, list) else set()
+    return {t for t in listed if isinstance(t, int) and not isinstance(t, bool)} if isinstance(listed, list) else None
 
 
 def _covered(spans: list[tuple[float, float]], a: float, b: float) -> float:
