@@ -16,7 +16,7 @@ from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile
 
 from servprof.auto.session import metadata_safe
-from servprof.detect.loop_stall import detect_loop_stalls
+from servprof.detect.loop_stall import UNSAMPLED, detect_loop_stalls
 from servprof.trace import load_trace
 from servprof.watchdog import LoopWatchdog
 
@@ -179,3 +179,21 @@ def test_a_sleep_on_the_loop_gets_the_async_fix(tmp_path: Path, loop: asyncio.Ab
     (finding,) = findings
     assert finding.evidence["function"] == "_block_async"
     assert finding.evidence["innermost"]["function"] in ("_block_async", "sleep")
+
+
+def test_an_http_client_built_per_call_on_the_loop_gets_the_build_it_once_fix(
+        tmp_path: Path, loop: asyncio.AbstractEventLoop) -> None:
+    """``httpx.AsyncClient()`` in a handler builds an SSL context each time (it reads the CA
+    store): on the loop that is the stall, and the fix is one client for the app's life, not
+    moving the handler to a thread."""
+    import httpx
+
+    def handler_opening_clients() -> None:
+        for _ in range(8):
+            httpx.AsyncClient()
+
+    trace = _session_trace(tmp_path, loop, lambda: on_loop(loop, handler_opening_clients))
+    findings, _summary = detect_loop_stalls(trace)
+    (finding,) = [f for f in findings if f.evidence["function"] != UNSAMPLED]
+    assert any(f["file"].endswith("ssl.py") for f in finding.evidence["frames"]), finding.evidence["frames"]
+    assert "built an SSL context on the event loop" in finding.fix and "once" in finding.fix

@@ -245,15 +245,24 @@ def _finding(group: _Group, watched_ms: float) -> Finding:
                   "in_flight_max": in_flight, "blocking_request_ids": blockers,
                   "delayed_request_ids": group.request_ids[:100], "frames": frames,
                   "examples": sorted(stalls, key=lambda s: -s["duration_ms"])[:10]},
-        fix=_fix(group.function, where, kind, longest),
+        fix=_fix(group.function, where, kind, longest, group.frames),
     )
+
+
+# ssl.py functions that build a context and read the CA store: a client created per request.
+_SSL_SETUP = frozenset({"create_default_context", "load_default_certs", "load_verify_locations",
+                        "set_default_verify_paths"})
 
 
 def _where(frame: dict[str, Any]) -> str:
     return f"{frame.get('function')} ({os.path.basename(str(frame.get('file')))}:{frame.get('line')})"
 
 
-def _fix(function: str, where: str, kind: str, longest: float) -> str:
+def _fix(function: str, where: str, kind: str, longest: float, frames: list[dict[str, Any]]) -> str:
+    if any(f.get("function") in _SSL_SETUP and os.path.basename(str(f.get("file"))) == "ssl.py" for f in frames):
+        return (f"{where} built an SSL context on the event loop (it loads the CA certificates: milliseconds each "
+                "time): create the HTTP client (`httpx.AsyncClient`, `aiohttp.ClientSession`, an SDK's client) once, "
+                "at startup or in the app's lifespan, and reuse it for every request instead of opening one per call.")
     if function == WAITING:
         return ("Other threads kept the serving loop from running: keep Python-heavy work (per-token bookkeeping, "
                 "tokenization in threads) short or in another process, and leave CPU cores for the server.")

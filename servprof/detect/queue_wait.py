@@ -101,7 +101,8 @@ def detect_queue_wait(trace: Trace, steps: list[Step], times: dict[str, RequestT
                       "other_steps_ms": round(busy / 1e3, 3), "own_phases_ms": round(own_us / 1e3, 3),
                       "to_first_byte_ms": round((until - t.arrival_us) / 1e3, 3) if until < float("inf") else None,
                       "first_step": first.label, "own_model_call": own_call})
-    summary["waits"], summary["unmeasured"] = waits, unmeasured
+    # (Waits are measured from here: a request that arrived before has the rest of its wait judged.)
+    summary["waits"], summary["unmeasured"], summary["measured_from_us"] = waits, unmeasured, recorded_from
     idle_ones = [w for w in waits if w["idle_ms"] * 1e3 >= MIN_IDLE_US]
     judged = sum(w["to_first_byte_ms"] for w in waits if w["to_first_byte_ms"])
     if not idle_ones or judged <= 0:
