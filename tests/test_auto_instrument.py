@@ -244,10 +244,20 @@ def test_threads_started_for_a_request_carry_its_id_while_it_runs() -> None:
         thread.join()
         from concurrent.futures import ThreadPoolExecutor
 
-        with ThreadPoolExecutor(1) as pool:  # a pool thread serves many requests: it inherits none
-            seen["pool"] = pool.submit(request_id_here).result()
+        # A pool thread serves many requests: it inherits none, but a job carries the request that
+        # submitted it (loop.run_in_executor copies no contextvars), and only while it runs.
+        pool = ThreadPoolExecutor(1)
+        seen["pool job"] = pool.submit(request_id_here).result()
+
+        def submit_again() -> str | None:  # a job that hands work to another pool
+            with ThreadPoolExecutor(1) as inner:
+                return inner.submit(request_id_here).result()
+
+        seen["nested job"] = pool.submit(submit_again).result()
     finally:
         request_record_var.reset(token)
+    seen["pool job after"] = pool.submit(request_id_here).result()
+    pool.shutdown()
     record.end_ns = 1  # the request ended: a thread it started no longer speaks for it
     late = threading.Thread(target=lambda: seen.setdefault("late", request_id_here()))
     token = request_record_var.set(record)
@@ -256,7 +266,8 @@ def test_threads_started_for_a_request_carry_its_id_while_it_runs() -> None:
     finally:
         request_record_var.reset(token)
     late.join()
-    assert seen == {"plain": "req-thread", "pool": None, "late": None}
+    assert seen == {"plain": "req-thread", "pool job": "req-thread", "nested job": "req-thread",
+                    "pool job after": None, "late": None}
 
 
 def test_steps_of_an_unknown_thread_carry_the_session_requests(tmp_path: Path) -> None:

@@ -67,3 +67,22 @@ def test_a_request_whose_steps_hop_between_pool_threads_keeps_them(tmp_path_fact
         assert kinds == ["prefill"] + ["decode_step"] * tokens, (rid, kinds)
     assert session["auto"]["threads_without_request"] == []
     assert not [f for f in result["findings"] if f["evidence"].get("cause") == "model_on_event_loop"]
+
+
+def test_run_in_executor_jobs_carry_their_request(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """tests/servers/executor.py: ``loop.run_in_executor(None, generate, ...)`` copies no
+    contextvars, yet each job runs for the request that submitted it: every sampled request's
+    steps are its own prefill and decode steps, named for it alone, no pool thread is taken for an
+    engine's, and the requests' waits are not a queue's."""
+    requests, tokens = 4, 6
+    observed = session_on("servers.executor", tmp_path_factory.mktemp("executor"), ["/v1/generate"] * requests, tokens)
+    result, session = observed["result"], observed["session"]
+    assert [status for _, status, _ in observed["responses"]] == [200] * requests
+    assert result["error"] is None, result["error"]
+    assert session["auto"]["threads_without_request"] == []
+    for rid, record in result["requests"].items():
+        kinds = [p["name"] for p in sorted(record["phases"], key=lambda p: p["start_us"])
+                 if p["name"] in ("prefill", "decode_step")]
+        assert kinds == ["prefill"] + ["decode_step"] * (tokens - 1), (rid, kinds)
+    assert {w["own_model_call"] for w in result["summary"]["detect"]["queue_wait"]["waits"]} == {True}
+    assert not [f for f in result["findings"] if f["evidence"].get("cause") == "model_idle_while_waiting"]
