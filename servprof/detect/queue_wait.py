@@ -10,6 +10,11 @@ prefill, by anything after its tokenization began: that thread was working on it
 between, such as ``generate()``'s own set-up before its first forward; nor at all when the thread
 of its prefill ran no other request's steps: a thread started for it has no queue).
 
+A request whose model call ran in its own context (an automatic step naming it alone, on a thread
+the session does not list among those without a request: ``asyncio.to_thread``, a pool job, a
+thread started for it) was held by no queue: its idle wait is reported apart (``before_model_call``),
+as what its handler did before that call (an awaited retrieval, a client built per request, a lock).
+
 The request's prefill is the first prefill after its arrival that names it: its own (a request
 served on its own thread), or a batch's (steps with no request of their own name every request in
 flight, and a request can be in no batch that started before it arrived). A step that was already
@@ -35,6 +40,19 @@ KIND = "queue_wait"
 MIN_IDLE_US = 1000.0  # a request's wait under this with no step is the ordinary hand-off
 FIRST_STEP_KINDS = ("prefill", "mixed")
 OWN_PHASES = ("tokenize", "detokenize")
+QUEUED, BEFORE_CALL = "model_idle_while_waiting", "before_model_call"
+FIX_QUEUED = (
+    "The model was free while these requests waited: start the next step as soon as one is waiting. Wake the model "
+    "thread with a blocking queue `get()` or a condition instead of polling with `sleep`; keep a batching window only "
+    "while there is nothing to run (take what has arrived and go); hold the model's lock around the model call only."
+)
+FIX_BEFORE_CALL = (
+    "Each of these requests called the model from its own handler, so no queue held it: the time is what its handler "
+    "did first (awaited calls such as retrieval or another service, an HTTP client or other object built per request, "
+    "a lock or a pool slot it waited for). Overlap those calls with each other or cache them, build clients once for "
+    "the app's life, and hold locks around the model call only; the loop_stall findings name any part of it that "
+    "blocked the event loop."
+)
 
 
 def detect_queue_wait(trace: Trace, steps: list[Step], times: dict[str, RequestTimes]
@@ -119,21 +137,6 @@ def detect_queue_wait(trace: Trace, steps: list[Step], times: dict[str, RequestT
         if share >= WARNING_SHARE:  # (a few ms of hand-off in a long answer: in the summary only)
             findings.append(_finding(cause, group, len(waits), idle_ms, share))
     return findings, summary
-
-
-QUEUED, BEFORE_CALL = "model_idle_while_waiting", "before_model_call"
-FIX_QUEUED = (
-    "The model was free while these requests waited: start the next step as soon as one is waiting. Wake the model "
-    "thread with a blocking queue `get()` or a condition instead of polling with `sleep`; keep a batching window only "
-    "while there is nothing to run (take what has arrived and go); hold the model's lock around the model call only."
-)
-FIX_BEFORE_CALL = (
-    "Each of these requests called the model from its own handler, so no queue held it: the time is what its handler "
-    "did first (awaited calls such as retrieval or another service, an HTTP client or other object built per request, "
-    "a lock or a pool slot it waited for). Overlap those calls with each other or cache them, build clients once for "
-    "the app's life, and hold locks around the model call only; the loop_stall findings name any part of it that "
-    "blocked the event loop."
-)
 
 
 def _finding(cause: str, group: list[dict[str, Any]], requests: int, idle_ms: float, share: float) -> Finding:
