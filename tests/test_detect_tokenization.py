@@ -105,3 +105,21 @@ def test_a_tokenization_beside_other_threads_model_steps_says_so_and_what_to_try
     assert alone.evidence["other_steps"] == {"us": 0.0, "threads": 0}
     assert alone.title == "request r4 spent 8.0 ms tokenizing before its first model step"
     assert alone.fix.startswith("Use a fast (Rust) tokenizer")
+
+
+def test_reading_the_tokenizers_output_is_not_tokenization(tmp_path: Path):
+    """A with_stack trace of a generate loop shows `inputs["input_ids"]` and `.to(device)` as
+    frames in transformers' tokenization_utils_base.py (BatchEncoding's methods): no tokenization
+    ran, so none is counted and the trace still says it shows none; the tokenizer's own call in
+    the same file is one."""
+    trace = KinetoTrace()
+    for k in range(4):
+        trace.frame("transformers/tokenization_utils_base.py(269): __getitem__", k * 2100.0, 1.0)
+        trace.frame("transformers/tokenization_utils_base.py(812): to", k * 2100.0 + 2.0, 3.0)
+        trace.host("servprof:decode_step|r1", k * 2100.0 + 10.0, 2000)
+    summary = analyse(load_trace(trace.write(tmp_path / "t.json"))).summary
+    assert summary["tokenization"]["tokenizations"] == 0
+    assert "tokenization" in [m["what"] for m in summary["missing"]]
+    trace.frame("transformers/tokenization_utils_base.py(2851): __call__", 9000.0, 6000.0)
+    summary = analyse(load_trace(trace.write(tmp_path / "u.json"))).summary
+    assert summary["tokenization"]["tokenizations"] == 1

@@ -49,8 +49,12 @@ SYNC_NAMES = Guarded(re.compile(
 ), "ynchronize", "Memcpy", "aten::_local_scalar_dense", "aten::item", "aten::nonzero", "method 'tolist'",
    "method 'item'", "method 'cpu'", "method 'numpy'", "method tolist", "method item", "method cpu", "method numpy")
 # Tokenizer work recognisable in traces that carry no servprof phase markers.
-TOKENIZER_NAMES = Guarded(re.compile(r"((?<!de)tokeniz|encode_batch|apply_chat_template|PreTrainedTokenizer|\.encode\b)",
-                                     re.IGNORECASE), "tokeniz", "encode_batch", "apply_chat_template", ".encode")
+# (Not the accessors of the tokenizer's output, a BatchEncoding, which live in the same files:
+# `inputs["input_ids"]` or `.to(device)` in a generate loop is no tokenization.)
+TOKENIZER_NAMES = Guarded(re.compile(
+    r"((?<!de)tokeniz(?!ation_utils\w*\.py\(\d+\): (?:__(?:getitem|getattr|contains|len|iter)__|to|keys|values|items)$)"
+    r"|encode_batch|apply_chat_template|PreTrainedTokenizer|\.encode\b)", re.IGNORECASE),
+    "tokeniz", "encode_batch", "apply_chat_template", ".encode")
 DETOKENIZER_NAMES = Guarded(re.compile(r"detokeniz|batch_decode\b|decode_stream|convert_ids_to_tokens", re.IGNORECASE),
                             "detokeniz", "decode", "convert_ids_to_tokens")
 # A thread asleep or blocked on another thread/process: it holds no GIL and does no work.
