@@ -32,6 +32,11 @@ def requests_cell(finding: dict[str, Any], sampled: list[str]) -> str:
     return cell + (f" (+{others} not sampled)" if others else "")
 
 
+# Findings of one kind, severity and fix (per-request tokenization stalls on a busy server): the
+# first few in full, the rest in one row; the JSON report keeps every one.
+SHOWN_ALIKE = 2
+
+
 def findings_table(findings: list[dict[str, Any]], sampled: list[str], title: str | None = None) -> Table:
     table = Table(title=title, title_justify="left", show_lines=True)
     table.add_column("severity", no_wrap=True)
@@ -41,18 +46,44 @@ def findings_table(findings: list[dict[str, Any]], sampled: list[str], title: st
     table.add_column("finding, and what to do", ratio=1, min_width=30)
     # Text cells, not markup strings: rich parses a markup string each time it measures or renders a
     # cell (twice per table), and the findings' own text then needs no escaping.
+    alike: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for finding in findings:
-        severity = str(finding.get("severity", "info"))
-        cost = finding.get("cost_ms")
+        alike.setdefault(_alike_key(finding), []).append(finding)
+    for finding in findings:
+        group = alike[_alike_key(finding)]
+        place = next(i for i, member in enumerate(group) if member is finding)
+        collapsed = len(group) > SHOWN_ALIKE + 1  # (one row for a single one more would save nothing)
+        if collapsed and place > SHOWN_ALIKE:
+            continue
+        if collapsed and place == SHOWN_ALIKE:
+            rest = group[SHOWN_ALIKE:]
+            costs = [float(f["cost_ms"]) for f in rest if isinstance(f.get("cost_ms"), int | float)]
+            _add_row(table, finding, _more_alike(rest, costs), f"{len(rest)} more", sum(costs) if costs else None)
+            continue
         text = Text(str(finding.get("title", "")))
         if finding.get("fix"):
             text.append("\n")
             text.append("fix:", "dim")
-            text.append(f" {finding['fix']}")
-        table.add_row(Text.assemble((severity, SEVERITY_STYLE.get(severity, ""))), Text(str(finding.get("kind", "?"))),
-                      Text(f"{cost:.2f}" if isinstance(cost, int | float) else "?"), Text(requests_cell(finding, sampled)),
-                      text)
+            text.append(" as above" if place else f" {finding['fix']}")
+        cost = finding.get("cost_ms")
+        _add_row(table, finding, text, requests_cell(finding, sampled), cost if isinstance(cost, int | float) else None)
     return table
+
+
+def _alike_key(finding: dict[str, Any]) -> tuple[str, str, str]:
+    return str(finding.get("kind")), str(finding.get("severity")), str(finding.get("fix"))
+
+
+def _more_alike(rest: list[dict[str, Any]], costs: list[float]) -> Text:
+    spread = f" (cost {min(costs):.2f}-{max(costs):.2f} ms each, {sum(costs):.2f} ms in all)" if costs else ""
+    return Text(f"and {len(rest)} more like the ones above{spread}, same fix: every one is in the JSON report "
+                "(--json) and on its requests' spans", "dim")
+
+
+def _add_row(table: Table, finding: dict[str, Any], text: Text, requests: str, cost: float | None) -> None:
+    severity = str(finding.get("severity", "info"))
+    table.add_row(Text.assemble((severity, SEVERITY_STYLE.get(severity, ""))), Text(str(finding.get("kind", "?"))),
+                  Text(f"{cost:.2f}" if cost is not None else ""), Text(requests), text)
 
 
 def findings_renderables(summary: dict[str, Any], findings: list[dict[str, Any]],
