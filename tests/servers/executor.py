@@ -1,5 +1,5 @@
 """A FastAPI LLM server that keeps the model off the event loop the way answers written before
-``asyncio.to_thread`` existed show: ``await loop.run_in_executor(None, generate, ...)`` on the
+``asyncio.to_thread`` existed show: ``await loop.run_in_executor(None, generate_text, ...)`` on the
 loop's default thread pool. Unlike ``to_thread``, ``run_in_executor`` copies no contextvars into
 the worker thread.
 
@@ -12,16 +12,8 @@ from __future__ import annotations
 
 import asyncio
 
-import torch
 from fastapi import FastAPI
-from servers.hf_streaming import CompletionRequest, model, tokenizer
-
-
-def generate(prompt: str, max_tokens: int) -> str:
-    inputs = tokenizer(prompt, return_tensors="pt")
-    with torch.inference_mode():
-        out = model.generate(**inputs, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
-    return tokenizer.decode(out[0][inputs["input_ids"].shape[1]:])
+from servers.hf_streaming import CompletionRequest, generate_text
 
 
 def create_app() -> FastAPI:
@@ -30,7 +22,7 @@ def create_app() -> FastAPI:
     @app.post("/v1/generate")
     async def completion(request: CompletionRequest) -> dict[str, str]:
         loop = asyncio.get_running_loop()
-        return {"text": await loop.run_in_executor(None, generate, request.prompt, request.max_tokens)}
+        return {"text": await loop.run_in_executor(None, generate_text, request.prompt, request.max_tokens)}
 
     return app
 

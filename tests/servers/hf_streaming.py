@@ -66,6 +66,15 @@ class CompletionRequest(BaseModel):
     max_tokens: int = Field(default=16, ge=1, le=512)
 
 
+def generate_text(prompt: str, max_tokens: int) -> str:
+    """One prompt's whole completion in one blocking call, for the servers built on this model that
+    do not stream (executor.py, rag.py, process_pool.py)."""
+    inputs = tokenizer(prompt, return_tensors="pt").to(DEVICE)
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
+    return tokenizer.decode(out[0][inputs["input_ids"].shape[1]:])
+
+
 def screen_prompt(text: str) -> None:
     """Reject prompts with blocked words (plain Python: it runs on the event loop)."""
     words = re.findall(r"\w+", text.lower())

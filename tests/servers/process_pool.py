@@ -15,12 +15,9 @@ import contextlib
 import multiprocessing
 from collections.abc import AsyncIterator
 from concurrent.futures import ProcessPoolExecutor
-from typing import Any
 
 from fastapi import FastAPI
 from pydantic import BaseModel, Field
-
-_worker: dict[str, Any] = {}
 
 
 class CompletionRequest(BaseModel):
@@ -29,20 +26,14 @@ class CompletionRequest(BaseModel):
 
 
 def load_model() -> None:
-    """In each worker process, once."""
-    from servers import hf_streaming
-
-    _worker["tokenizer"], _worker["model"] = hf_streaming.tokenizer, hf_streaming.model
+    """In each worker process, once: the tokenizer and model are built as the module loads."""
+    import servers.hf_streaming  # noqa: F401
 
 
 def generate(prompt: str, max_tokens: int) -> str:
-    import torch
+    from servers.hf_streaming import generate_text
 
-    tokenizer, model = _worker["tokenizer"], _worker["model"]
-    inputs = tokenizer(prompt, return_tensors="pt")
-    with torch.inference_mode():
-        out = model.generate(**inputs, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
-    return tokenizer.decode(out[0][inputs["input_ids"].shape[1]:])
+    return generate_text(prompt, max_tokens)
 
 
 def create_app() -> FastAPI:
