@@ -123,3 +123,18 @@ def test_reading_the_tokenizers_output_is_not_tokenization(tmp_path: Path):
     trace.frame("transformers/tokenization_utils_base.py(2851): __call__", 9000.0, 6000.0)
     summary = analyse(load_trace(trace.write(tmp_path / "u.json"))).summary
     assert summary["tokenization"]["tokenizations"] == 1
+
+
+def test_one_engine_threads_steps_beside_a_tokenization_count_too(tmp_path: Path):
+    """One engine thread runs every step; a request tokenizes on its own thread meanwhile: the
+    engine's steps covered it (a window on a thread with no step of its own is judged too)."""
+    trace = KinetoTrace()
+    trace.host("servprof:tokenize|r2", 1_000.0, 8_000.0, tid=LOOP + 10)
+    for k in range(6):
+        trace.host("servprof:decode_step|r1", k * 2_100.0, 2_000.0, tid=ENGINE)
+    trace.host("servprof:prefill|r2", 13_000.0, 2_000.0, tid=ENGINE)
+    (stall,) = [f for f in analyse(load_trace(trace.write(tmp_path / "t.json"))).findings
+                if f.kind == "tokenization_stall"]
+    # Steps at 0-2, 2.1-4.1, 4.2-6.2, 6.3-8.3, 8.4-10.4 ms cover 7.6 of its 8 ms (1-9 ms).
+    assert stall.evidence["other_steps"] == {"us": 7600.0, "threads": 1}
+    assert stall.fix.startswith("It ran while model calls on other threads")
