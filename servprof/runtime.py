@@ -63,8 +63,7 @@ class ServprofRuntime:
         self.observers = observers or []
         self.observer_problem = observer_problem
         self.counters = {"requests": 0, "websocket_connections": 0, "sampled": 0, "skipped": 0, "observer_errors": 0,
-                         "disconnects": 0,
-                         "sessions_done": 0, "sessions_failed": 0, "control_requests": 0}
+                         "disconnects": 0, "sessions_done": 0, "sessions_failed": 0, "control_requests": 0}
         self.skipped_by_reason: dict[str, int] = {}
         self.paused_reason: str | None = None
         self._paused_until = 0.0

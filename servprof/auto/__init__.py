@@ -25,6 +25,15 @@ from servprof.budget import LiveSignals
 __all__ = ["AutoInstrumentation", "install_thread_inheritance", "range_kind", "set_range_kind"]
 
 MAX_THREADS_LISTED = 64
+# Engines that run the model in processes of their own, when loaded here, and how to profile those.
+ENGINE_HINTS = {
+    "vllm": " vLLM is loaded in this process, and it runs the model in its engine-core processes: use "
+            "`servprof.integrations.vllm.VLLMMiddleware` (`vllm serve --middleware ...`), which drives vLLM's own "
+            "profiler in them.",
+    "sglang": " SGLang is loaded in this process, and it runs the model in its scheduler processes: record them with "
+              "its profiler (`POST /start_profile`, SGLANG_TORCH_PROFILER_DIR) and read the traces with "
+              "`servprof analyze`.",
+}
 COMPILED = ("a torch.compile'd model runs in this process: servprof registers no module hooks (adding or "
             "removing them could make it recompile). A deep window reads its steps from the compiled regions "
             "torch records, without prefill or decode and without request ids; a light session records no "
@@ -117,17 +126,5 @@ class AutoInstrumentation:
         return out
 
 
-# Engines that run the model in processes of their own, when loaded here, and how to profile those.
-ENGINE_HINTS = {
-    "vllm": " vLLM is loaded in this process, and it runs the model in its engine-core processes: use "
-            "`servprof.integrations.vllm.VLLMMiddleware` (`vllm serve --middleware ...`), which drives vLLM's own "
-            "profiler in them.",
-    "sglang": " SGLang is loaded in this process, and it runs the model in its scheduler processes: record them with "
-              "its profiler (`POST /start_profile`, SGLANG_TORCH_PROFILER_DIR) and read the traces with "
-              "`servprof analyze`.",
-}
-
-
 def _engine_hint() -> str:
     return "".join(hint for module, hint in ENGINE_HINTS.items() if module in sys.modules)
-

@@ -49,9 +49,11 @@ def findings_table(findings: list[dict[str, Any]], sampled: list[str], title: st
     alike: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for finding in findings:
         alike.setdefault(_alike_key(finding), []).append(finding)
+    placed: dict[tuple[str, str, str], int] = {}
     for finding in findings:
-        group = alike[_alike_key(finding)]
-        place = next(i for i, member in enumerate(group) if member is finding)
+        key = _alike_key(finding)
+        group, place = alike[key], placed.get(key, 0)
+        placed[key] = place + 1
         collapsed = len(group) > SHOWN_ALIKE + 1  # (one row for a single one more would save nothing)
         if collapsed and place > SHOWN_ALIKE:
             continue
@@ -77,7 +79,7 @@ def _alike_key(finding: dict[str, Any]) -> tuple[str, str, str]:
 def _more_alike(rest: list[dict[str, Any]], costs: list[float]) -> Text:
     spread = f" (cost {min(costs):.2f}-{max(costs):.2f} ms each, {sum(costs):.2f} ms in all)" if costs else ""
     return Text(f"and {len(rest)} more like the ones above{spread}, same fix: every one is in the JSON report "
-                "(--json) and on its requests' spans", "dim")
+                "(--json)", "dim")
 
 
 def _add_row(table: Table, finding: dict[str, Any], text: Text, requests: str, cost: float | None) -> None:
