@@ -35,6 +35,7 @@ from servprof.analysis_worker import (
     WORKERS,
     JobFailed,
 )
+from servprof.trace.meta import NO_FORWARD_LEAD
 
 
 def kill_running_analyses() -> None:
@@ -130,8 +131,9 @@ def merged_missing(*lists: Any) -> list[dict[str, str]]:
         for entry in entries if isinstance(entries, list) else []:
             if isinstance(entry, dict) and isinstance(entry.get("message"), str) and entry not in out:
                 out.append({"what": str(entry.get("what", "")), "message": entry["message"]})
-    # The serving side saw no forward in its process at all: that says more than "no step in the trace".
-    if any(entry["what"] == "automatic model steps" for entry in out):
+    # The serving side saw no forward in its process at all: that says more than "no step in the trace"
+    # (its other entries, a compiled model or hooks that failed, leave the trace's how-to standing).
+    if any(entry["message"].startswith(NO_FORWARD_LEAD) for entry in out):
         out = [entry for entry in out if entry["what"] != "model steps"]
     return out
 

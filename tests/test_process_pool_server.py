@@ -28,3 +28,16 @@ def test_a_model_in_another_process_is_said_to_be_there_not_missing_markers(tmp_
     # The generic "no step in this trace: mark your steps" would send the user to the wrong process.
     assert "model steps" not in [m["what"] for m in missing]
     assert not [f for f in result["findings"] if f["kind"] in ("decode_gap", "bandwidth_bound_decode", "queue_wait")]
+
+
+def test_only_the_no_forward_entry_stands_for_the_traces_no_step() -> None:
+    """Another serving-side entry about automatic steps (a compiled model, hooks that failed) leaves
+    the trace's own how-to for a trace without steps in place."""
+    from servprof.analysis import merged_missing
+
+    no_step = {"what": "model steps", "message": "No model step was found in this trace: mark each step ..."}
+    compiled = {"what": "automatic model steps", "message": "A torch.compile'd model runs in this process ..."}
+    no_forward = {"what": "automatic model steps",
+                  "message": "No torch.nn.Module forward ran in this process while the session captured: ..."}
+    assert merged_missing([compiled], [no_step]) == [compiled, no_step]
+    assert merged_missing([no_forward], [no_step]) == [no_forward]

@@ -21,6 +21,7 @@ from servprof.auto.emit import range_kind, set_range_kind
 from servprof.auto.steps import StepHooks
 from servprof.auto.tokenizers import TARGETS, TokenizerPatches
 from servprof.budget import LiveSignals
+from servprof.trace.meta import NO_FORWARD_LEAD
 
 __all__ = ["AutoInstrumentation", "install_thread_inheritance", "range_kind", "set_range_kind"]
 
@@ -112,7 +113,7 @@ class AutoInstrumentation:
             out.append({"what": "automatic model steps", "message": self.problem[0].upper() + self.problem[1:] + "."})
         elif self.steps.steps == 0:
             out.append({"what": "automatic model steps", "message": (
-                "No torch.nn.Module forward ran in this process while the session captured: the sampled requests "
+                f"{NO_FORWARD_LEAD}: the sampled requests "
                 "did not run the model, or it runs in another process (a process pool, a worker or engine process, "
                 "a remote server), or it is not built from nn.Module. servprof records the process it is added to: "
                 "run the model there, or record the process that runs it with torch.profiler and read that trace "

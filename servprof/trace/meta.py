@@ -13,6 +13,10 @@ SERVPROF_FIELDS: dict[str, type] = {
     "reason": str, "event_loop_tid": int, "stop_wall_ns": int, "cut_wall_ns": int, "tier": str, "tier_note": str,
 }
 
+# The serving side's summary["missing"] entry for a session in which no forward ran in its process
+# at all (servprof.auto writes it; the analysis lets it stand for the trace's "no model step").
+NO_FORWARD_LEAD = "No torch.nn.Module forward ran in this process while the session captured"
+
 
 def whole_int(value: Any) -> int | None:
     """An int (or a float holding a whole number), never a bool, NaN or infinity."""
