@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 from fastapi import FastAPI
-from servers.hf_streaming import CompletionRequest, build_model, build_tokenizer
+from servers.hf_streaming import DEVICE, CompletionRequest, build_model, build_tokenizer
 
 tokenizer = build_tokenizer()
 model = build_model(len(tokenizer))
@@ -21,7 +21,7 @@ model.forward = torch.compile(model.forward, dynamic=True)
 
 
 def generate(prompt: str, max_tokens: int) -> str:
-    inputs = tokenizer(prompt, return_tensors="pt")
+    inputs = tokenizer(prompt, return_tensors="pt").to(DEVICE)
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
                              pad_token_id=tokenizer.pad_token_id)

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 import torch
 from fastapi import FastAPI
-from servers.hf_streaming import CompletionRequest, build_model, build_tokenizer
+from servers.hf_streaming import DEVICE, CompletionRequest, build_model, build_tokenizer
 
 MAX_BATCH = 8
 BATCH_WAIT_S = 0.010
@@ -27,7 +27,7 @@ model = build_model(len(tokenizer))
 
 
 def generate_batch(prompts: list[str], max_tokens: int) -> list[str]:
-    inputs = tokenizer(prompts, return_tensors="pt", padding=True)
+    inputs = tokenizer(prompts, return_tensors="pt", padding=True).to(DEVICE)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
                              pad_token_id=tokenizer.pad_token_id)

@@ -15,13 +15,13 @@ from typing import Any
 import torch
 from fastapi import FastAPI
 from pydantic import BaseModel, Field
-from servers.hf_streaming import build_tokenizer
+from servers.hf_streaming import DEVICE, build_tokenizer
 from transformers import BertConfig, BertModel
 
 tokenizer = build_tokenizer()
 torch.manual_seed(0)
 model = BertModel(BertConfig(vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
-                             intermediate_size=256, pad_token_id=tokenizer.pad_token_id)).eval()
+                             intermediate_size=256, pad_token_id=tokenizer.pad_token_id)).eval().to(DEVICE)
 
 
 class EmbeddingRequest(BaseModel):
@@ -30,7 +30,7 @@ class EmbeddingRequest(BaseModel):
 
 
 def embed(texts: list[str]) -> torch.Tensor:
-    batch = tokenizer(texts, padding=True, truncation=True, max_length=256, return_tensors="pt")
+    batch = tokenizer(texts, padding=True, truncation=True, max_length=256, return_tensors="pt").to(DEVICE)
     with torch.inference_mode():
         hidden = model(**batch).last_hidden_state
     mask = batch["attention_mask"].unsqueeze(-1)

@@ -47,18 +47,30 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
                                    unk_token="<unk>", pad_token="<pad>")
 
 
+# SERVPROF_TEST_DEVICE=cuda runs the model on a GPU, and SERVPROF_TEST_MODEL=gpu makes it a 16-layer,
+# 0.2B-parameter bf16 Llama there, the size people serve with transformers (bench/gpu). The tests run
+# the tiny CPU model.
+DEVICE = torch.device(os.environ.get("SERVPROF_TEST_DEVICE", "cpu"))
+MODEL_SIZES = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2),
+    "gpu": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16,
+                num_key_value_heads=4),
+}
+
+
 def build_model(vocab_size: int) -> LlamaForCausalLM:
+    """The servers' model, on DEVICE."""
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=3)
-    return LlamaForCausalLM(config).eval()
+    size = os.environ.get("SERVPROF_TEST_MODEL", "tiny")
+    config = LlamaConfig(vocab_size=vocab_size, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=3, **MODEL_SIZES[size])
+    dtype = torch.bfloat16 if size == "gpu" else torch.float32
+    return LlamaForCausalLM(config).eval().to(DEVICE, dtype)
 
 
 tokenizer = build_tokenizer()
-# SERVPROF_TEST_DEVICE=cuda runs the model on a GPU (the GPU checks, bench/gpu/device_checks.sh).
-DEVICE = torch.device(os.environ.get("SERVPROF_TEST_DEVICE", "cpu"))
-model = build_model(len(tokenizer)).to(DEVICE)
+model = build_model(len(tokenizer))
 
 
 class CompletionRequest(BaseModel):

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 import torch
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
-from servers.hf_streaming import CompletionRequest, build_model, build_tokenizer
+from servers.hf_streaming import DEVICE, CompletionRequest, build_model, build_tokenizer
 
 tokenizer = build_tokenizer()
 model = build_model(len(tokenizer))
@@ -34,7 +34,7 @@ def create_app() -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest) -> StreamingResponse:
         async def stream() -> AsyncIterator[str]:
-            ids = tokenizer(request.prompt, return_tensors="pt").input_ids
+            ids = tokenizer(request.prompt, return_tensors="pt").input_ids.to(DEVICE)
             past = None
             with torch.no_grad():
                 for _ in range(request.max_tokens):
@@ -51,7 +51,7 @@ def create_app() -> FastAPI:
 
     @app.post("/v1/generate")
     async def generate(request: CompletionRequest) -> dict[str, str]:
-        inputs = tokenizer(request.prompt, return_tensors="pt")
+        inputs = tokenizer(request.prompt, return_tensors="pt").to(DEVICE)
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=request.max_tokens, min_new_tokens=request.max_tokens,
                                  do_sample=False, pad_token_id=tokenizer.pad_token_id)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from fastapi import FastAPI
-from servers.hf_streaming import CompletionRequest, build_model, build_tokenizer
+from servers.hf_streaming import DEVICE, CompletionRequest, build_model, build_tokenizer
 
 POLL_S = 0.02
 tokenizer = build_tokenizer()
@@ -27,7 +27,7 @@ requests: queue.Queue[tuple[list[int], int, asyncio.AbstractEventLoop, asyncio.F
 
 
 def generate(ids: list[int], max_tokens: int) -> list[int]:
-    tokens = torch.tensor([ids])
+    tokens = torch.tensor([ids], device=DEVICE)
     past: Any = None
     out: list[int] = []
     with torch.no_grad():
@@ -36,7 +36,7 @@ def generate(ids: list[int], max_tokens: int) -> list[int]:
             past = logits.past_key_values
             token = int(logits.logits[0, -1].argmax())
             out.append(token)
-            tokens = torch.cat([tokens, torch.tensor([[token]])], dim=1)
+            tokens = torch.cat([tokens, torch.tensor([[token]], device=DEVICE)], dim=1)
     return out
 
 

@@ -11,11 +11,11 @@ downloaded) and a byte-level BPE tokenizer trained at start-up.
 from __future__ import annotations
 
 from fastapi import FastAPI
-from servers.hf_streaming import CompletionRequest, build_model, build_tokenizer
+from servers.hf_streaming import DEVICE, CompletionRequest, build_model, build_tokenizer
 from transformers import pipeline
 
 tokenizer = build_tokenizer()
-generator = pipeline("text-generation", model=build_model(len(tokenizer)), tokenizer=tokenizer, device="cpu")
+generator = pipeline("text-generation", model=build_model(len(tokenizer)), tokenizer=tokenizer, device=DEVICE)
 
 
 def create_app() -> FastAPI:

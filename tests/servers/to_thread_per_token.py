@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
-from servers.hf_streaming import CompletionRequest, build_model, build_tokenizer
+from servers.hf_streaming import DEVICE, CompletionRequest, build_model, build_tokenizer
 
 tokenizer = build_tokenizer()
 model = build_model(len(tokenizer))
@@ -38,13 +38,13 @@ def create_app() -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest) -> StreamingResponse:
-        ids = tokenizer(request.prompt, return_tensors="pt")["input_ids"]
+        ids = tokenizer(request.prompt, return_tensors="pt")["input_ids"].to(DEVICE)
 
         async def stream() -> AsyncIterator[str]:
             token, past = await asyncio.to_thread(forward, ids, None)
             for _ in range(request.max_tokens):
                 yield f"data: {json.dumps({'text': tokenizer.decode([token])})}\n\n"
-                token, past = await asyncio.to_thread(forward, torch.tensor([[token]]), past)
+                token, past = await asyncio.to_thread(forward, torch.tensor([[token]], device=DEVICE), past)
             yield f"data: {json.dumps({'usage': {'completion_tokens': request.max_tokens}})}\n\n"
             yield "data: [DONE]\n\n"
 
