@@ -35,7 +35,7 @@ from servprof.analysis_worker import (
     WORKERS,
     JobFailed,
 )
-from servprof.trace.meta import NO_FORWARD_LEAD
+from servprof.trace.meta import SERVING_STEP_LEADS
 
 
 def kill_running_analyses() -> None:
@@ -131,9 +131,10 @@ def merged_missing(*lists: Any) -> list[dict[str, str]]:
         for entry in entries if isinstance(entries, list) else []:
             if isinstance(entry, dict) and isinstance(entry.get("message"), str) and entry not in out:
                 out.append({"what": str(entry.get("what", "")), "message": entry["message"]})
-    # The serving side saw no forward in its process at all: that says more than "no step in the trace"
-    # (its other entries, a compiled model or hooks that failed, leave the trace's how-to standing).
-    if any(entry["message"].startswith(NO_FORWARD_LEAD) for entry in out):
+    # The serving side saw no forward in its process at all, or no step begin: that says more than "no
+    # step in the trace" (its other entries, a compiled model or hooks that failed, leave the trace's
+    # how-to standing).
+    if any(entry["message"].startswith(SERVING_STEP_LEADS) for entry in out):
         out = [entry for entry in out if entry["what"] != "model steps"]
     return out
 

@@ -52,7 +52,7 @@ def test_each_forward_of_a_compiled_generate_is_one_step(tmp_path: Path) -> None
     tokenizer = build_tokenizer()
     model = build_model(len(tokenizer))
     model.forward = torch.compile(model.forward, dynamic=True)  # transformers' recipe
-    ids = tokenizer("The harbour master counted the boats", return_tensors="pt").input_ids
+    ids = tokenizer("The harbour master counted the boats", return_tensors="pt").input_ids.to(model.device)
 
     def generate() -> None:
         model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
@@ -123,7 +123,7 @@ def test_an_eager_model_with_a_compiled_sampler_keeps_its_embedding_steps(tmp_pa
     sample = torch.compile(lambda logits: logits[:, -1].argmax(-1, keepdim=True), backend="eager", dynamic=True)
 
     def loop() -> None:
-        ids = tokenizer("Every rope was checked", return_tensors="pt").input_ids
+        ids = tokenizer("Every rope was checked", return_tensors="pt").input_ids.to(model.device)
         for _ in range(3):
             ids = torch.cat([ids, sample(model(ids).logits)], dim=1)
 

@@ -5,8 +5,10 @@ not be called one."""
 
 from __future__ import annotations
 
+import gzip
 from pathlib import Path
 
+import orjson
 import pytest
 from _analyze_helpers import FIXTURES
 from _kineto_builder import KinetoTrace
@@ -39,6 +41,24 @@ def test_cudnn_attention_rebuilding_its_plan_every_step_is_named_on_the_h100_tra
     # The device idle it causes (decode_gap: a slow host op) gets the same fix, not "move the op out".
     waits = [f for f in analysis.findings if f.kind == "decode_gap" and f.evidence.get("cause") == "host_ops"]
     assert waits and all(f.evidence["shape_setup_op"] == CUDNN and "sdpa_kernel" in f.fix for f in waits)
+
+
+def test_cudnn_attention_recorded_without_shapes_gets_its_fix_as_something_to_check(tmp_path: Path):
+    # The same H100 trace as a plain torch.profiler records it (no record_shapes): the per-shape
+    # set-up cannot be told from the trace, but the op is known to pay one; "move the op out of the
+    # step" would still be the wrong advice.
+    document = orjson.loads(gzip.decompress((FIXTURES / "cuda_tiny_clean.json.gz").read_bytes()))
+    for event in document["traceEvents"]:
+        for key in ("Input Dims", "Input type", "Input Strides", "Concrete Inputs"):
+            event.get("args", {}).pop(key, None)
+    path = tmp_path / "plain.json"
+    path.write_bytes(orjson.dumps(document))
+    analysis = analyse(load_trace(path))
+    assert setups(analysis) == []
+    assert CUDNN in analysis.summary["shape_setup"]["unshaped_ops"]
+    waits = [f for f in analysis.findings if f.kind == "decode_gap" and f.evidence.get("cause") == "host_ops"]
+    assert waits and all(f.evidence["shape_setup_op"] == CUDNN for f in waits)
+    assert all("sdpa_kernel" in f.fix and "record_shapes=True" in f.fix for f in waits)
 
 
 def test_a_step_whose_shapes_repeat_has_none():

@@ -41,3 +41,54 @@ def test_only_the_no_forward_entry_stands_for_the_traces_no_step() -> None:
                   "message": "No torch.nn.Module forward ran in this process while the session captured: ..."}
     assert merged_missing([compiled], [no_step]) == [compiled, no_step]
     assert merged_missing([no_forward], [no_step]) == [no_forward]
+
+
+def test_forwards_under_way_when_a_session_starts_say_the_model_is_here() -> None:
+    """A session that ends before any step begins (on a GPU a busy server's kernels can fill a light
+    session's event budget within one step) saw the model's modules run, inside forwards begun before
+    it: the model is in this process, and the entry must not send the user to another one."""
+    import threading
+
+    import torch
+
+    from servprof.analysis import merged_missing
+    from servprof.auto import AutoInstrumentation
+    from servprof.trace.meta import NO_FORWARD_LEAD, NO_STEP_BEGAN_LEAD
+
+    inside, release = threading.Event(), threading.Event()
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.first(x)
+            inside.set()
+            release.wait(10)  # the session starts here, in the middle of this forward
+            return self.second(x)
+
+    model = Model()
+    worker = threading.Thread(target=model, args=(torch.ones(1, 4),))
+    worker.start()
+    assert inside.wait(10)
+    auto = AutoInstrumentation()
+    auto.start(lambda: [], None)
+    try:
+        release.set()
+        worker.join(10)
+    finally:
+        auto.stop()
+        auto.remove()
+    assert auto.steps.steps == 0 and auto.steps.module_calls >= 1
+    for budget_spent, advice in ((True, "SERVPROF_MAX_SESSION_EVENTS"), (False, "SERVPROF_REQUESTS_PER_SESSION")):
+        (entry,) = [m for m in auto.missing(budget_spent) if m["what"] == "automatic model steps"]
+        assert entry["message"].startswith(NO_STEP_BEGAN_LEAD), entry
+        assert "the model runs in this process" in entry["message"] and advice in entry["message"]
+        assert "another process" not in entry["message"]
+        # It stands for the trace's generic "no step: mark your steps" as the no-forward entry does.
+        no_step = {"what": "model steps", "message": "No model step was found in this trace: mark each step ..."}
+        assert merged_missing([entry], [no_step]) == [entry]
+    # With no module call at all, the no-forward entry as before.
+    auto.steps.module_calls = 0
+    assert auto.missing()[0]["message"].startswith(NO_FORWARD_LEAD)

@@ -4,6 +4,7 @@ OUT=${OUT:-/tmp/servprof-gpu}
 R=$OUT/r
 mkdir -p "$R"
 DEADLINE_S=${DEADLINE_S:-540}
+export R
 T0=$(date +%s)
 export PYTHONUNBUFFERED=1 KINETO_LOG_LEVEL=6 SERVPROF_CACHE_DIR=$R/cache
 log() { echo "[$(($(date +%s) - T0))s] $*" | tee -a "$R/parts.txt"; }

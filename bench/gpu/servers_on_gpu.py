@@ -27,8 +27,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "gpu-check"
 PROMPT = "The harbour master counted the boats twice before the storm and once after it. "
-# name: (module, route, request kind)
-SERVERS = {
+# name: (module, route, request kind[, extra SERVPROF_* settings])
+SERVERS: dict[str, tuple] = {
     "hf_streaming": ("servers.hf_streaming", "/v1/completions", "completion"),
     "handwritten_loop": ("servers.handwritten_loop", "/v1/completions", "completion"),
     "thread_pool": ("servers.thread_pool", "/v1/generate", "completion"),
@@ -41,6 +41,9 @@ SERVERS = {
     "embeddings": ("servers.embeddings", "/v1/embeddings", "embedding"),
     "process_pool": ("servers.process_pool", "/v1/generate", "completion"),
     "compiled_model": ("servers.compiled_model", "/v1/generate", "completion"),
+    # Deep windows only, with op shapes: what a light session cannot show (shape_setup, bandwidth).
+    "hf_streaming_deep": ("servers.hf_streaming", "/v1/completions", "completion",
+                          {"SERVPROF_TIER": "deep", "SERVPROF_RECORD_SHAPES": "1"}),
 }
 
 
@@ -119,12 +122,13 @@ def summarise(name: str, out: Path, load: dict, status: dict) -> str:
 
 
 def serve_and_load(name: str, port: int, args: argparse.Namespace) -> str:
-    module, route, kind = SERVERS[name]
+    module, route, kind, *extra = SERVERS[name]
     out = args.out / name
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, SERVPROF_TEST_DEVICE=args.device, SERVPROF_TEST_MODEL=args.model,
                SERVPROF_OUT_DIR=str(out), SERVPROF_TELEMETRY="0", SERVPROF_CONTROL_TOKEN=TOKEN,
-               SERVPROF_SAMPLE_EVERY=str(args.sample_every), SERVPROF_DEEP_EVERY="2", PYTHONUNBUFFERED="1")
+               SERVPROF_SAMPLE_EVERY=str(args.sample_every), SERVPROF_DEEP_EVERY="2", PYTHONUNBUFFERED="1",
+               PYTHONFAULTHANDLER="1", **(extra[0] if extra else {}))
     log = (out / "server.log").open("wb")
     server = subprocess.Popen([sys.executable, str(ROOT / "tests/servers/run_with_servprof.py"), module, str(port)],
                               env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
@@ -133,12 +137,14 @@ def serve_and_load(name: str, port: int, args: argparse.Namespace) -> str:
         end = time.monotonic() + args.start_s
         while time.monotonic() < end and server.poll() is None:
             try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                if httpx.get(base + "/health", timeout=2).status_code < 500:  # not every server has one
                     break
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
         else:
+            if server.poll() is None:
+                os.kill(server.pid, signal.SIGABRT)  # PYTHONFAULTHANDLER: every thread's stack into its log
             return f"## {name}: did not start (exit {server.poll()}); see {name}/server.log"
         time.sleep(args.warm_s)  # the profiler's warm-up: requests before it are not sampled
         load = drive(base + route, kind, args.seconds, args.users)
@@ -177,7 +183,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--model", default="gpu", choices=["tiny", "gpu"])
-    parser.add_argument("--only", nargs="*", default=list(SERVERS), choices=list(SERVERS))
+    parser.add_argument("--only", nargs="*", default=[n for n in SERVERS if n != "hf_streaming_deep"],
+                        choices=list(SERVERS))
     parser.add_argument("--seconds", type=float, default=20)
     parser.add_argument("--users", type=int, default=4)
     parser.add_argument("--sample-every", type=int, default=6)

@@ -5,7 +5,8 @@
     SERVPROF_TEST_DEVICE=cuda SERVPROF_TEST_MODEL=gpu python bench/gpu/user_traces.py --out DIR
 
 Variants: ``plain`` (CPU + CUDA activity, batch 1), ``shapes`` (record_shapes + with_stack, batch 4),
-``schedule`` (a wait/warmup/active schedule over several generate calls, batch 8), ``sync_loop`` (a
+``schedule`` (a wait/warmup/active schedule over several generate calls, batch 8), ``short`` (as plain,
+6 new tokens: small enough for a test fixture), ``sync_loop`` (a
 hand-written greedy loop that reads each token with ``.item()``), ``static`` (a static KV cache and
 ``torch.compile(mode="reduce-overhead")``: decode steps as CUDA graph launches).
 """
@@ -76,7 +77,7 @@ def record(variant: str, out: Path) -> None:
             elif variant == "static":
                 generate(1, 32, cache_implementation="static")
             else:
-                generate(4, 16) if variant == "shapes" else generate(1, 32)
+                generate(4, 16) if variant == "shapes" else generate(1, 6 if variant == "short" else 32)
         prof.export_chrome_trace(str(path))
     print(f"{variant}: {path} {path.stat().st_size / 1e6:.1f} MB in {time.perf_counter() - start:.1f} s", flush=True)
 

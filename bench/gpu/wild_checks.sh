@@ -6,26 +6,35 @@
 # analyses, logs); each part has its own limit inside one deadline (bench/gpu/parts.sh).
 #
 #   OUT=/tmp/gpu DEADLINE_S=420 bash bench/gpu/wild_checks.sh
+#
+# A shorter rerun picks its parts: USER_VARIANTS (user_traces.py's), SERVERS (servers_on_gpu.py's
+# names, "" for none), TESTS (pytest paths, "" for none), STATIC=0 (no compiled static-cache trace).
 set -u
 source "$(dirname "$0")/parts.sh"
 export SERVPROF_TEST_DEVICE=${SERVPROF_TEST_DEVICE:-cuda}
+USER_VARIANTS=${USER_VARIANTS-plain shapes schedule sync_loop}
+SERVERS=${SERVERS-all}
+TESTS=${TESTS-tests/test_zero_touch.py tests/test_concurrent_requests.py tests/test_queue_wait.py
+tests/test_embeddings_server.py tests/test_model_on_loop.py tests/test_process_pool_server.py
+tests/test_compiled_model_steps.py}
 part env 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc;
 python3 -c "import torch, transformers, fastapi, servprof.middleware; print(torch.__version__, transformers.__version__)"'
 
 # Users' own traces of generate(), the model alone on the GPU (0.2B Llama, bf16).
 mkdir -p "$R/user"
-part user_traces 90 env SERVPROF_TEST_MODEL=gpu python3 bench/gpu/user_traces.py --out "$R/user" \
-    plain shapes schedule sync_loop
+[ -n "$USER_VARIANTS" ] && part user_traces 90 env SERVPROF_TEST_MODEL=gpu python3 bench/gpu/user_traces.py \
+    --out "$R/user" $USER_VARIANTS
 
 # The test servers served with servprof (0.2B model; handwritten_loop and embeddings keep their own
 # small models), four at a time, beside the server tests on the tiny model.
-part servers 240 python3 bench/gpu/servers_on_gpu.py --out "$R/servers" --device "$SERVPROF_TEST_DEVICE" \
-    --model gpu --seconds 15 --parallel 4 &
-part server_tests 200 python3 -m pytest -q -p no:cacheprovider -p no:randomly -rfE --durations=8 \
-    tests/test_zero_touch.py tests/test_concurrent_requests.py tests/test_queue_wait.py tests/test_embeddings_server.py \
-    tests/test_model_on_loop.py tests/test_process_pool_server.py tests/test_compiled_model_steps.py
+only=()
+[ "$SERVERS" != all ] && only=(--only $SERVERS)
+[ -n "$SERVERS" ] && part servers 240 python3 bench/gpu/servers_on_gpu.py --out "$R/servers" \
+    --device "$SERVPROF_TEST_DEVICE" --model gpu --seconds 15 --parallel "${PARALLEL:-4}" "${only[@]}" &
+[ -n "$TESTS" ] && part server_tests 200 python3 -m pytest -q -p no:cacheprovider -rfE --durations=8 $TESTS
 wait
-part user_static 100 env SERVPROF_TEST_MODEL=gpu python3 bench/gpu/user_traces.py --out "$R/user" static
+[ "${STATIC:-1}" = 1 ] && part user_static 100 env SERVPROF_TEST_MODEL=gpu python3 bench/gpu/user_traces.py \
+    --out "$R/user" static
 analyze_all() {
     mkdir -p "$R/user_analysis"
     for f in "$R"/user/*.json; do
@@ -41,7 +50,8 @@ log "done"
 gzip -f "$R"/user/*.json 2>/dev/null
 mv "$R"/user/*.json.gz "$OUT/" 2>/dev/null
 find "$OUT" -maxdepth 1 -name '*.json.gz' -size +15M -print -delete | sed 's/^/left behind (size): /' >>"$R/parts.txt"
-cp "$R/parts.txt" "$R/servers/summary.md" "$OUT/" 2>/dev/null
+cp "$R/parts.txt" "$OUT/" 2>/dev/null
+cp "$R/servers/summary.md" "$OUT/" 2>/dev/null
 tar -C "$R" -czf "$OUT/results.tgz" .
 [ "$(stat -c %s "$OUT/results.tgz")" -gt 15000000 ] && find "$R/servers" -name '*.pt.trace.json.gz' -delete &&
     tar -C "$R" -czf "$OUT/results.tgz" . && echo "server traces left behind (size)" >>"$OUT/parts.txt"

@@ -21,7 +21,7 @@ from servprof.auto.emit import range_kind, set_range_kind
 from servprof.auto.steps import StepHooks
 from servprof.auto.tokenizers import TARGETS, TokenizerPatches
 from servprof.budget import LiveSignals
-from servprof.trace.meta import NO_FORWARD_LEAD
+from servprof.trace.meta import NO_FORWARD_LEAD, NO_STEP_BEGAN_LEAD
 
 __all__ = ["AutoInstrumentation", "install_thread_inheritance", "range_kind", "set_range_kind"]
 
@@ -106,11 +106,16 @@ class AutoInstrumentation:
                 # engine's, a pool's. A thread not listed ran steps for the request it was started for.
                 "threads_without_request": sorted(steps.threads_without_request)[:MAX_THREADS_LISTED]}
 
-    def missing(self) -> list[dict[str, str]]:
-        """What the automatic phases could not mark in this session, and how to get it."""
+    def missing(self, budget_spent: bool = False) -> list[dict[str, str]]:
+        """What the automatic phases could not mark in this session, and how to get it. ``budget_spent``:
+        the session ended at its event budget."""
         out = []
         if self.problem:
             out.append({"what": "automatic model steps", "message": self.problem[0].upper() + self.problem[1:] + "."})
+        elif self.steps.steps == 0 and self.steps.module_calls > 0:
+            # Modules ran, inside forwards begun before the session: the model is here, no step began.
+            out.append({"what": "automatic model steps", "message": _no_step_began(self.steps.module_calls,
+                                                                                   budget_spent)})
         elif self.steps.steps == 0:
             out.append({"what": "automatic model steps", "message": (
                 f"{NO_FORWARD_LEAD}: the sampled requests "
@@ -125,6 +130,20 @@ class AutoInstrumentation:
                 f"No tokenizer library servprof knows ({names}) was loaded in this process, so tokenization was "
                 "not timed automatically: mark it with `with servprof.phase('tokenize'):`.")})
         return out
+
+
+def _no_step_began(module_calls: int, budget_spent: bool) -> str:
+    text = (f"{NO_STEP_BEGAN_LEAD}, though the model runs in this process: {module_calls} module call(s) ran "
+            "inside forwards already under way when it started. ")
+    if not budget_spent:
+        return text + ("The sampled requests ended before a step of theirs began; a session that samples more "
+                       "requests (SERVPROF_REQUESTS_PER_SESSION) or longer ones records their steps.")
+    return text + (
+        "The session reached its event budget (SERVPROF_MAX_SESSION_EVENTS) first. On a GPU the trace holds "
+        "every kernel the process launches, for sampled requests or not, with its launch (about 4 events "
+        "each): a busy server's forwards can fill a light session's budget within one step. Raise "
+        "SERVPROF_MAX_SESSION_EVENTS for longer sessions (stop() holds the GIL about 6 µs per event: the "
+        "default 2,000 is about 12 ms), or sample when the server is less busy.")
 
 
 def _engine_hint() -> str:

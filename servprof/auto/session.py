@@ -105,7 +105,7 @@ class SessionInstruments:
         if self.auto is None:
             missing.append({"what": "automatic phases", "message": AUTO_OFF})
         else:
-            missing.extend(self.auto.missing())
+            missing.extend(self.auto.missing(budget_spent))
         if self.watchdog.threshold_ns <= 0:
             missing.append({"what": "event-loop stalls", "message": WATCHDOG_OFF})
         elif self.watchdog.loop is None:

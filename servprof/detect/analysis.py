@@ -54,7 +54,7 @@ def _analyse(trace: Trace, requests: list[dict[str, Any]] | None, device: str | 
     on_loop_findings, stall_summary["model_on_loop"] = detect_model_on_loop(trace, steps)
     wait_findings, wait_summary = detect_queue_wait(trace, steps, times)
     setup_findings, setup_summary = detect_shape_setup(trace, steps)
-    explain_slow_host_ops(gap_findings, setup_findings)
+    explain_slow_host_ops(gap_findings, setup_findings, setup_summary["unshaped_ops"])
     findings = sorted([*gap_findings, *token_findings, *bw_findings, *memory_findings, *compile_findings,
                        *stall_findings, *on_loop_findings, *wait_findings, *setup_findings], key=lambda f: (SEVERITY_ORDER[f.severity], f.cost_ms), reverse=True)
     sampled = sampled_request_ids(trace, requests)

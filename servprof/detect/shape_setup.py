@@ -62,34 +62,40 @@ class _Op(NamedTuple):
 
 
 def detect_shape_setup(trace: Trace, steps: list[Step]) -> tuple[list[Finding], dict[str, Any]]:
-    ops = _candidates(trace)
+    ops, unshaped = _candidates(trace)
     ops = _innermost(trace, ops)
     judged_us = time_judged_us(trace, steps, on_device=False)
     findings = [_finding(trace, op, steps, judged_us) for op in ops]
     summary = {"ops": [{"op": op.name, "shapes": op.shapes, "slow_new_shapes": int(op.slow_new.size),
-                        "setup_ms": round(op.setup_us / 1000, 3)} for op in ops]}
+                        "setup_ms": round(op.setup_us / 1000, 3)} for op in ops],
+               # slow often, but recorded without shapes: whether it is a set-up per shape cannot be told
+               "unshaped_ops": unshaped}
     return findings, summary
 
 
-def _candidates(trace: Trace) -> list[_Op]:
+def _candidates(trace: Trace) -> tuple[list[_Op], list[str]]:
     # Ops only (record_shapes gives them their shapes): not Python frames nor annotations.
     is_op = trace.complete() & (trace.stream < 0) & trace.mask_category(*OP_CATEGORIES)
     slow = np.flatnonzero(trace.dur >= SLOW_US)
     names, slow_calls = np.unique(trace.name_id[slow[is_op[slow]]], return_counts=True)
     names = names[slow_calls >= MIN_SHAPES]  # fewer slow calls than that cannot make a finding
     if not names.size:
-        return []
+        return [], []
     rows = np.flatnonzero(trace.has_id(trace.name_id, names) & is_op)
     rows = rows[np.lexsort((trace.ts[rows], trace.name_id[rows]))]  # by name, then in time order
     firsts = np.flatnonzero(np.r_[True, trace.name_id[rows][1:] != trace.name_id[rows][:-1]])
     nested = _NestedRuntime(trace)
-    out = []
+    out, unshaped = [], []
     for calls in np.split(rows, firsts[1:]):
         calls = calls[:MAX_CALLS]
-        op = _judge(trace, trace.name(int(calls[0])), calls, nested.own_us(calls))
+        name = trace.name(int(calls[0]))
+        if next(iter(trace.args_each(calls[:1])), {}).get("Input Dims") is None:
+            unshaped.append(name)
+            continue
+        op = _judge(trace, name, calls, nested.own_us(calls))
         if op is not None:
             out.append(op)
-    return out
+    return out, unshaped
 
 
 class _NestedRuntime:
@@ -201,12 +207,12 @@ def _finding(trace: Trace, op: _Op, steps: list[Step], judged_us: float) -> Find
     )
 
 
-def explain_slow_host_ops(gap_findings: list[Finding], setups: list[Finding]) -> None:
+def explain_slow_host_ops(gap_findings: list[Finding], setups: list[Finding], unshaped: list[str]) -> None:
     """A decode_gap whose slow host op is one that pays a set-up per shape gets that fix: "move the op
-    out of the step" is wrong for a plan built for each new shape, padding the shapes is right."""
+    out of the step" is wrong for a plan built for each new shape, padding the shapes is right. An op
+    known to build a plan per shape (cuDNN's attention) recorded without shapes gets it too, said as
+    what to check: the trace cannot tell its new shapes from its repeats."""
     by_op = {f.evidence["op"]: f for f in setups}
-    if not by_op:
-        return
     for finding in gap_findings:
         if finding.evidence.get("cause") != "host_ops":
             continue
@@ -215,3 +221,13 @@ def explain_slow_host_ops(gap_findings: list[Finding], setups: list[Finding]) ->
         if named is not None:
             finding.evidence["shape_setup_op"] = named
             finding.fix = f"{named} pays a set-up on the host for each new input shape here (shape_setup): {by_op[named].fix}"
+            continue
+        known = next(((name, text) for name in tops if name in unshaped
+                      for key, text in SPECIFIC_FIXES if key in name), None)
+        if known is not None:
+            name, text = known
+            finding.evidence["shape_setup_op"] = name
+            finding.fix = (f"{name} held the step on the host here, and is known to pay a set-up for each new "
+                           f"input shape (a decode step's key length is new at every step). {text} This trace has no "
+                           "shapes to confirm it: profile with record_shapes=True (servprof sessions: "
+                           "SERVPROF_RECORD_SHAPES=1) and servprof times each new shape apart (shape_setup).")

@@ -16,6 +16,9 @@ SERVPROF_FIELDS: dict[str, type] = {
 # The serving side's summary["missing"] entry for a session in which no forward ran in its process
 # at all (servprof.auto writes it; the analysis lets it stand for the trace's "no model step").
 NO_FORWARD_LEAD = "No torch.nn.Module forward ran in this process while the session captured"
+# ... and for one in which forwards ran (begun before it) but no model step began before it ended.
+NO_STEP_BEGAN_LEAD = "No model step began while this session captured"
+SERVING_STEP_LEADS = (NO_FORWARD_LEAD, NO_STEP_BEGAN_LEAD)
 
 
 def whole_int(value: Any) -> int | None:
