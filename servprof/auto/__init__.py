@@ -21,6 +21,7 @@ from servprof.auto.emit import range_kind, set_range_kind
 from servprof.auto.steps import StepHooks
 from servprof.auto.tokenizers import TARGETS, TokenizerPatches
 from servprof.budget import LiveSignals
+from servprof.detect.tier import BUDGET_HOW
 from servprof.trace.meta import NO_FORWARD_LEAD, NO_STEP_BEGAN_LEAD
 
 __all__ = ["AutoInstrumentation", "install_thread_inheritance", "range_kind", "set_range_kind"]
@@ -141,9 +142,7 @@ def _no_step_began(module_calls: int, budget_spent: bool) -> str:
     return text + (
         "The session reached its event budget (SERVPROF_MAX_SESSION_EVENTS) first. On a GPU the trace holds "
         "every kernel the process launches, for sampled requests or not, with its launch (about 4 events "
-        "each): a busy server's forwards can fill a light session's budget within one step. Raise "
-        "SERVPROF_MAX_SESSION_EVENTS for longer sessions (stop() holds the GIL about 6 µs per event: the "
-        "default 2,000 is about 12 ms), or sample when the server is less busy.")
+        f"each): a busy server's forwards can fill a light session's budget within one step. {BUDGET_HOW}.")
 
 
 def _engine_hint() -> str:

@@ -17,7 +17,7 @@ from servprof.detect.recompilation import detect_recompilation
 from servprof.detect.request_times import request_times
 from servprof.detect.shape_setup import detect_shape_setup, explain_slow_host_ops
 from servprof.detect.steps import Step, find_steps
-from servprof.detect.tier import NEEDS_DEEP_CAUSE, light_missing, tier_of
+from servprof.detect.tier import NEEDS_DEEP_CAUSE, budget_missing, light_missing, tier_of
 from servprof.detect.tokenization_stall import detect_tokenization_stalls
 from servprof.detect.utilisation import utilisation
 from servprof.trace.loader import SOURCE_FILE_KEY, paused_gc
@@ -64,7 +64,8 @@ def _analyse(trace: Trace, requests: list[dict[str, Any]] | None, device: str | 
     parts = (gap_summary, token_summary, bw_summary, memory_summary, compile_summary, stall_summary)
     # What the trace could not show, once, at the top (the detectors' own summaries keep no copy).
     missing = [*steps.missing(), *(m for part in parts for m in part.pop("missing", [])),
-               *light_missing(trace, sum(g.count for g in gaps if g.cause == NEEDS_DEEP_CAUSE))]
+               *light_missing(trace, sum(g.count for g in gaps if g.cause == NEEDS_DEEP_CAUSE)),
+               *budget_missing(trace, steps)]
     summary = {
         "source": trace.source,
         "tier": tier_of(trace),  # "light" | "deep" for servprof's sessions (detect/tier.py), else None

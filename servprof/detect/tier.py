@@ -26,6 +26,12 @@ NEEDS_DEEP = "op-level cause needs a deep window"
 NEEDS_DEEP_CAUSE = "needs_deep_window"  # decode_gap evidence["cause"] on a light trace (causes.CAUSES)
 LIGHT_TRACE = ("a light trace records servprof's phases, the engine's annotations and device activity, not the "
                "ops or Python each thread ran")
+# Fewer model steps than this in a session cut by its event budget: too few for the gaps between them.
+MIN_STEPS = 4
+EARLY_SHARE = 0.5  # a session cut with less than this share of its budget recorded: the estimate ran high
+BUDGET_HOW = ("Raise SERVPROF_MAX_SESSION_EVENTS for longer sessions (stop() holds the GIL about 6 µs per event: "
+              "the default 2,000 is about 12 ms)")
+CUDA_HOST_CATEGORIES = ("cuda_runtime", "cuda_driver", "ac2g")  # a launch, and its link to the kernel
 BANDWIDTH_NOTE = (f"op bytes and bandwidth need op shapes, which a light trace does not record (kernels carry no "
                   f"bytes): {DEEP_WINDOW_HOW}")
 
@@ -56,3 +62,28 @@ def light_missing(trace: Any, gaps_needing_deep: int) -> list[dict[str, str]]:
     return [{"what": "op-level detail (light trace)", "message": (
         f"This is a light session's trace: {LIGHT_TRACE}. It cannot show {'; '.join(cannot)}. Its {measured} are "
         f"measured as in a deep trace. For the rest, {DEEP_WINDOW_HOW}.")}]
+
+
+def budget_missing(trace: Any, steps: list[Any]) -> list[dict[str, str]]:
+    """The summary["missing"] entry of a servprof session that its event budget ended before it held a
+    few model steps: the gaps between steps were not there to judge, and why. On a GPU the CUDA
+    activity fills the budget: every kernel the process launches, with its launch and their link."""
+    meta = trace.servprof_metadata()
+    if meta.get("stop_reason") != "max_session_events" or len(steps) >= MIN_STEPS:
+        return []
+    budget = meta.get("event_budget")
+    held = f"{len(trace):,} events recorded" + (f", a budget of {budget:,}" if budget else "")
+    text = (f"This session stopped at its event budget (estimated while it ran) after {len(steps)} model "
+            f"step(s) ({held}): too few steps to judge the gaps between them. ")
+    if trace.has_device_events():
+        kernels = int(trace.device_mask().sum())
+        cuda = int((trace.device_mask() | trace.mask_category(*CUDA_HOST_CATEGORIES)).sum())
+        text += (f"{cuda:,} of those events are CUDA activity ({kernels:,} kernels and copies, their launches and "
+                 "links): on a GPU the trace holds every kernel the process launches, for sampled requests or "
+                 "not. ")
+    if budget and len(trace) < EARLY_SHARE * budget:
+        text += (f"It holds {len(trace) / budget:.0%} of that budget: the live estimate ran high (until it has "
+                 "measured a model's events per step, servprof assumes many). It learns them from each session, and "
+                 "later sessions size themselves by them.")
+        return [{"what": "model steps (event budget)", "message": text}]
+    return [{"what": "model steps (event budget)", "message": text + BUDGET_HOW + "."}]

@@ -11,6 +11,7 @@ from typing import Any
 SERVPROF_FIELDS: dict[str, type] = {
     "session_id": str, "request_ids": list, "wall_start_ns": int, "perf_start_ns": int, "stop_reason": str,
     "reason": str, "event_loop_tid": int, "stop_wall_ns": int, "cut_wall_ns": int, "tier": str, "tier_note": str,
+    "event_budget": int,
 }
 
 # The serving side's summary["missing"] entry for a session in which no forward ran in its process
