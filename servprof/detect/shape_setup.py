@@ -74,27 +74,31 @@ def detect_shape_setup(trace: Trace, steps: list[Step]) -> tuple[list[Finding], 
 
 
 def _candidates(trace: Trace) -> tuple[list[_Op], list[str]]:
+    """The ops judged (a few slow calls, with shapes), and the names of ops with a slow call but no
+    shapes recorded (no finding can be made of them; a gap's fix still can name what to check)."""
     # Ops only (record_shapes gives them their shapes): not Python frames nor annotations.
     is_op = trace.complete() & (trace.stream < 0) & trace.mask_category(*OP_CATEGORIES)
     slow = np.flatnonzero(trace.dur >= SLOW_US)
-    names, slow_calls = np.unique(trace.name_id[slow[is_op[slow]]], return_counts=True)
+    slow = slow[is_op[slow]]
+    names, slow_calls = np.unique(trace.name_id[slow], return_counts=True)
+    firsts_slow = slow[np.unique(trace.name_id[slow], return_index=True)[1]]  # one slow call of each name
+    unshaped = [trace.name(int(row)) for row in firsts_slow.tolist()
+                if next(iter(trace.args_each(np.array([row]))), {}).get("Input Dims") is None]
     names = names[slow_calls >= MIN_SHAPES]  # fewer slow calls than that cannot make a finding
     if not names.size:
-        return [], []
+        return [], unshaped
     rows = np.flatnonzero(trace.has_id(trace.name_id, names) & is_op)
     rows = rows[np.lexsort((trace.ts[rows], trace.name_id[rows]))]  # by name, then in time order
     firsts = np.flatnonzero(np.r_[True, trace.name_id[rows][1:] != trace.name_id[rows][:-1]])
     nested = _NestedRuntime(trace)
-    out, unshaped = [], []
+    out = []
     for calls in np.split(rows, firsts[1:]):
         calls = calls[:MAX_CALLS]
         name = trace.name(int(calls[0]))
-        if next(iter(trace.args_each(calls[:1])), {}).get("Input Dims") is None:
-            unshaped.append(name)
-            continue
-        op = _judge(trace, name, calls, nested.own_us(calls))
-        if op is not None:
-            out.append(op)
+        if name not in unshaped:
+            op = _judge(trace, name, calls, nested.own_us(calls))
+            if op is not None:
+                out.append(op)
     return out, unshaped
 
 
