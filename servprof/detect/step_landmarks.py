@@ -76,10 +76,12 @@ def _iteration_starts(thread_ts: np.ndarray, landmark_ts: np.ndarray) -> np.ndar
 
 def _last_end(thread_ts: np.ndarray, thread_end: np.ndarray, starts: list[float]) -> float:
     """The last step's end: the latest end of the thread's host events from its start on, cut at
-    LAST_STEP_MEDIANS median steps when earlier steps give a median."""
+    LAST_STEP_MEDIANS median steps, or the longest earlier step if longer, when earlier steps give
+    a median (what follows the loop is no step; a last step as slow as an earlier one still is)."""
     last = starts[-1]
     after = thread_end[np.searchsorted(thread_ts, last, side="left"):]
     end = float(after.max()) if after.size else last
     if len(starts) >= 3:
-        end = min(end, last + LAST_STEP_MEDIANS * median(np.diff(starts)))
+        lengths = np.diff(starts)
+        end = min(end, last + max(LAST_STEP_MEDIANS * median(lengths), float(lengths.max())))
     return end
