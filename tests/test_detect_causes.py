@@ -465,3 +465,17 @@ def test_a_first_prefill_is_longer_by_nature_not_reported_apart(tmp_path: Path):
     _steps_with_a_long_first(trace, "host_ops", marker="servprof:prefill|r1")
     analysis = analyse(load_trace(trace.write(tmp_path / "t.json")))
     assert not any(f.evidence.get("first_step_only") for f in _gaps(analysis))
+
+
+def test_a_thread_the_profiler_could_not_name_is_said_to_be_one(tmp_path: Path):
+    # A light session on a GPU server: the CUDA calls of a thread that recorded nothing else (an
+    # unsampled request's) carry CUPTI's own id for it, above any OS thread id (seen on an H100).
+    trace = KinetoTrace()
+    trace.launch(0.0, 10.0, 5.0, tid=1849)
+    trace.launch(20.0, 30.0, 5.0, tid=754947776)
+    named = KinetoTrace(events=[*trace.events, {"ph": "M", "name": "thread_name", "pid": 100, "tid": 754947776,
+                                                "args": {"name": "thread 754947776 (python3)"}}])
+    loaded, loaded_named = load_trace(trace.write(tmp_path / "t.json")), load_trace(named.write(tmp_path / "n.json"))
+    assert loaded.thread_label(1849) == "1849"
+    assert loaded.thread_label(754947776).startswith("754947776 (an id the profiler gave a thread it could not name")
+    assert loaded_named.thread_label(754947776) == "754947776"  # a thread the trace names is that thread

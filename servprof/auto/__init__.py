@@ -21,8 +21,7 @@ from servprof.auto.emit import range_kind, set_range_kind
 from servprof.auto.steps import StepHooks
 from servprof.auto.tokenizers import TARGETS, TokenizerPatches
 from servprof.budget import LiveSignals
-from servprof.detect.tier import BUDGET_HOW
-from servprof.trace.meta import NO_FORWARD_LEAD, NO_STEP_BEGAN_LEAD
+from servprof.trace.meta import BUDGET_HOW, NO_FORWARD_LEAD, NO_STEP_BEGAN_LEAD
 
 __all__ = ["AutoInstrumentation", "install_thread_inheritance", "range_kind", "set_range_kind"]
 
@@ -137,8 +136,9 @@ def _no_step_began(module_calls: int, budget_spent: bool) -> str:
     text = (f"{NO_STEP_BEGAN_LEAD}, though the model runs in this process: {module_calls} module call(s) ran "
             "inside forwards already under way when it started. ")
     if not budget_spent:
-        return text + ("The sampled requests ended before a step of theirs began; a session that samples more "
-                       "requests (SERVPROF_REQUESTS_PER_SESSION) or longer ones records their steps.")
+        return text + ("The session ended (its sampled requests done, or a limit reached) before a step began; a "
+                       "session that samples more requests (SERVPROF_REQUESTS_PER_SESSION) or longer ones records "
+                       "their steps.")
     return text + (
         "The session reached its event budget (SERVPROF_MAX_SESSION_EVENTS) first. On a GPU the trace holds "
         "every kernel the process launches, for sampled requests or not, with its launch (about 4 events "

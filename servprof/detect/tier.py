@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from servprof.trace.meta import BUDGET_HOW
+
 LIGHT, DEEP = "light", "deep"  # (servprof.tiers' names; this module must not import torch)
 
 # How to get a deep window, for every message that needs one.
@@ -29,8 +31,6 @@ LIGHT_TRACE = ("a light trace records servprof's phases, the engine's annotation
 # Fewer model steps than this in a session cut by its event budget: too few for the gaps between them.
 MIN_STEPS = 4
 EARLY_SHARE = 0.5  # a session cut with less than this share of its budget recorded: the estimate ran high
-BUDGET_HOW = ("Raise SERVPROF_MAX_SESSION_EVENTS for longer sessions (stop() holds the GIL about 6 µs per event: "
-              "the default 2,000 is about 12 ms)")
 CUDA_HOST_CATEGORIES = ("cuda_runtime", "cuda_driver", "ac2g")  # a launch, and its link to the kernel
 BANDWIDTH_NOTE = (f"op bytes and bandwidth need op shapes, which a light trace does not record (kernels carry no "
                   f"bytes): {DEEP_WINDOW_HOW}")

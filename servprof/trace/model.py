@@ -47,6 +47,9 @@ def distinct_first_inverse(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
     return ordered[new], order[new], inverse
 
 
+# Linux's PID_MAX_LIMIT: no OS thread id (Kineto writes those) is above it.
+MAX_OS_TID = 4_194_304
+
 class Trace:
     """Events of one or more ranks; row i of every column is the same event.
 
@@ -108,10 +111,15 @@ class Trace:
 
     def thread_label(self, tid: int) -> str:
         """A thread as the trace itself names it: a tid the trace gave as text ("25738" in 2021
-        Kineto traces, kept as -(string id + 2)) is that text, never servprof's negative id."""
+        Kineto traces, kept as -(string id + 2)) is that text, never servprof's negative id. A tid
+        above any OS thread id that the trace names no thread: CUPTI's id for a thread whose CUDA
+        calls Kineto could not map to one (it recorded nothing else: in a light session, a thread
+        serving an unsampled request), said as such."""
         tid = int(tid)
         if tid <= -2 and -tid - 2 < len(self.names):
             return self.names[-tid - 2]
+        if tid > MAX_OS_TID and tid not in {key[2] for key in self.thread_names}:
+            return f"{tid} (an id the profiler gave a thread it could not name: one that recorded only CUDA calls)"
         return str(tid)
 
     def args(self, row: int) -> dict[str, Any]:
