@@ -479,3 +479,21 @@ def test_a_thread_the_profiler_could_not_name_is_said_to_be_one(tmp_path: Path):
     assert loaded.thread_label(1849) == "1849"
     assert loaded.thread_label(754947776).startswith("754947776 (an id the profiler gave a thread it could not name")
     assert loaded_named.thread_label(754947776) == "754947776"  # a thread the trace names is that thread
+
+
+def test_queued_kernels_held_apart_name_a_shared_gpu_among_the_causes(tmp_path: Path):
+    # Every kernel launched well before it runs (the host far ahead), yet 60 µs of idle between
+    # them, no other stream of this process running: what six servers sharing one H100 showed.
+    trace = KinetoTrace()
+    t = 0.0
+    for _step in range(6):
+        trace.host(DECODE, t, 200.0)
+        begin = t + 300.0
+        for i in range(20):
+            trace.launch(t + 5 * i, begin + i * 100.0, 40.0)  # 40 µs kernels, 60 µs apart
+        t = begin + 20 * 100.0 + 100.0
+    analysis = analyse(load_trace(trace.write(tmp_path / "t.json")))
+    waits = _gaps(analysis, "kernel_wait")
+    assert waits and all("another process's work on the same GPU" in gap.title for gap in waits)
+    assert all(gap.fix.startswith("If several processes share this GPU") for gap in waits)
+    assert sum(gap.evidence["gaps"] for gap in waits) >= 6 * 19  # every hole between queued kernels

@@ -89,8 +89,12 @@ CAUSES: dict[str, tuple[str, str]] = {
         "it; drop the dependency if it is not needed.",
     ),
     "kernel_wait": (
-        "idle between kernels that were already queued (inter-kernel latency or a wait on another stream)",
-        "Fuse the small kernels (torch.compile) or replay them from a CUDA graph, and check cross-stream waits.",
+        "idle between kernels that were already queued (inter-kernel latency, a wait on another stream, or "
+        "another process's work on the same GPU)",
+        "If several processes share this GPU (server workers each holding the model, another job), they take "
+        "turns on it: serve from one process that batches, or give each its own GPU (or run NVIDIA MPS). "
+        "Otherwise fuse the small kernels (torch.compile) or replay them from a CUDA graph, and check "
+        "cross-stream waits.",
     ),
     "event_loop_work": (
         "the event loop's own work between the model's steps, which run on the loop (see the loop_stall finding)",
