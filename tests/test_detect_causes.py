@@ -497,3 +497,23 @@ def test_queued_kernels_held_apart_name_a_shared_gpu_among_the_causes(tmp_path: 
     assert waits and all("another process's work on the same GPU" in gap.title for gap in waits)
     assert all(gap.fix.startswith("If several processes share this GPU") for gap in waits)
     assert sum(gap.evidence["gaps"] for gap in waits) >= 6 * 19  # every hole between queued kernels
+
+
+def test_a_gil_held_by_another_requests_model_step_is_concurrent_model_calls(tmp_path: Path):
+    # As above, but what the other thread runs meanwhile is another request's model step (one
+    # model call per request, each on its own thread, as the thread-pool servers on an H100): the
+    # fix is to batch the calls, not to move that thread's work out of the process.
+    trace = KinetoTrace()
+    t = 0.0
+    for k in range(5):
+        trace.host(DECODE, t, 60)
+        end = eager_step(trace, t, kernels=10)
+        trace.annotation(f"servprof:decode_step|r{10 + k}", end + 10, 780, tid=OTHER)
+        trace.launch(end + 12, end + 20, 5.0, tid=OTHER)  # its step's device work, then its host ops
+        trace.host("aten::index", end + 30, 750, tid=OTHER)
+        t = end + 800
+    analysis = analyse(load_trace(trace.write(tmp_path / "t.json")))
+    (gap,) = _gaps(analysis)
+    assert gap.evidence["cause"] == "concurrent_steps"
+    assert "other requests' model steps ran on other threads meanwhile" in gap.title
+    assert "batch" in gap.fix

@@ -172,6 +172,8 @@ class GapExplainer:
             ((top == COMPILING) & (us[:, COMPILING] >= 0.2 * length), "compiling", False),
             (us[:, WAIT] >= 0.5 * length, "waiting", False),
             (gil & (other[:, TOKENIZE] >= 0.5 * other_busy), "tokenization", True),
+            # The thread that held the GIL was in another request's step: the model calls compete.
+            (gil & (concurrent >= 0.5 * length), "concurrent_steps", True),
             (gil, "gil_contention", True),
             # Recorded on a light trace too: other requests' steps, on their own threads, filled the gap.
             ((concurrent >= 0.5 * length) & ~host_busy, "concurrent_steps", False),

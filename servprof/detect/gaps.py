@@ -220,7 +220,13 @@ def _device_gaps(trace: Any, rank: int, steps: list[Step], index: dict[int, int]
     tid = np.where(has_launch, trace.tid[lrow], np.array([on_device[p].tid for p in step_pos]))
     graph = has_launch & np.isin(trace.name_id[lrow], host_ids_matching(trace, GRAPH_LAUNCH))  # (launches)
     waited, wait_rows = _stream_waits(trace, rank, rows, dev_start, hole_a, hole_b, launch_ts)
-    explained = explainer.explain(hole_a, hole_b, tid, starved, small, graph, launch_end, waited)
+    # Steps on several threads (one model call per request, each on its own thread): other requests'
+    # steps running through a hole of this step's, read against the step's own thread.
+    step_tid = np.array([s.tid for s in on_device], dtype=np.int64)
+    concurrent = other_steps_during(on_device, hole_a, hole_b, step_tid[step_pos]) \
+        if distinct(step_tid).size > 1 else None
+    explained = explainer.explain(hole_a, hole_b, tid, starved, small, graph, launch_end, waited,
+                                  concurrent=concurrent)
     out: list[Gap] = []
     continuing = np.array([continues(s, fresh) for s in on_device])
     # Idle before a new request's prefill: the engine had nothing to run.
