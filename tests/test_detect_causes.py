@@ -5,6 +5,7 @@ summed per step, and each cause with a fix. Only the timings are invented (tests
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -57,15 +58,23 @@ def test_python_gap_named_by_self_time_never_more_than_the_gap(tmp_path: Path):
     assert gap.fix and "CUDA graphs" in gap.fix
 
 
-def test_a_thread_that_holds_the_gil_is_named_and_a_sleeping_one_never(tmp_path: Path):
+def _engine_then_other_thread(other_work: Callable[[KinetoTrace, int, float], None]) -> tuple[KinetoTrace, float]:
+    """Five engine steps, after each of which the engine thread records nothing for 800 µs while
+    ``other_work(trace, k, end)`` puts what another thread ran then; returns the trace and its end."""
     trace = KinetoTrace()
     t = 0.0
-    for _ in range(5):
+    for k in range(5):
         trace.host(DECODE, t, 60)
         end = eager_step(trace, t, kernels=10)
-        # The engine thread records nothing for 800 µs; another thread runs the app's Python.
-        trace.frame("myapp/normalise.py(5): slow_normalise", end + 10, 780, tid=OTHER)
+        other_work(trace, k, end)
         t = end + 800
+    return trace, t
+
+
+def test_a_thread_that_holds_the_gil_is_named_and_a_sleeping_one_never(tmp_path: Path):
+    # Another thread runs the app's Python meanwhile.
+    trace, t = _engine_then_other_thread(
+        lambda trace, _k, end: trace.frame("myapp/normalise.py(5): slow_normalise", end + 10, 780, tid=OTHER))
     _sleeping_monitor(trace, t + 100)
     analysis = analyse(load_trace(trace.write(tmp_path / "t.json")))
     (gap,) = _gaps(analysis)
@@ -503,15 +512,12 @@ def test_a_gil_held_by_another_requests_model_step_is_concurrent_model_calls(tmp
     # As above, but what the other thread runs meanwhile is another request's model step (one
     # model call per request, each on its own thread, as the thread-pool servers on an H100): the
     # fix is to batch the calls, not to move that thread's work out of the process.
-    trace = KinetoTrace()
-    t = 0.0
-    for k in range(5):
-        trace.host(DECODE, t, 60)
-        end = eager_step(trace, t, kernels=10)
+    def other_step(trace: KinetoTrace, k: int, end: float) -> None:
         trace.annotation(f"servprof:decode_step|r{10 + k}", end + 10, 780, tid=OTHER)
         trace.launch(end + 12, end + 20, 5.0, tid=OTHER)  # its step's device work, then its host ops
         trace.host("aten::index", end + 30, 750, tid=OTHER)
-        t = end + 800
+
+    trace, _ = _engine_then_other_thread(other_step)
     analysis = analyse(load_trace(trace.write(tmp_path / "t.json")))
     (gap,) = _gaps(analysis)
     assert gap.evidence["cause"] == "concurrent_steps"
