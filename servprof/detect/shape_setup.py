@@ -68,7 +68,7 @@ def detect_shape_setup(trace: Trace, steps: list[Step]) -> tuple[list[Finding], 
     findings = [_finding(trace, op, steps, judged_us) for op in ops]
     summary = {"ops": [{"op": op.name, "shapes": op.shapes, "slow_new_shapes": int(op.slow_new.size),
                         "setup_ms": round(op.setup_us / 1000, 3)} for op in ops],
-               # slow often, but recorded without shapes: whether it is a set-up per shape cannot be told
+               # ops with a slow call (SLOW_US) recorded without shapes: no set-up per shape can be told apart
                "unshaped_ops": unshaped}
     return findings, summary
 
