@@ -11,6 +11,7 @@ Runs on CPU too (``--device cpu --model tiny``), which is how the script itself 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -25,6 +26,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
+RUNNING: set[subprocess.Popen] = set()  # the servers up now: each in its own session, so stopped by hand
 TOKEN = "gpu-check"
 PROMPT = "The harbour master counted the boats twice before the storm and once after it. "
 # name: (module, route, request kind[, extra SERVPROF_* settings])
@@ -132,6 +134,7 @@ def serve_and_load(name: str, port: int, args: argparse.Namespace) -> str:
     log = (out / "server.log").open("wb")
     server = subprocess.Popen([sys.executable, str(ROOT / "tests/servers/run_with_servprof.py"), module, str(port)],
                               env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+    RUNNING.add(server)
     base = f"http://127.0.0.1:{port}"
     try:
         end = time.monotonic() + args.start_s
@@ -155,13 +158,27 @@ def serve_and_load(name: str, port: int, args: argparse.Namespace) -> str:
     except Exception as error:  # one server's failure must not lose the others' results
         return f"## {name}: {error!r}"
     finally:
+        stop(server)
+        log.close()
+        keep_few_traces(out / "traces", args.keep_traces)
+
+
+def stop(server: subprocess.Popen) -> None:
+    """The server and whatever it started (a process pool's workers)."""
+    RUNNING.discard(server)
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(server.pid, signal.SIGTERM)
         try:
             server.wait(10)
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
-        log.close()
-        keep_few_traces(out / "traces", args.keep_traces)
+
+
+def stop_all_and_exit(signum: int, _frame: object) -> None:
+    """A time limit's SIGTERM: the servers are in sessions of their own and would outlive this."""
+    for server in list(RUNNING):
+        stop(server)
+    os._exit(128 + signum)
 
 
 def keep_few_traces(traces: Path, keep: int) -> None:
@@ -194,6 +211,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=18400)
     parser.add_argument("--keep-traces", type=int, default=2, help="session traces kept per tier and server")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, stop_all_and_exit)
     summary = args.out / "summary.md"
     with ThreadPoolExecutor(args.parallel) as pool:
         jobs = [pool.submit(serve_and_load, name, args.port + i, args) for i, name in enumerate(args.only)]
