@@ -29,24 +29,17 @@ ROOT = Path(__file__).resolve().parents[2]
 RUNNING: set[subprocess.Popen] = set()  # the servers up now: each in its own session, so stopped by hand
 TOKEN = "gpu-check"
 PROMPT = "The harbour master counted the boats twice before the storm and once after it. "
-# name: (module, route, request kind[, extra SERVPROF_* settings])
-SERVERS: dict[str, tuple] = {
-    "hf_streaming": ("servers.hf_streaming", "/v1/completions", "completion"),
-    "handwritten_loop": ("servers.handwritten_loop", "/v1/completions", "completion"),
-    "thread_pool": ("servers.thread_pool", "/v1/generate", "completion"),
-    "to_thread_per_token": ("servers.to_thread_per_token", "/v1/completions", "completion"),
-    "loop_bound": ("servers.loop_bound", "/v1/generate", "completion"),
-    "dynamic_batching": ("servers.dynamic_batching", "/v1/generate", "completion"),
-    "polling_engine": ("servers.polling_engine", "/v1/generate", "completion"),
-    "executor": ("servers.executor", "/v1/generate", "completion"),
-    "rag": ("servers.rag", "/v1/generate", "completion"),
-    "embeddings": ("servers.embeddings", "/v1/embeddings", "embedding"),
-    "process_pool": ("servers.process_pool", "/v1/generate", "completion"),
-    "compiled_model": ("servers.compiled_model", "/v1/generate", "completion"),
-    # Deep windows only, with op shapes: what a light session cannot show (shape_setup, bandwidth).
-    "hf_streaming_deep": ("servers.hf_streaming", "/v1/completions", "completion",
-                          {"SERVPROF_TIER": "deep", "SERVPROF_RECORD_SHAPES": "1"}),
+# name: (module in tests/servers, route); each takes a completion ({"prompt", "max_tokens"}) but the
+# embeddings server, which takes {"input"}.
+SERVERS: dict[str, tuple[str, str]] = {
+    **{name: (name, "/v1/completions") for name in ("hf_streaming", "handwritten_loop", "to_thread_per_token")},
+    **{name: (name, "/v1/generate") for name in ("thread_pool", "loop_bound", "dynamic_batching", "polling_engine",
+                                                 "executor", "rag", "process_pool", "compiled_model")},
+    "embeddings": ("embeddings", "/v1/embeddings"),
+    "hf_streaming_deep": ("hf_streaming", "/v1/completions"),
 }
+# Deep windows only, with op shapes: what a light session cannot show (shape_setup, bandwidth).
+EXTRA_SETTINGS = {"hf_streaming_deep": {"SERVPROF_TIER": "deep", "SERVPROF_RECORD_SHAPES": "1"}}
 
 
 def request_body(kind: str, rnd: random.Random) -> dict:
@@ -124,15 +117,17 @@ def summarise(name: str, out: Path, load: dict, status: dict) -> str:
 
 
 def serve_and_load(name: str, port: int, args: argparse.Namespace) -> str:
-    module, route, kind, *extra = SERVERS[name]
+    module, route = SERVERS[name]
+    kind = "embedding" if module == "embeddings" else "completion"
     out = args.out / name
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, SERVPROF_TEST_DEVICE=args.device, SERVPROF_TEST_MODEL=args.model,
                SERVPROF_OUT_DIR=str(out), SERVPROF_TELEMETRY="0", SERVPROF_CONTROL_TOKEN=TOKEN,
                SERVPROF_SAMPLE_EVERY=str(args.sample_every), SERVPROF_DEEP_EVERY="2", PYTHONUNBUFFERED="1",
-               PYTHONFAULTHANDLER="1", **(extra[0] if extra else {}))
+               PYTHONFAULTHANDLER="1", **EXTRA_SETTINGS.get(name, {}))
     log = (out / "server.log").open("wb")
-    server = subprocess.Popen([sys.executable, str(ROOT / "tests/servers/run_with_servprof.py"), module, str(port)],
+    server = subprocess.Popen([sys.executable, str(ROOT / "tests/servers/run_with_servprof.py"), f"servers.{module}",
+                               str(port)],
                               env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
     RUNNING.add(server)
     base = f"http://127.0.0.1:{port}"

@@ -21,7 +21,7 @@ from servprof.auto.emit import range_kind, set_range_kind
 from servprof.auto.steps import StepHooks
 from servprof.auto.tokenizers import TARGETS, TokenizerPatches
 from servprof.budget import LiveSignals
-from servprof.trace.meta import BUDGET_HOW, NO_FORWARD_LEAD, NO_STEP_BEGAN_LEAD
+from servprof.trace.meta import BUDGET_HOW, GPU_EVENTS_NOTE, NO_FORWARD_LEAD, NO_STEP_BEGAN_LEAD
 
 __all__ = ["AutoInstrumentation", "install_thread_inheritance", "range_kind", "set_range_kind"]
 
@@ -140,9 +140,8 @@ def _no_step_began(module_calls: int, budget_spent: bool) -> str:
                        "session that samples more requests (SERVPROF_REQUESTS_PER_SESSION) or longer ones records "
                        "their steps.")
     return text + (
-        "The session reached its event budget (SERVPROF_MAX_SESSION_EVENTS) first. On a GPU the trace holds "
-        "every kernel the process launches, for sampled requests or not, with its launch (about 4 events "
-        f"each): a busy server's forwards can fill a light session's budget within one step. {BUDGET_HOW}.")
+        f"The session reached its event budget (SERVPROF_MAX_SESSION_EVENTS) first: {GPU_EVENTS_NOTE}, so a "
+        f"busy server's forwards can fill a light session's budget within one step. {BUDGET_HOW}.")
 
 
 def _engine_hint() -> str:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from servprof.trace.meta import BUDGET_HOW
+from servprof.trace.meta import BUDGET_HOW, GPU_EVENTS_NOTE
+from servprof.trace.model import RUNTIME_CATEGORIES
 
 LIGHT, DEEP = "light", "deep"  # (servprof.tiers' names; this module must not import torch)
 
@@ -31,7 +32,7 @@ LIGHT_TRACE = ("a light trace records servprof's phases, the engine's annotation
 # Fewer model steps than this in a session cut by its event budget: too few for the gaps between them.
 MIN_STEPS = 4
 EARLY_SHARE = 0.5  # a session cut with less than this share of its budget recorded: the estimate ran high
-CUDA_HOST_CATEGORIES = ("cuda_runtime", "cuda_driver", "ac2g")  # a launch, and its link to the kernel
+FLOW_CATEGORY = "ac2g"  # the link from a launch to its kernel
 BANDWIDTH_NOTE = (f"op bytes and bandwidth need op shapes, which a light trace does not record (kernels carry no "
                   f"bytes): {DEEP_WINDOW_HOW}")
 
@@ -76,11 +77,10 @@ def budget_missing(trace: Any, steps: list[Any]) -> list[dict[str, str]]:
     text = (f"This session stopped at its event budget (estimated while it ran) after {len(steps)} model "
             f"step(s) ({held}): too few steps to judge the gaps between them. ")
     if trace.has_device_events():
-        kernels = int(trace.device_mask().sum())
-        cuda = int((trace.device_mask() | trace.mask_category(*CUDA_HOST_CATEGORIES)).sum())
-        text += (f"{cuda:,} of those events are CUDA activity ({kernels:,} kernels and copies, their launches and "
-                 "links): on a GPU the trace holds every kernel the process launches, for sampled requests or "
-                 "not. ")
+        device = trace.device_mask()
+        cuda = int((device | trace.mask_category(*RUNTIME_CATEGORIES, FLOW_CATEGORY)).sum())
+        text += (f"{cuda:,} of those events are CUDA activity ({int(device.sum()):,} kernels and copies, their "
+                 f"launches and links): {GPU_EVENTS_NOTE}. ")
     if budget and len(trace) < EARLY_SHARE * budget:
         text += (f"It holds {len(trace) / budget:.0%} of that budget: the live estimate ran high (until it has "
                  "measured a model's events per step, servprof assumes many). It learns them from each session, and "

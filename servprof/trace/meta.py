@@ -20,7 +20,10 @@ NO_FORWARD_LEAD = "No torch.nn.Module forward ran in this process while the sess
 # ... and for one in which forwards ran (begun before it) but no model step began before it ended.
 NO_STEP_BEGAN_LEAD = "No model step began while this session captured"
 SERVING_STEP_LEADS = (NO_FORWARD_LEAD, NO_STEP_BEGAN_LEAD)
-# What to do about a session its event budget ended too soon (the serving side and the analysis say it).
+# Why a GPU session's budget fills fast, and what to do about a session it ended too soon (the serving
+# side and the analysis say both, in these words).
+GPU_EVENTS_NOTE = ("on a GPU the trace holds every kernel the process launches, for sampled requests or not, with "
+                   "its launch and their link (about 4 events a kernel)")
 BUDGET_HOW = ("Raise SERVPROF_MAX_SESSION_EVENTS for longer sessions (stop() holds the GIL about 6 µs per event: "
               "the default 2,000 is about 12 ms)")
 

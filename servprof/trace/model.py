@@ -50,6 +50,7 @@ def distinct_first_inverse(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
 # Linux's PID_MAX_LIMIT: no OS thread id (Kineto writes those) is above it.
 MAX_OS_TID = 4_194_304
 
+
 class Trace:
     """Events of one or more ranks; row i of every column is the same event.
 
@@ -118,7 +119,7 @@ class Trace:
         tid = int(tid)
         if tid <= -2 and -tid - 2 < len(self.names):
             return self.names[-tid - 2]
-        if tid > MAX_OS_TID and tid not in {key[2] for key in self.thread_names}:
+        if tid > MAX_OS_TID and not any(key[2] == tid for key in self.thread_names):
             return f"{tid} (an id the profiler gave a thread it could not name: one that recorded only CUDA calls)"
         return str(tid)
 
