@@ -27,11 +27,11 @@ def servprof_middleware(app: Any) -> ServprofMiddleware:
 
 
 def session_on(module: str, out_dir: Path, paths: list[str], max_tokens: int, spaced_s: float | None = None,
-               body: dict[str, Any] | None = None, start_at_s: list[float] | None = None,
+               body: dict[str, Any] | list[dict[str, Any]] | None = None, start_at_s: list[float] | None = None,
                **settings: Any) -> dict[str, Any]:
     """POST {"prompt", "max_tokens"} (or ``body``) to each of ``paths``, all at once (``spaced_s``
     None), each after the last answered plus ``spaced_s``, or each ``start_at_s[i]`` seconds after
-    the first was sent; one session samples them all. Returns the session, the analysis result and
+    the first was sent; one session samples them all (``body``: a list gives each path its own). Returns the session, the analysis result and
     (path, status, request id) per request. ``settings``: more of the middleware's settings
     (``tier="deep"``)."""
     app = importlib.import_module(module).create_app()
@@ -40,9 +40,11 @@ def session_on(module: str, out_dir: Path, paths: list[str], max_tokens: int, sp
     wait_idle()
     responses: list[tuple[str, int, str | None]] = []
 
-    def post(url: str, path: str) -> None:
+    bodies = body if isinstance(body, list) else [body or {"prompt": PROMPT, "max_tokens": max_tokens}] * len(paths)
+
+    def post(url: str, path: str, sent: dict[str, Any]) -> None:
         with httpx.Client(timeout=120) as client:
-            response = client.post(url + path, json=body or {"prompt": PROMPT, "max_tokens": max_tokens})
+            response = client.post(url + path, json=sent)
             responses.append((path, response.status_code, response.headers.get("x-request-id")))
 
     with serve(app) as (url, _server):
@@ -52,7 +54,7 @@ def session_on(module: str, out_dir: Path, paths: list[str], max_tokens: int, sp
         for index, path in enumerate(paths):
             if start_at_s is not None:
                 time.sleep(max(0.0, first + start_at_s[index] - time.monotonic()))
-            clients.append(threading.Thread(target=post, args=(url, path)))
+            clients.append(threading.Thread(target=post, args=(url, path, bodies[index])))
             clients[-1].start()
             if spaced_s is not None:
                 clients[-1].join(120)

@@ -138,3 +138,43 @@ def test_one_engine_threads_steps_beside_a_tokenization_count_too(tmp_path: Path
     # Steps at 0-2, 2.1-4.1, 4.2-6.2, 6.3-8.3, 8.4-10.4 ms cover 7.6 of its 8 ms (1-9 ms).
     assert stall.evidence["other_steps"] == {"us": 7600.0, "threads": 1}
     assert stall.fix.startswith("It ran while model calls on other threads")
+
+
+def test_the_threads_cpu_time_tells_a_waiting_tokenizer_from_a_slow_one(tmp_path: Path):
+    """servprof sessions time each tokenizer call of one text (servprof.auto.tokenizers): r3's
+    thread ran 1 ms of its 8 ms call beside other threads' steps (it waited: the fix is what it
+    waited for, not the tokenizer); r4's ran 7.8 of 8 ms beside the same steps (the tokenizer
+    worked: slow, whatever ran beside it); r5's call was not timed (the contention hint stands);
+    a damaged entry is skipped."""
+    base_ns, wall0, perf0 = 1_700_000_000_000_000_000, 1_700_000_000_000_500_000, 9_000_000_000
+
+    def timed(tid: int, start_us: float, wall_ms: float, cpu_ms: float) -> list[int]:
+        # perf_counter_ns of a call starting at trace µs start_us (trace µs = (unix ns - base) / 1000)
+        return [tid, int(perf0 + (base_ns + start_us * 1000) - wall0), int(wall_ms * 1e6), int(cpu_ms * 1e6)]
+
+    trace = KinetoTrace()
+    trace.metadata = {"baseTimeNanoseconds": base_ns, "servprof": {
+        "wall_start_ns": wall0, "perf_start_ns": perf0,
+        "auto": {"tokenizer_cpu_ns": [timed(13, 5_020.0, 7.95, 1.0), timed(14, 40_010.0, 7.98, 7.8),
+                                      [15, "x", 1, 2], "bad"]}}}
+    for start in (0.0, 35_000.0, 70_000.0):  # other threads' model steps under every tokenization
+        trace.host("servprof:prefill|r1", start, 30_000.0, tid=11)
+    trace.host("servprof:tokenize|r3", 5_000.0, 8_000.0, tid=13)
+    trace.host("servprof:prefill|r3", 13_100.0, 20_000.0, tid=13)
+    trace.host("servprof:tokenize|r4", 40_000.0, 8_000.0, tid=14)
+    trace.host("servprof:prefill|r4", 48_100.0, 20_000.0, tid=14)
+    trace.host("servprof:tokenize|r5", 75_000.0, 8_000.0, tid=15)
+    trace.host("servprof:prefill|r5", 83_100.0, 20_000.0, tid=15)
+    analysis = analyse(load_trace(trace.write(tmp_path / "t.json")))
+    stalls = {f.evidence["request_id"]: f for f in analysis.findings if f.kind == "tokenization_stall"}
+    waited, slow, unmeasured = stalls["r3"], stalls["r4"], stalls["r5"]
+    assert waited.evidence["thread_cpu_ms"] == 1.0
+    assert waited.title == ("request r3 spent 8.0 ms tokenizing before its first model step; its thread ran on a CPU "
+                            "for 1.0 ms of it and waited the rest (the GIL, a CPU, I/O): the tokenizer is not what "
+                            "is slow")
+    assert waited.fix.startswith("The tokenizer is not what is slow")
+    assert slow.evidence["thread_cpu_ms"] == 7.8 and slow.evidence["other_steps"]["threads"] == 1
+    assert slow.title == "request r4 spent 8.0 ms tokenizing before its first model step"
+    assert slow.fix.startswith("Use a fast (Rust) tokenizer")
+    assert unmeasured.evidence["thread_cpu_ms"] is None and unmeasured.fix.startswith("It ran while model calls")
+    assert analysis.summary["tokenization"]["per_request"]["r3"]["thread_cpu_ms"] == 1.0

@@ -100,7 +100,9 @@ class AutoInstrumentation:
                 "prefill": steps.prefill_steps,
                 "decode": steps.decode_steps, "module_calls_per_step": steps.calls_per_step,
                 "models": sorted(steps.models), "tokenizer_libraries": list(self.tokenizers.libraries),
-                "tokenizer_calls": dict(self.tokenizers.calls), "range_kind": range_kind(),
+                "tokenizer_calls": dict(self.tokenizers.calls),
+                # [tid, start ns (perf_counter_ns), wall ns, the thread's CPU ns] of one text's calls from 1 ms
+                "tokenizer_cpu_ns": [list(call) for call in self.tokenizers.timed], "range_kind": range_kind(),
                 "problem": self.problem,
                 # Threads whose steps had no request of their own (named the requests in flight): an
                 # engine's, a pool's. A thread not listed ran steps for the request it was started for.

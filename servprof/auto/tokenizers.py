@@ -7,6 +7,11 @@ back. The outermost tokenizer call on a thread becomes one range
 request's id (nested calls, e.g. transformers' ``__call__`` -> ``tokenizers.Tokenizer.encode_batch``,
 stay inside it). Whether it ran on the serving loop's thread is the range's thread id
 against the session's ``event_loop_tid``.
+
+Each outermost call of one text that takes 1 ms or more also leaves its thread's CPU time
+(``timed``: thread id, start and wall ns on ``perf_counter_ns``, CPU ns): a tokenizer that is
+slow works for all of its time, one whose thread waited (for the GIL, a CPU, I/O) does not.
+A batch is not timed: its work runs on the library's pool threads, not on the caller's.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import functools
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from time import perf_counter_ns, thread_time_ns
 from typing import Any
 
 from servprof.auto.context import request_id_here
@@ -37,6 +43,20 @@ TARGETS: dict[str, tuple[str, str, dict[str, str]]] = {
         "Encode": TOKENIZE, "EncodeAsIds": TOKENIZE, "EncodeAsPieces": TOKENIZE, "encode": TOKENIZE,
         "Decode": DETOKENIZE, "DecodeIds": DETOKENIZE, "DecodePieces": DETOKENIZE, "decode": DETOKENIZE}),
 }
+
+
+# Batch entry points (a list of texts, or one text's pool threads): their CPU time is not the caller's.
+BATCH_METHODS = frozenset({"encode_batch", "encode_batch_fast", "batch_encode_plus", "encode_ordinary_batch",
+                           "decode_batch", "batch_decode"})
+TIMED_MIN_NS = 1_000_000  # shorter calls are never judged (a stall needs 5 ms): not kept
+MAX_TIMED = 256  # per session
+
+
+def _one_text(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a call's input is one text (or one chat), not a batch of them: ``args[0]`` is the
+    tokenizer, the input its first argument (``text``, ``sequence`` or ``input`` by keyword)."""
+    value = args[1] if len(args) > 1 else kwargs.get("text", kwargs.get("sequence", kwargs.get("input")))
+    return not (isinstance(value, (list, tuple)) and value and isinstance(value[0], (str, list, tuple)))
 
 
 class _Depth(threading.local):
@@ -64,10 +84,12 @@ class TokenizerPatches:
         self._patched: list[tuple[type, str, Any, Any]] = []  # (class, name, original, wrapper)
         self.libraries: list[str] = []  # patched in the current / last session
         self.calls = {TOKENIZE: 0, DETOKENIZE: 0}
+        self.timed: list[tuple[int, int, int, int]] = []  # (tid, start ns, wall ns, thread CPU ns)
 
     def install(self) -> list[str]:
         """Wrap what is importable now; returns the libraries found."""
         self.calls = {TOKENIZE: 0, DETOKENIZE: 0}
+        self.timed = []
         self.active = True
         found = []
         for library, (module_name, class_name, methods) in TARGETS.items():
@@ -84,7 +106,7 @@ class TokenizerPatches:
                         continue
                     if getattr(original, "__servprof_original__", None) is not None:
                         continue  # already ours (a previous session's wrapper left under someone else's)
-                    wrapper = wrappers.get(id(original)) or self._wrap(original, phase)
+                    wrapper = wrappers.get(id(original)) or self._wrap(original, phase, name in BATCH_METHODS)
                     wrappers[id(original)] = wrapper
                     try:
                         setattr(cls, name, wrapper)
@@ -102,10 +124,10 @@ class TokenizerPatches:
             if cls.__dict__.get(name) is wrapper:
                 setattr(cls, name, original)
 
-    def _wrap(self, original: Callable[..., Any], phase: str) -> Callable[..., Any]:
+    def _wrap(self, original: Callable[..., Any], phase: str, batch: bool) -> Callable[..., Any]:
         depth = self._depth
-        calls = self.calls
         patches = self
+        timed = phase == TOKENIZE and not batch
 
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -118,12 +140,16 @@ class TokenizerPatches:
             request_id = request_id_here()
             handle = open_range(auto_phase_name(phase, [request_id] if request_id is not None else []))
             depth.value = 1
-            calls[phase] = calls.get(phase, 0) + 1
+            patches.calls[phase] = patches.calls.get(phase, 0) + 1
+            started, cpu = perf_counter_ns(), thread_time_ns()
             try:
                 return original(*args, **kwargs)
             finally:
+                wall, cpu = perf_counter_ns() - started, thread_time_ns() - cpu
                 depth.value = 0
                 close_range(handle)
+                if timed and wall >= TIMED_MIN_NS and len(patches.timed) < MAX_TIMED and _one_text(args, kwargs):
+                    patches.timed.append((threading.get_native_id(), started, wall, cpu))
 
         wrapper.__servprof_original__ = original  # type: ignore[attr-defined]
         return wrapper

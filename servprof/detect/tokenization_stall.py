@@ -68,6 +68,22 @@ FIX_CONTENDED = (
     "If it is slow alone too: " + FIX_SLOW[0].lower() + FIX_SLOW[1:]
 )
 
+# A tokenizer call whose thread ran on a CPU for less than this share of it mostly waited (servprof
+# sessions time one text's calls: servprof.auto.tokenizers): what to fix is what it waited for.
+RAN_SHARE = 0.5
+WAITED = (
+    "its thread ran on a CPU for only part of the call and waited the rest, for the GIL (held by Python on other "
+    "threads: other requests' pre- and post-processing, generate()'s loop, the event loop), for a CPU, or for I/O "
+    "inside the call (a file, a network round trip: load or fetch it once, at start-up). For the GIL or a CPU, reduce "
+    "what competes with it: cap concurrent model calls at what the machine runs at once, or batch requests on one "
+    "model thread fed by a queue; on a CPU server keep a core for the server "
+    "(`torch.set_num_threads(os.cpu_count() - 1)`); or tokenize in a separate process (a ProcessPoolExecutor), "
+    "which has a GIL of its own."
+)
+FIX_WAITED = "The tokenizer is not what is slow: " + WAITED
+FIX_WAITED_AND_SLOW = ("Most of the call was not the tokenizer's work: " + WAITED + " Its own CPU time is a stall "
+                       "too: " + FIX_SLOW[0].lower() + FIX_SLOW[1:])
+
 
 def missing(spans: list[Any], steps: list[Step]) -> list[dict[str, str]]:
     """summary["missing"] entry when the trace shows no tokenization at all (not for training traces)."""
@@ -103,6 +119,40 @@ def _tokenize_spans(trace: Trace) -> list[tuple[str | None, float, float, int, i
     return [(None, start, end, rank, tid) for start, end, rank, tid in zip(
         trace.ts[rows[kept]].tolist(), ends[kept].tolist(), trace.rank[rows[kept]].tolist(),
         trace.tid[rows[kept]].tolist(), strict=True)]
+
+
+def _timed_calls(trace: Trace) -> dict[int, np.ndarray]:
+    """tid -> rows of (start µs, end µs, CPU µs) on the trace's clock: the tokenizer calls whose
+    thread CPU time the session measured (its metadata's ``auto.tokenizer_cpu_ns``); {} when it
+    has none (any other trace, or no call of one text took 1 ms)."""
+    meta = trace.servprof_metadata()
+    auto = meta.get("auto") if isinstance(meta.get("auto"), dict) else {}
+    calls, base = auto.get("tokenizer_cpu_ns"), trace.base_time_ns()
+    wall0, perf0 = meta.get("wall_start_ns"), meta.get("perf_start_ns")
+    if not isinstance(calls, list) or wall0 is None or perf0 is None or base is None:
+        return {}
+    rows: dict[int, list[tuple[float, float, float]]] = {}
+    for call in calls:
+        if not (isinstance(call, list) and len(call) == 4
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in call)):
+            continue  # (a damaged file: that call is not judged)
+        tid, start_ns, wall_ns, cpu_ns = call
+        if wall_ns <= 0 or cpu_ns < 0:
+            continue
+        start_us = (wall0 + start_ns - perf0 - base) / 1000.0  # trace µs = (unix ns - base) / 1000
+        rows.setdefault(tid, []).append((start_us, start_us + wall_ns / 1000.0, min(cpu_ns, wall_ns) / 1000.0))
+    return {tid: np.array(values) for tid, values in rows.items()}
+
+
+def _cpu_during(timed: dict[int, np.ndarray], tid: int, start: float, end: float) -> tuple[float, float]:
+    """(µs of the span the timed calls on its thread cover, their CPU µs): a call counts when at
+    least half of it lies in the span (the clocks agree to well under that)."""
+    calls = timed.get(tid)
+    if calls is None:
+        return 0.0, 0.0
+    overlap = np.minimum(calls[:, 1], end) - np.maximum(calls[:, 0], start)
+    inside = overlap >= 0.5 * (calls[:, 1] - calls[:, 0])
+    return float(overlap[inside].sum()), float(calls[inside, 2].sum())
 
 
 def _step_starts_by_request(steps: list[Step]) -> dict[tuple[int, str], np.ndarray]:
@@ -174,6 +224,7 @@ def detect_tokenization_stalls(trace: Trace, steps: list[Step], gaps: list[Gap])
     slow_near = _Near(slow_rank, slow_start, slow_end)
     gaps_near = _Near(gap_rank, gap_start, gap_end)
     contended_us, contended_threads = _other_steps_during_spans(spans, steps)
+    timed = _timed_calls(trace)
     for index, (rid, start, end, rank, tid) in enumerate(spans):
         key = rid or f"unattributed-{index}"
         starts = first_steps.get((rank, rid)) if rid is not None else None
@@ -183,9 +234,12 @@ def detect_tokenization_stalls(trace: Trace, steps: list[Step], gaps: list[Gap])
             "request_id": rid, "tokenize_ms": 0.0, "start_us": start, "end_us": end, "thread": tid,
             "to_first_model_step_ms": None, "delayed_steps": 0, "delayed_step_ms": 0.0,
             "delayed_request_ids": set(), "overlapping_gap_ms": 0.0,
-            "other_steps": {"us": 0.0, "threads": 0},
+            "other_steps": {"us": 0.0, "threads": 0}, "timed_us": 0.0, "cpu_us": 0.0,
         })
         entry["tokenize_ms"] += (end - start) / 1000.0
+        timed_us, cpu_us = _cpu_during(timed, tid, start, end)
+        entry["timed_us"] += timed_us
+        entry["cpu_us"] += cpu_us
         entry["other_steps"]["us"] += float(contended_us[index])
         entry["other_steps"]["threads"] = max(entry["other_steps"]["threads"], int(contended_threads[index]))
         entry["end_us"] = max(entry["end_us"], end)
@@ -214,8 +268,13 @@ def detect_tokenization_stalls(trace: Trace, steps: list[Step], gaps: list[Gap])
         entry["overlapping_gap_ms"] = round(entry["overlapping_gap_ms"], 3)
         entry["on_event_loop"] = (entry["thread"] == loop_tid) if loop_tid is not None else None
         entry["other_steps"]["us"] = round(entry["other_steps"]["us"], 1)
+        # The thread's own CPU time, where the session measured (nearly) all of the tokenization.
+        timed_us, cpu_us = entry.pop("timed_us"), entry.pop("cpu_us")
+        measured = timed_us >= 0.9 * entry["tokenize_ms"] * 1000 and timed_us > 0
+        entry["thread_cpu_ms"] = round(cpu_us / 1000.0, 3) if measured else None
         if entry["tokenize_ms"] < MIN_TOKENIZE_MS:
             continue
+        waited = measured and cpu_us < RAN_SHARE * timed_us
         ttft_path = entry["to_first_model_step_ms"]
         share = entry["tokenize_ms"] / ttft_path if ttft_path else None
         cost = entry["tokenize_ms"] + entry["delayed_step_ms"]
@@ -226,7 +285,14 @@ def detect_tokenization_stalls(trace: Trace, steps: list[Step], gaps: list[Gap])
         if entry["on_event_loop"]:
             harm += "; it ran on the event loop, blocking every other request"
         # (Beside an on-loop call or one that slowed others' steps, that fix comes first.)
-        contended = not entry["on_event_loop"] and not entry["delayed_steps"] \
+        # (Its own CPU time alone may be a stall: then the tokenizer is slow too.)
+        worked_long = cpu_us >= MIN_TOKENIZE_MS * 1000
+        if waited:
+            harm += (f"; its thread ran on a CPU for {cpu_us / 1000:.1f} ms of it and waited the rest "
+                     "(the GIL, a CPU, I/O)" + ("" if worked_long else ": the tokenizer is not what is slow"))
+        # Other threads' steps covering it hint at contention where nothing measured it (a tokenizer
+        # whose thread ran all along was working: slow, whatever ran beside it).
+        contended = not entry["on_event_loop"] and not entry["delayed_steps"] and not measured \
             and entry["other_steps"]["us"] >= CONTENDED_SHARE * entry["tokenize_ms"] * 1000
         if contended:
             harm += (f"; model steps ran on {entry['other_steps']['threads']} other thread(s) for "
@@ -239,7 +305,9 @@ def detect_tokenization_stalls(trace: Trace, steps: list[Step], gaps: list[Gap])
         big = (share or 0) >= CRITICAL_SHARE or (session_us > 0 and cost * 1000 >= 0.2 * session_us) \
             or entry["on_event_loop"] or entry["delayed_steps"]
         noticeable = (share or 0) >= CRITICAL_SHARE or entry["on_event_loop"] or entry["tokenize_ms"] >= WARNING_MS
+        # (A thread that mostly waited did not hold the GIL that slowed others' steps meanwhile.)
         fix = FIX_ON_LOOP if entry["on_event_loop"] else (
+            FIX_WAITED_AND_SLOW if worked_long else FIX_WAITED) if waited else (
             FIX_GIL if entry["delayed_steps"] else (FIX_CONTENDED if contended else FIX_SLOW))
         findings.append(Finding(
             kind="tokenization_stall",
@@ -262,7 +330,8 @@ def detect_tokenization_stalls(trace: Trace, steps: list[Step], gaps: list[Gap])
         "delayed_step_ms_total": round(sum(e["delayed_step_ms"] for e in per_request.values()), 3),
         "per_request": {
             key: {"tokenize_ms": e["tokenize_ms"], "to_first_model_step_ms": e["to_first_model_step_ms"],
-                  "on_event_loop": e["on_event_loop"], "delayed_step_ms": e["delayed_step_ms"]}
+                  "on_event_loop": e["on_event_loop"], "delayed_step_ms": e["delayed_step_ms"],
+                  "thread_cpu_ms": e["thread_cpu_ms"]}
             for key, e in list(per_request.items())[:200]
         },
     }
