@@ -197,3 +197,24 @@ def test_an_http_client_built_per_call_on_the_loop_gets_the_build_it_once_fix(
     (finding,) = [f for f in findings if f.evidence["function"] != UNSAMPLED]
     assert any(f["file"].endswith("ssl.py") for f in finding.evidence["frames"]), finding.evidence["frames"]
     assert "built an SSL context on the event loop" in finding.fix and "once" in finding.fix
+
+
+def test_a_future_waited_for_on_the_loop_gets_the_await_it_fix(tmp_path: Path, loop: asyncio.AbstractEventLoop) -> None:
+    """A handler that submits the model call to a pool and blocks on ``future.result()``: the loop
+    waits for another thread, and the fix is to await the hand-off, not to move the handler."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(1)
+
+    def handler_waiting_for_the_pool() -> None:
+        pool.submit(time.sleep, 0.1).result()
+
+    try:
+        trace = _session_trace(tmp_path, loop, lambda: on_loop(loop, handler_waiting_for_the_pool))
+    finally:
+        pool.shutdown()
+    findings, _summary = detect_loop_stalls(trace)
+    (finding,) = [f for f in findings if f.evidence["function"] != UNSAMPLED]
+    assert finding.evidence["function"] == "handler_waiting_for_the_pool"
+    assert "waits on the event loop for another thread (result (_base.py:" in finding.fix
+    assert "asyncio.wrap_future(future)" in finding.fix and "AsyncTextIteratorStreamer" not in finding.fix

@@ -254,6 +254,25 @@ _SSL_SETUP = frozenset({"create_default_context", "load_default_certs", "load_ve
                         "set_default_verify_paths"})
 
 
+# Blocking waits for another thread's hand-off: (file name, functions), the innermost frames' own.
+_THREAD_WAITS = {f"{os.sep}threading.py": {"wait", "join"}, f"{os.sep}queue.py": {"get", "join"},
+                 os.path.join("", "concurrent", "futures", "_base.py"): {"result", "wait"}}
+_STREAMER_FILE = re.compile(rf"{_SEP}transformers{_SEP}generation{_SEP}streamers\.py$")
+
+
+def _thread_wait(frames: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The outermost library frame of a blocking wait for another thread that the stack ends in
+    (``queue.get`` -> ``Condition.wait``: the ``get``), or None."""
+    found = None
+    for frame in reversed(frames):
+        path = str(frame.get("file"))
+        functions = next((names for tail, names in _THREAD_WAITS.items() if path.endswith(tail)), None)
+        if not functions or frame.get("function") not in functions:
+            break
+        found = frame
+    return found
+
+
 def _where(frame: dict[str, Any]) -> str:
     return f"{frame.get('function')} ({os.path.basename(str(frame.get('file')))}:{frame.get('line')})"
 
@@ -263,6 +282,17 @@ def _fix(function: str, where: str, kind: str, longest: float, frames: list[dict
         return (f"{where} built an SSL context on the event loop (it loads the CA certificates: milliseconds each "
                 "time): create the HTTP client (`httpx.AsyncClient`, `aiohttp.ClientSession`, an SDK's client) once, "
                 "at startup or in the app's lifespan, and reuse it for every request instead of opening one per call.")
+    waited = _thread_wait(frames)
+    if waited is not None and function not in (WAITING, UNSAMPLED):
+        streamer = any(_STREAMER_FILE.search(str(f.get("file"))) for f in frames)
+        return (f"{where} waits on the event loop for another thread ({_where(waited)}): await the hand-off "
+                "instead of blocking the loop on it: "
+                + ("transformers' `AsyncTextIteratorStreamer` with `async for` (or `await asyncio.to_thread(next, "
+                   "streamer, None)` per token) in place of iterating a TextIteratorStreamer; " if streamer else "")
+                + "`await asyncio.to_thread(queue.get)` or an `asyncio.Queue` filled with "
+                "`loop.call_soon_threadsafe(queue.put_nowait, item)` for a queue of your own, "
+                f"`await asyncio.wrap_future(future)` for a concurrent.futures Future; every request in flight "
+                f"waits up to {longest:.0f} ms while it blocks.")
     if function == WAITING:
         return ("Other threads kept the serving loop from running: keep Python-heavy work (per-token bookkeeping, "
                 "tokenization in threads) short or in another process, and leave CPU cores for the server.")
