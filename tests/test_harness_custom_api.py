@@ -109,5 +109,37 @@ def test_a_stream_split_anywhere_counts_each_event_once() -> None:
     events = b"".join(b'data: {"token": {"text": "w"}}\n\n' for _ in range(5)) + b"data: [DONE]\n\n"
     for size in (1, 3, 7, 1000):
         reader = CustomStream("")
-        counted = sum(reader.feed(events[i:i + size]) for i in range(0, len(events), size)) + reader.finish()
+        counted = sum(len(reader.feed(events[i:i + size])) for i in range(0, len(events), size)) + len(reader.finish())
         assert counted == 5 and reader.done
+
+
+def _read(stream: bytes, arrivals: list[tuple[float, int]] | None = None) -> tuple[list[float], CustomStream]:
+    """Chunk times of ``stream`` fed as it would arrive: (time, bytes up to here) pairs, else whole at 1.0."""
+    reader = CustomStream("")
+    times, fed = [], 0
+    for at, upto in arrivals or [(1.0, len(stream))]:
+        times += reader.feed(stream[fed:upto], at)
+        fed = upto
+    return times + reader.finish(9.0), reader
+
+
+def test_an_sse_event_is_its_data_lines_up_to_the_blank_line() -> None:
+    """As sse-starlette writes them: CRLF, a text with a newline as two data lines of one event,
+    tokens its streamer held back as events without text, keep-alive comments."""
+    stream = (b"data: The\r\n\r\n: ping - 2026-11-27\r\n\r\ndata: \r\n\r\ndata: \r\n\r\n"
+              b"data:  harbour\r\ndata: master\r\n\r\nevent: end\r\ndata: [DONE]\r\n\r\n")
+    times, reader = _read(stream)
+    assert times == [1.0] * 4 and reader.done  # "The", two held back, " harbour\nmaster"
+
+
+def test_each_event_counts_when_its_blank_line_arrives() -> None:
+    stream = b"data: a\n\ndata: b\n\ndata: c\n"
+    times, _reader = _read(stream, [(1.0, 5), (2.0, 9), (3.0, 15), (4.0, len(stream))])
+    assert times == [2.0, 4.0, 9.0]  # a ends at its blank line (2.0); c has none: the stream's end
+
+
+def test_a_stream_without_blank_lines_is_one_event_per_data_line() -> None:
+    """``yield f"data: {token}\\n"``: no framing at all, each line read at its own arrival."""
+    stream = b"data: a\ndata: b\ndata: c\ndata: [DONE]\n"
+    times, reader = _read(stream, [(1.0, 8), (2.0, 16), (3.0, len(stream))])
+    assert times == [1.0, 2.0, 3.0] and reader.done

@@ -8,8 +8,9 @@ answer with one JSON object, server-sent events, or plain text streamed as it is
 ``--endpoint custom --path /generate --body '{"prompt": "{prompt}", "max_tokens": "{max_tokens}"}'``:
 in the template, a string that is exactly ``"{max_tokens}"`` becomes the request's output-token
 count (a number), ``"{stream}"`` true or false, and ``{prompt}`` anywhere inside a string the
-prompt. A stream's every SSE ``data:`` line (other than ``[DONE]``), or every piece of a plain
-text stream as it arrives, is one chunk (TTFT, ITL). Output tokens: ``--tokens-field`` (a dotted
+prompt. A stream's every SSE event (other than ``[DONE]``; its ``data:`` lines up to a blank line,
+an event without text included), or every piece of a plain text stream as it arrives, is one
+chunk (TTFT, ITL). Output tokens: ``--tokens-field`` (a dotted
 path in the JSON answer or in any streamed JSON chunk, e.g. ``usage.completion_tokens``), else
 one per streamed chunk, else the words of the answer's text.
 """
@@ -100,7 +101,14 @@ def tokens_in(body: Any, tokens_field: str) -> int | None:
 
 
 class CustomStream:
-    """Reads a custom server's streamed answer as it arrives: SSE or plain text."""
+    """Reads a custom server's streamed answer as it arrives: SSE or plain text.
+
+    ``feed(data, at)`` and ``finish(at)`` return the times (``at``: the caller's clock, when the
+    bytes arrived) of the content chunks they completed. An SSE event is its ``data:`` lines up to
+    the blank line that ends it (sse-starlette writes a text with newlines as several ``data:``
+    lines of one event); an event with no text is still one (a token the server's detokenizer held
+    back). A stream that never sends a blank line (``yield f"data: {x}\\n"``) is read one event per
+    ``data:`` line, each at its own arrival."""
 
     def __init__(self, tokens_field: str) -> None:
         self.tokens_field = tokens_field
@@ -109,55 +117,74 @@ class CustomStream:
         self.output_tokens: int | None = None
         self.error: str | None = None
         self.done = False
+        self._event: list[tuple[float, bytes]] = []  # the data lines of the event being read, with arrivals
+        self._blank_seen = False  # a blank line ended an event: the stream keeps to SSE's framing
 
-    def feed(self, data: bytes) -> int:
-        """New bytes; returns how many content chunks they completed."""
+    def feed(self, data: bytes, at: float = 0.0) -> list[float]:
         if self.sse is None:
             head = (self.buffer + data).lstrip()
             if not head or any(len(head) < len(p) and p.startswith(head) for p in SSE_PREFIXES):
                 self.buffer += data  # too little yet to tell ("da" may become "data:")
-                return 0
+                return []
             self.sse = head.startswith(SSE_PREFIXES)
             if not self.sse:
                 self.buffer = b""
-                return 1
+                return [at]
         if not self.sse:
-            return 1 if data.strip() else 0
+            return [at] if data.strip() else []
         self.buffer += data
         *lines, self.buffer = self.buffer.split(b"\n")
-        return sum(self._line(line.strip()) for line in lines)
+        return [t for line in lines for t in self._line(line.rstrip(b"\r"), at)]
 
-    def finish(self) -> int:
-        """The end of the stream: a last SSE line without its newline (or a few bytes of text)."""
+    def finish(self, at: float = 0.0) -> list[float]:
+        """The end of the stream: a last line without its newline, an event without its blank line
+        (or a few bytes of text)."""
         if self.sse is None and self.buffer.strip():
             self.buffer = b""
-            return 1
-        if self.sse and self.buffer.strip():
-            line, self.buffer = self.buffer.strip(), b""
-            return self._line(line)
-        return 0
+            return [at]
+        if not self.sse:
+            return []
+        line, self.buffer = self.buffer.rstrip(b"\r"), b""
+        times = self._line(line, at) if line else []
+        if self._event and not self._blank_seen:  # no framing at all: each data line was an event
+            events, self._event = self._event, []
+            return times + [t for arrived, payload in events for t in self._dispatch([(arrived, payload)], arrived)]
+        return times + self._dispatch_pending(at)
 
-    def _line(self, line: bytes) -> int:
-        if self.done or not line.startswith(b"data:"):
-            return 0
-        payload = line[5:].strip()
-        if payload == b"[DONE]":
+    def _line(self, line: bytes, at: float) -> list[float]:
+        if not line:  # the blank line that ends an event
+            self._blank_seen = True
+            return self._dispatch_pending(at)
+        if line.startswith(b"data:"):
+            payload = line[5:]
+            self._event.append((at, payload[1:] if payload.startswith(b" ") else payload))
+        return []  # event:, id:, retry: and comments (": ping") carry no content
+
+    def _dispatch_pending(self, at: float) -> list[float]:
+        events, self._event = self._event, []
+        return self._dispatch(events, at) if events else []
+
+    def _dispatch(self, lines: list[tuple[float, bytes]], at: float) -> list[float]:
+        if self.done or self.error:
+            return []
+        payload = b"\n".join(data for _, data in lines)
+        if payload.strip() == b"[DONE]":
             self.done = True
-            return 0
+            return []
         try:
             body = orjson.loads(payload)
         except orjson.JSONDecodeError:
-            return 1 if payload else 0  # a plain text event: one chunk of text
+            return [at]  # a plain text event (empty too): one chunk of text
         if isinstance(body, dict) and "error" in body and len(body) <= 3:
             self.error = f"server error in stream: {str(body['error'])[:200]}"
-            return 0
+            return []
         tokens = tokens_in(body, self.tokens_field)
         if tokens is not None:
             self.output_tokens = tokens
             # A chunk that only reports the count (a usage chunk) carries no text.
             if answer_text(body) is None:
-                return 0
-        return 1
+                return []
+        return [at]
 
 
 def read_custom_stream(chunks: Iterable[bytes], start: float, tokens_field: str, clock: Any, result: Any) -> None:
@@ -165,13 +192,13 @@ def read_custom_stream(chunks: Iterable[bytes], start: float, tokens_field: str,
     reader = CustomStream(tokens_field)
     for data in chunks:
         now = clock()  # before parsing, so parsing time is not counted as latency
-        for _ in range(reader.feed(data)):
-            result.content_chunk(now - start)
+        for at in reader.feed(data, now - start):
+            result.content_chunk(at)
         if reader.error or reader.done:
             break
     if reader.error is None:
-        for _ in range(reader.finish()):
-            result.content_chunk(clock() - start)
+        for at in reader.finish(clock() - start):
+            result.content_chunk(at)
     result.error = reader.error
     result.output_tokens = reader.output_tokens
 
