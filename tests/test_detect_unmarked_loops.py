@@ -6,6 +6,7 @@ weights, no download) on the CPU: the trace's structure, not the model's quality
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,51 @@ def test_profiler_steps_each_around_a_whole_generate_give_way_to_its_forwards(tm
     assert trace.mask_name(lambda s: s.startswith("ProfilerStep#")).sum() == 2
     analysis = analyse(trace)
     assert [s.source for s in analysis.steps] == ["embedding"] * (2 * NEW_TOKENS)
+
+
+SLEEP_S = 0.02
+
+
+def _inside_step_gaps(analysis) -> list:  # noqa: ANN001
+    return [f for f in analysis.findings if f.kind == "decode_gap" and f.evidence.get("where") == "inside_step"]
+
+
+def test_a_wait_in_every_iteration_of_an_unmarked_loop_is_a_gap(tmp_path: Path):
+    """A hand-written loop that sleeps before each forward (a per-token callback, a rate limiter):
+    with no marker and no shapes every step's kind is unknown, and its thread records nothing for
+    most of each one. Said, with the time, instead of "no findings"."""
+    model = tiny_llama()
+
+    def loop() -> None:
+        with torch.no_grad():
+            out = model(input_ids=PROMPT, use_cache=True)
+            for _ in range(NEW_TOKENS):
+                time.sleep(SLEEP_S)
+                token = out.logits[:, -1].argmax(-1, keepdim=True)
+                out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
+
+    analysis = analyse(_trace_of(loop, tmp_path / "t.json"))
+    assert {s.kind for s in analysis.steps} == {"step"} and len(analysis.steps) == NEW_TOKENS + 1
+    (finding,) = _inside_step_gaps(analysis)
+    assert finding.evidence["cause"] == "untraced_host_time" and finding.evidence["gaps"] >= NEW_TOKENS - 1
+    # Each counted gap is the thread's unrecorded time in one step: the sleep and little else.
+    assert finding.evidence["median_gap_ms"] >= SLEEP_S * 1000
+    assert finding.cost_ms >= (NEW_TOKENS - 1) * SLEEP_S * 1000
+    assert "sleeps" in finding.fix
+
+
+def test_an_idle_spell_between_generate_calls_is_not_a_stall(tmp_path: Path):
+    """generate() three times with the server idle between calls: without shapes the last step of
+    each call runs to the next call's first forward, across the idle time; it is not judged a stall
+    (the trace cannot tell it from the wait for the next request), and a loop without waits gets none."""
+    model = tiny_llama()
+
+    def requests() -> None:
+        for _ in range(3):
+            generate(model)
+            time.sleep(0.2)
+
+    analysis = analyse(_trace_of(requests, tmp_path / "t.json"))
+    assert len(analysis.steps) == 3 * NEW_TOKENS
+    assert max(s.dur_us for s in analysis.steps) >= 200_000  # a step across an idle spell
+    assert _inside_step_gaps(analysis) == []

@@ -37,6 +37,9 @@ from servprof.trace.model import distinct, median
 CPU_MIN_GAP_US = 1000.0  # host gaps below 1 ms are the ordinary cost of a Python engine loop
 GPU_MIN_GAP_US = 50.0  # device idle below 50 µs is launch latency: summed per step, not listed
 RELATIVE_MIN_GAP = 0.25  # ... and a host gap must be at least this share of the median step
+# Steps of unknown kind are judged for stalls inside them when the median one left this share of
+# the median step unrecorded; past this many times that median unrecorded time, a step is not judged.
+UNKNOWN_STALLED_SHARE, UNKNOWN_OUTLIER = 0.5, 4.0
 # Device idle is listed one by one from this share of the step's device span (inside) or of
 # the median span (between); shorter holes are summed per step and cause.
 DEVICE_RELATIVE_MIN_GAP = 0.02
@@ -393,21 +396,48 @@ def _on_the_loop(trace: Any, steps: list[Step], gaps: list[Gap]) -> list[Gap]:
     return gaps
 
 
+def _unrecorded_us(steps: list[Step], stacks: HostStacks) -> np.ndarray:
+    """Per step, the time its own thread recorded no work in it."""
+    out = np.zeros(len(steps))
+    for tid in {s.tid for s in steps}:
+        at = [i for i, s in enumerate(steps) if s.tid == tid]
+        a, b = np.array([steps[i].start_us for i in at]), np.array([steps[i].end_us for i in at])
+        out[at] = (b - a) - stacks.thread(tid).class_times(a, b)[:, list(BUSY_CLASSES)].sum(axis=1)
+    return out
+
+
+def _stalled_candidates(steps: list[Step], stacks: HostStacks) -> tuple[list[Step], float]:
+    """The steps to judge for a stall inside them, and the typical step they are judged against:
+    decode steps 1.5x slower than their median; steps of unknown kind (a landmark's: an unmarked
+    trace without shapes) only when their thread left most of the typical step unrecorded (a
+    sleep or a wait in every iteration), and then not the outliers far past that: a trace without
+    step kinds cannot tell a stall there from the wait for the next request (generate() called
+    again after the server sat idle)."""
+    decode = [s for s in steps if s.kind == "decode"]
+    if len(decode) >= 3:
+        typical = median([s.dur_us for s in decode])
+        return [s for s in decode if s.dur_us >= 1.5 * typical], typical
+    unknown = [s for s in steps if s.kind == "step"]
+    if len(unknown) < 3:
+        return [], 0.0
+    typical = median([s.dur_us for s in unknown])
+    unrecorded = _unrecorded_us(unknown, stacks)
+    usual = float(np.median(unrecorded))
+    if usual < max(CPU_MIN_GAP_US, UNKNOWN_STALLED_SHARE * typical):
+        return [], typical
+    return [s for s, u in zip(unknown, unrecorded.tolist(), strict=True) if u <= UNKNOWN_OUTLIER * usual], typical
+
+
 def _stalled_steps(steps: list[Step], index: dict[int, int], explainer: GapExplainer, stacks: HostStacks
                    ) -> list[Gap]:
-    """Decode steps whose own thread recorded no work for much of the step (it waited for the
-    GIL, or was off the CPU): the unrecorded time is a gap inside the step."""
-    decode = [s for s in steps if s.kind == "decode"]
-    if len(decode) < 3:
-        return []
-    typical = median([s.dur_us for s in decode])
-    slow = [s for s in decode if s.dur_us >= 1.5 * typical]
+    """Steps whose own thread recorded no work for much of the step (it waited for the GIL, slept,
+    or was off the CPU): the unrecorded time is a gap inside the step (_stalled_candidates)."""
+    slow, typical = _stalled_candidates(steps, stacks)
     out: list[Gap] = []
     for tid in {s.tid for s in slow}:
         mine = [s for s in slow if s.tid == tid]
         a, b = np.array([s.start_us for s in mine]), np.array([s.end_us for s in mine])
-        busy = stacks.thread(tid).class_times(a, b)[:, list(BUSY_CLASSES)].sum(axis=1)
-        stalled = (b - a) - busy
+        stalled = _unrecorded_us(mine, stacks)
         keep = stalled >= max(CPU_MIN_GAP_US, RELATIVE_MIN_GAP * typical)
         if not keep.any():
             continue
