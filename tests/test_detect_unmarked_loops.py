@@ -85,10 +85,12 @@ def _inside_step_gaps(analysis) -> list:  # noqa: ANN001
     return [f for f in analysis.findings if f.kind == "decode_gap" and f.evidence.get("where") == "inside_step"]
 
 
-def test_a_wait_in_every_iteration_of_an_unmarked_loop_is_a_gap(tmp_path: Path):
+@pytest.mark.parametrize("record_shapes", [False, True], ids=["no-shapes", "shapes"])
+def test_a_wait_in_every_iteration_of_an_unmarked_loop_is_a_gap(tmp_path: Path, record_shapes: bool):
     """A hand-written loop that sleeps before each forward (a per-token callback, a rate limiter):
-    with no marker and no shapes every step's kind is unknown, and its thread records nothing for
-    most of each one. Said, with the time, instead of "no findings"."""
+    its thread records nothing for most of every step, none slower than the others. Said, with
+    the time, instead of "no findings": with no shapes every step's kind is unknown; with shapes
+    they are decode steps, all judged (not only those slower than their median)."""
     model = tiny_llama()
 
     def loop() -> None:
@@ -99,8 +101,9 @@ def test_a_wait_in_every_iteration_of_an_unmarked_loop_is_a_gap(tmp_path: Path):
                 token = out.logits[:, -1].argmax(-1, keepdim=True)
                 out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
 
-    analysis = analyse(_trace_of(loop, tmp_path / "t.json"))
-    assert {s.kind for s in analysis.steps} == {"step"} and len(analysis.steps) == NEW_TOKENS + 1
+    analysis = analyse(_trace_of(loop, tmp_path / "t.json", record_shapes))
+    kinds = ["prefill"] + ["decode"] * NEW_TOKENS if record_shapes else ["step"] * (NEW_TOKENS + 1)
+    assert [s.kind for s in analysis.steps] == kinds
     (finding,) = _inside_step_gaps(analysis)
     assert finding.evidence["cause"] == "untraced_host_time" and finding.evidence["gaps"] >= NEW_TOKENS - 1
     # Each counted gap is the thread's unrecorded time in one step: the sleep and little else.

@@ -37,8 +37,8 @@ from servprof.trace.model import distinct, median
 CPU_MIN_GAP_US = 1000.0  # host gaps below 1 ms are the ordinary cost of a Python engine loop
 GPU_MIN_GAP_US = 50.0  # device idle below 50 µs is launch latency: summed per step, not listed
 RELATIVE_MIN_GAP = 0.25  # ... and a host gap must be at least this share of the median step
-# Steps of unknown kind are judged for stalls inside them when the median one left this share of
-# the median step unrecorded; past this many times that median unrecorded time, a step is not judged.
+# Steps are judged for stalls inside them all when the median one left this share of the median
+# step unrecorded; of unknown kind, past this many times that median unrecorded time, not judged.
 UNKNOWN_STALLED_SHARE, UNKNOWN_OUTLIER = 0.5, 4.0
 # Device idle is listed one by one from this share of the step's device span (inside) or of
 # the median span (between); shorter holes are summed per step and cause.
@@ -408,7 +408,8 @@ def _unrecorded_us(steps: list[Step], stacks: HostStacks) -> np.ndarray:
 
 def _stalled_candidates(steps: list[Step], stacks: HostStacks) -> tuple[list[Step], float]:
     """The steps to judge for a stall inside them, and the typical step they are judged against:
-    decode steps 1.5x slower than their median; steps of unknown kind (a landmark's: an unmarked
+    decode steps 1.5x slower than their median, or all of them when the median one left most of
+    itself unrecorded; steps of unknown kind (a landmark's: an unmarked
     trace without shapes) only when their thread left most of the typical step unrecorded (a
     sleep or a wait in every iteration), and then not the outliers far past that: a trace without
     step kinds cannot tell a stall there from the wait for the next request (generate() called
@@ -416,16 +417,25 @@ def _stalled_candidates(steps: list[Step], stacks: HostStacks) -> tuple[list[Ste
     decode = [s for s in steps if s.kind == "decode"]
     if len(decode) >= 3:
         typical = median([s.dur_us for s in decode])
+        if _usual_unrecorded(decode, stacks, typical) is not None:  # a wait in every step: all of them
+            return decode, typical
         return [s for s in decode if s.dur_us >= 1.5 * typical], typical
     unknown = [s for s in steps if s.kind == "step"]
     if len(unknown) < 3:
         return [], 0.0
     typical = median([s.dur_us for s in unknown])
-    unrecorded = _unrecorded_us(unknown, stacks)
-    usual = float(np.median(unrecorded))
-    if usual < max(CPU_MIN_GAP_US, UNKNOWN_STALLED_SHARE * typical):
+    usual = _usual_unrecorded(unknown, stacks, typical)
+    if usual is None:
         return [], typical
+    unrecorded = _unrecorded_us(unknown, stacks)
     return [s for s, u in zip(unknown, unrecorded.tolist(), strict=True) if u <= UNKNOWN_OUTLIER * usual], typical
+
+
+def _usual_unrecorded(steps: list[Step], stacks: HostStacks, typical: float) -> float | None:
+    """The median step's unrecorded time when it is most of a typical step (and 1 ms or more): the
+    thread waits in every iteration; else None."""
+    usual = float(np.median(_unrecorded_us(steps, stacks)))
+    return usual if usual >= max(CPU_MIN_GAP_US, UNKNOWN_STALLED_SHARE * typical) else None
 
 
 def _stalled_steps(steps: list[Step], index: dict[int, int], explainer: GapExplainer, stacks: HostStacks
