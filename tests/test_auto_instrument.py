@@ -190,6 +190,31 @@ def test_tiktoken_and_sentencepiece_calls_are_phases(tmp_path: Path) -> None:
     assert {"tiktoken", "sentencepiece"} <= set(auto.summary()["tokenizer_libraries"])
 
 
+def test_one_texts_tokenizer_calls_are_timed_by_their_threads_cpu_and_batches_are_not(tmp_path: Path) -> None:
+    """The CPU time of the calling thread tells a working tokenizer from a waiting one only where
+    the work runs on that thread: one text. A batch (a list of texts, encode_batch) runs on the
+    library's pool threads and is not timed; nor is a call under 1 ms."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50,
+                                  trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>"], show_progress=False))
+    long_text = "the quick brown fox jumps over the lazy dog " * 4000  # ~10 ms of work
+
+    def work() -> None:
+        tokenizer.encode("the fox")  # well under 1 ms
+        tokenizer.encode(long_text)
+        tokenizer.encode_batch([long_text] * 4)
+
+    _phases, auto = auto_phases(tmp_path, work)
+    (timed,) = auto.summary()["tokenizer_cpu_ns"]
+    tid, start_ns, wall_ns, cpu_ns = timed
+    assert tid == threading.get_native_id() and start_ns > 0 and wall_ns >= 1_000_000
+    assert 0 < cpu_ns <= wall_ns
+    assert auto.summary()["tokenizer_calls"]["tokenize"] == 3
+
+
 def test_nothing_stays_registered_or_patched_after_a_session(tmp_path: Path) -> None:
     from tokenizers import Tokenizer
 

@@ -432,9 +432,14 @@ def _stalled_candidates(steps: list[Step], stacks: HostStacks) -> tuple[list[Ste
 
 
 def _usual_unrecorded(steps: list[Step], stacks: HostStacks, typical: float) -> float | None:
-    """The median step's unrecorded time when it is most of a typical step (and 1 ms or more): the
+    """The median step's unrecorded time when it is most of a typical step (and 1 ms or more) while
+    the steps do record work (a trace of step ranges alone records none: nothing to judge): the
     thread waits in every iteration; else None."""
-    usual = float(np.median(_unrecorded_us(steps, stacks)))
+    unrecorded = _unrecorded_us(steps, stacks)
+    recorded = np.array([s.dur_us for s in steps]) - unrecorded
+    usual = float(np.median(unrecorded))
+    if float(np.median(recorded)) <= 0.0:
+        return None
     return usual if usual >= max(CPU_MIN_GAP_US, UNKNOWN_STALLED_SHARE * typical) else None
 
 
