@@ -130,7 +130,8 @@ class AutoInstrumentation:
             names = ", ".join(TARGETS)
             out.append({"what": "tokenizer library", "message": (
                 f"No tokenizer library servprof knows ({names}) was loaded in this process, so tokenization was "
-                "not timed automatically: mark it with `with servprof.phase('tokenize'):`.")})
+                "not timed automatically: mark it with `with servprof.phase('tokenize'):`; if it runs in another "
+                "process (a process pool, an engine's API server), that process's trace holds it.")})
         return out
 
 

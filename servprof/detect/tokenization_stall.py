@@ -41,7 +41,8 @@ MISSING_MESSAGE = (
     "No tokenization was recorded in this trace, so tokenization stalls cannot be judged: mark it with "
     "`servprof.phase(\"tokenize\")`, or let servprof's zero-touch instrumentation cover transformers, tokenizers, "
     "tiktoken and sentencepiece while a session runs (SERVPROF_AUTO_INSTRUMENT, on by default); vLLM and SGLang "
-    "tokenize in their API-server process, which a worker's trace does not include."
+    "tokenize in their API-server process, which a worker's trace does not include, and a server that tokenizes in "
+    "a process pool does so outside the process it records."
 )
 FIX_ON_LOOP = (
     "Take tokenization off the event loop: run it in a worker thread or process "
