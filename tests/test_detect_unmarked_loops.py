@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _tiny_llm import NEW_TOKENS, PROMPT, generate, tiny_gpt2, tiny_llama
+from _tiny_llm import NEW_TOKENS, PROMPT, generate, tiny_gpt2, tiny_llama, transformers
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from servprof.detect.analysis import analyse
@@ -127,3 +127,40 @@ def test_an_idle_spell_between_generate_calls_is_not_a_stall(tmp_path: Path):
     assert len(analysis.steps) == 3 * NEW_TOKENS
     assert max(s.dur_us for s in analysis.steps) >= 200_000  # a step across an idle spell
     assert _inside_step_gaps(analysis) == []
+
+
+def test_per_token_python_on_a_cpu_trace_is_named_in_host_words(tmp_path: Path):
+    """A user's logits processor that walks the vocabulary in Python every step, profiled with
+    with_stack on the CPU: the Python between steps is named by its frames, and in the words of a
+    trace with no device (nothing waited on a GPU; the fix is the Python itself)."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from servprof.detect.cause_texts import HOST_CAUSES
+
+    class PenaliseOddIds(LogitsProcessor):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            row = scores[0].tolist()
+            for token_id in range(len(row)):  # the vocabulary, in Python, every step
+                if token_id % 2:
+                    row[token_id] -= 1.0
+            return torch.tensor([row])
+
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=4, pad_token_id=0)
+    model = transformers.LlamaForCausalLM(config).eval()
+
+    def run() -> None:
+        with torch.no_grad():
+            model.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                           logits_processor=LogitsProcessorList([PenaliseOddIds()]))
+
+    run()
+    path = tmp_path / "t.json"
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        run()
+    prof.export_chrome_trace(str(path))
+    analysis = analyse(load_trace(path))
+    (finding,) = [f for f in analysis.findings if f.kind == "decode_gap" and f.evidence["cause"] == "host_python"]
+    assert HOST_CAUSES["host_python"][0] in finding.title and "device waited" not in finding.title
+    assert "test_detect_unmarked_loops.py" in finding.title  # the processor's own frame
+    assert finding.fix == HOST_CAUSES["host_python"][1]

@@ -162,8 +162,36 @@ TRAINING_FIXES: dict[str, str] = {
 }
 
 
-def cause_fix(cause: str, training: bool = False) -> str:
-    """What to do about a cause; ``training``: for training steps (no decode loop, no sampled tokens)."""
+# A host-only trace's words where the device's would not fit (no device waited: the step's thread
+# itself was in the way of the next step).
+HOST_CAUSES: dict[str, tuple[str, str]] = {
+    "host_python": (
+        "Python on the step's thread between its ops",
+        "Per-step Python is on the decode loop's critical path: speed up the frames named (do per-token work on "
+        "tensors: a logits processor that loops over the vocabulary in Python becomes one masked op, its mask "
+        "computed once; cache what does not change between steps; move bookkeeping out of the loop), or take the "
+        "loop's framework Python away with torch.compile.",
+    ),
+    "host_ops": (
+        "a slow op on the step's thread outside the model's forward",
+        "Move that op out of the decode loop or make it cheaper: precompute or cache it, or do it once per batch "
+        "instead of once per step.",
+    ),
+}
+
+
+def cause_label(cause: str, on_device: bool = True) -> str:
+    """What a cause is, in a few words; ``on_device``: the trace has the device's timeline."""
+    if not on_device and cause in HOST_CAUSES:
+        return HOST_CAUSES[cause][0]
+    return CAUSES.get(cause, CAUSES["untraced_host_time"])[0]
+
+
+def cause_fix(cause: str, training: bool = False, on_device: bool = True) -> str:
+    """What to do about a cause; ``training``: for training steps (no decode loop, no sampled tokens);
+    ``on_device``: the trace has the device's timeline."""
     if training and cause in TRAINING_FIXES:
         return TRAINING_FIXES[cause]
+    if not on_device and cause in HOST_CAUSES:
+        return HOST_CAUSES[cause][1]
     return CAUSES.get(cause, CAUSES["untraced_host_time"])[1]

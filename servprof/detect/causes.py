@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from servprof.detect.cause_texts import CAUSES, cause_fix
+from servprof.detect.cause_texts import CAUSES, cause_fix, cause_label
 from servprof.detect.data_loading import loader_rows, loading_range, loading_us
 from servprof.detect.host_stacks import (
     BUSY_CLASSES,
@@ -76,10 +76,11 @@ class Explained:
 class GapExplainer:
     """Causes of many gaps on one rank at once (vectorised per thread)."""
 
-    def __init__(self, stacks: HostStacks, light: bool = False):
+    def __init__(self, stacks: HostStacks, light: bool = False, on_device: bool = True):
         self.stacks = stacks
         self.names = stacks.trace.names
         self.light = light  # a light trace (tier.py): no cause is read from ops that were not recorded
+        self.on_device = on_device  # the rank's steps have device work (else no device waited: host words)
         self.loader_rows = loader_rows(stacks.trace, stacks.rank)  # (once: every explain and describe reads them)
 
     def explain(self, a: np.ndarray, b: np.ndarray, tid: np.ndarray, starved: np.ndarray, small: np.ndarray,
@@ -260,7 +261,7 @@ class GapExplainer:
                 evidence["cause_frames"] = named
         named = named or frames
         names = ", ".join(_frame_text(f, cause) for f in named[:3]) or "nothing recorded"
-        label = CAUSES.get(cause, CAUSES["untraced_host_time"])[0]
+        label = cause_label(cause, self.on_device)
         if cause in ("gil_contention",) or (cause == "tokenization" and other >= 0):
             text = (f"{label}: thread {label_of(other)} ran {names} while thread {label_of(tid)} (the one driving "
                     "the model) recorded nothing")

@@ -37,9 +37,10 @@ from servprof.trace.model import distinct, median
 CPU_MIN_GAP_US = 1000.0  # host gaps below 1 ms are the ordinary cost of a Python engine loop
 GPU_MIN_GAP_US = 50.0  # device idle below 50 µs is launch latency: summed per step, not listed
 RELATIVE_MIN_GAP = 0.25  # ... and a host gap must be at least this share of the median step
-# Steps are judged for stalls inside them all when the median one left this share of the median
-# step unrecorded; of unknown kind, past this many times that median unrecorded time, not judged.
-UNKNOWN_STALLED_SHARE, UNKNOWN_OUTLIER = 0.5, 4.0
+# Steps are judged for stalls inside them all when the median one left as much of itself unrecorded
+# as a host gap must be (CPU_MIN_GAP_US, RELATIVE_MIN_GAP of the median step); of unknown kind, not
+# those past this many times that median unrecorded time.
+UNKNOWN_OUTLIER = 4.0
 # Device idle is listed one by one from this share of the step's device span (inside) or of
 # the median span (between); shorter holes are summed per step and cause.
 DEVICE_RELATIVE_MIN_GAP = 0.02
@@ -116,8 +117,9 @@ def find_gaps(trace: Any, steps: list[Step], requests_us: list[tuple[float, floa
         if not rank_steps:
             continue
         stacks = HostStacks(trace, rank, classes)
-        explainer = GapExplainer(stacks, light)
-        if any(s.on_device for s in rank_steps):
+        on_device = any(s.on_device for s in rank_steps)
+        explainer = GapExplainer(stacks, light, on_device)
+        if on_device:
             stats["mode"] = "device"
             gaps.extend(_device_gaps(trace, rank, rank_steps, index, explainer, cutoffs.get(rank, np.inf), fresh))
         else:
@@ -408,9 +410,9 @@ def _unrecorded_us(steps: list[Step], stacks: HostStacks) -> np.ndarray:
 
 def _stalled_candidates(steps: list[Step], stacks: HostStacks) -> tuple[list[Step], float]:
     """The steps to judge for a stall inside them, and the typical step they are judged against:
-    decode steps 1.5x slower than their median, or all of them when the median one left most of
-    itself unrecorded; steps of unknown kind (a landmark's: an unmarked
-    trace without shapes) only when their thread left most of the typical step unrecorded (a
+    decode steps 1.5x slower than their median, or all of them when the median one left as much of
+    itself unrecorded as a host gap must be; steps of unknown kind (a landmark's: an unmarked
+    trace without shapes) only when their thread left a host gap's worth of the typical step unrecorded (a
     sleep or a wait in every iteration), and then not the outliers far past that: a trace without
     step kinds cannot tell a stall there from the wait for the next request (generate() called
     again after the server sat idle)."""
@@ -432,7 +434,8 @@ def _stalled_candidates(steps: list[Step], stacks: HostStacks) -> tuple[list[Ste
 
 
 def _usual_unrecorded(steps: list[Step], stacks: HostStacks, typical: float) -> float | None:
-    """The median step's unrecorded time when it is most of a typical step (and 1 ms or more) while
+    """The median step's unrecorded time when it is as long as a host gap must be (1 ms, a quarter of
+    the typical step) while
     the steps do record work (a trace of step ranges alone records none: nothing to judge): the
     thread waits in every iteration; else None."""
     unrecorded = _unrecorded_us(steps, stacks)
@@ -440,7 +443,7 @@ def _usual_unrecorded(steps: list[Step], stacks: HostStacks, typical: float) -> 
     usual = float(np.median(unrecorded))
     if float(np.median(recorded)) <= 0.0:
         return None
-    return usual if usual >= max(CPU_MIN_GAP_US, UNKNOWN_STALLED_SHARE * typical) else None
+    return usual if usual >= max(CPU_MIN_GAP_US, RELATIVE_MIN_GAP * typical) else None
 
 
 def _stalled_steps(steps: list[Step], index: dict[int, int], explainer: GapExplainer, stacks: HostStacks

@@ -82,9 +82,14 @@ COMPILED_REGION = Guarded(re.compile(r"^Torch-Compiled Region|CompiledFxGraph|to
 GRAPH_LAUNCH = Guarded(re.compile(r"^(cuda|hip|cu)GraphLaunch"), "GraphLaunch")
 LAUNCH_NAMES = Guarded(re.compile(r"Launch|Memcpy\w*Async|Memset"), "Launch", "Memcpy", "Memset")
 DEVICE_TO_HOST = re.compile(r"DtoH|D2H|DeviceToHost")
+# (A ``__call__`` is a wrapper in the frameworks' and the standard library's files: a module's, a
+# processor list's, an enum's; in the server's own code, or a library servprof does not know, it is a
+# callable class doing the work itself, as a user's logits processor or stopping criterion does.)
 GENERIC_FRAMES = Guarded(re.compile(
     r"torch/nn/modules/module\.py\(\d+\): _(wrapped_)?call_impl$|torch/utils/_contextlib\.py\(\d+\): decorate_context$"
-    r"|\): __call__$|\): (wrapper|inner|wrapped|decorated|_fn)$|torch/_ops\.py|torch/utils/_device\.py"
+    r"|(^|/)(torch|transformers|accelerate|peft|diffusers|vllm|sglang)/[^(]*\(\d+\): __call__$"
+    r"|^(enum|functools|contextlib|typing|abc)\.py\(\d+\): __call__$"
+    r"|\): (wrapper|inner|wrapped|decorated|_fn)$|torch/_ops\.py|torch/utils/_device\.py"
     r"|<built-in function _disabled_torch_function_impl>|torch/overrides\.py|<built-in method __(enter|exit)__"
 ), "torch/nn/modules/module.py(", "torch/utils/_contextlib.py(", "): __call__", "): wrapper", "): inner", "): wrapped",
    "): decorated", "): _fn", "torch/_ops.py", "torch/utils/_device.py", "_disabled_torch_function_impl",
