@@ -64,6 +64,7 @@ class TimedServer:
                 Route("/v1/chat/completions", self.generate, methods=["POST"]),
                 Route("/generate", self.custom, methods=["POST"]),  # an API of its own (TGI's shape)
                 Route("/generate_text", self.custom, methods=["POST"]),  # plain text as it is made
+                Route("/api/generate", self.custom, methods=["POST"]),  # JSON lines (Ollama's shape)
                 Route("/health", lambda request: Response("ok")),
             ]
         )
@@ -115,14 +116,16 @@ class TimedServer:
     async def custom(self, request: Request) -> Response:
         """TGI's shape: {"inputs", "parameters": {"max_new_tokens"}, "stream"} -> one JSON answer, or
         SSE events {"token": {"text"}, "details"} (the last with the count); /generate_text streams
-        the bare text, piece by piece, with no newline."""
+        the bare text, piece by piece, with no newline; /api/generate JSON lines as Ollama's API
+        streams them ({"response", "done": false} per token, then {"response": "", "done": true,
+        "eval_count"})."""
         record = ServedRequest(request.headers.get(REQUEST_ID_HEADER), time.time())
         body = orjson.loads(await request.body())
         record.body, record.max_tokens = body, int(body["parameters"]["max_new_tokens"])
         tokens = max(1, min(record.max_tokens, self.max_chunks))
         self.requests.append(record)
-        text = request.url.path == "/generate_text"
-        if not body.get("stream") and not text:
+        text, lines = request.url.path == "/generate_text", request.url.path == "/api/generate"
+        if not body.get("stream") and not text and not lines:
             await asyncio.sleep(self.ttft_s + self.itl_s * (tokens - 1))
             record.completed = True
             return JSONResponse({"generated_text": " w" * tokens, "details": {"generated_tokens": tokens}})
@@ -130,6 +133,8 @@ class TimedServer:
         def piece(index: int) -> bytes:
             if text:
                 return f" w{index}".encode()
+            if lines:
+                return orjson.dumps({"model": "m", "response": f" w{index}", "done": False}) + b"\n"
             details = {"generated_tokens": tokens} if index == tokens - 1 else None
             return b"data: " + orjson.dumps({"token": {"text": f" w{index}"}, "details": details}) + b"\n\n"
 
@@ -140,9 +145,12 @@ class TimedServer:
                     await asyncio.sleep(self.itl_s)
                 record.chunk_unix.append(time.time())
                 yield piece(index)
+            if lines:
+                yield orjson.dumps({"model": "m", "response": "", "done": True, "eval_count": tokens}) + b"\n"
             record.completed = True
 
-        return StreamingResponse(stream(), media_type="text/plain" if text else "text/event-stream")
+        media = "text/plain" if text else "application/x-ndjson" if lines else "text/event-stream"
+        return StreamingResponse(stream(), media_type=media)
 
 
 @contextmanager

@@ -33,11 +33,13 @@ def _run(server: TimedServer, tmp_path: Path, *args: str) -> tuple[dict, list[di
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", ["/generate", "/generate_text"])
+@pytest.mark.parametrize("path", ["/generate", "/generate_text", "/api/generate"])
 def test_a_custom_stream_is_timed_piece_by_piece(tmp_path: Path, path: str) -> None:
+    """SSE (TGI's shape), bare text, and JSON lines (Ollama's: its last line, the count and no text,
+    is not a piece)."""
     server = TimedServer(ttft_s=0.06, itl_s=0.025, max_chunks=6)
-    summary, rows = _run(server, tmp_path, "--path", path,
-                         *(["--tokens-field", "details.generated_tokens"] if path == "/generate" else []))
+    field = {"/generate": "details.generated_tokens", "/api/generate": "eval_count"}.get(path)
+    summary, rows = _run(server, tmp_path, "--path", path, *(["--tokens-field", field] if field else []))
     assert summary["completed"] > 0 and summary["failed"] == 0
     served = {r.request_id: r for r in server.requests}
     for body in (r.body for r in server.requests):  # the template, filled in
@@ -121,6 +123,16 @@ def _read(stream: bytes, arrivals: list[tuple[float, int]] | None = None) -> tup
         times += reader.feed(stream[fed:upto], at)
         fed = upto
     return times + reader.finish(9.0), reader
+
+
+def test_json_lines_are_one_event_each_wherever_the_bytes_break() -> None:
+    lines = b"".join(orjson.dumps({"response": w, "done": False}) + b"\n" for w in ("The", " boats", "")) + \
+        orjson.dumps({"response": "", "done": True, "eval_count": 3})
+    for size in (1, 5, 1000):
+        reader = CustomStream("eval_count")
+        times = [t for i in range(0, len(lines), size) for t in reader.feed(lines[i:i + size], float(i))]
+        times += reader.finish(99.0)
+        assert len(times) == 3 and reader.output_tokens == 3  # the last line (count, no text) is no piece
 
 
 def test_an_sse_event_is_its_data_lines_up_to_the_blank_line() -> None:

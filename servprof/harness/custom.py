@@ -9,8 +9,8 @@ answer with one JSON object, server-sent events, or plain text streamed as it is
 in the template, a string that is exactly ``"{max_tokens}"`` becomes the request's output-token
 count (a number), ``"{stream}"`` true or false, and ``{prompt}`` anywhere inside a string the
 prompt. A stream's every SSE event (other than ``[DONE]``; its ``data:`` lines up to a blank line,
-an event without text included), or every piece of a plain text stream as it arrives, is one
-chunk (TTFT, ITL). Output tokens: ``--tokens-field`` (a dotted
+an event without text included), every line of a JSON-lines stream, or every piece of a plain
+text stream as it arrives, is one chunk (TTFT, ITL). Output tokens: ``--tokens-field`` (a dotted
 path in the JSON answer or in any streamed JSON chunk, e.g. ``usage.completion_tokens``), else
 one per streamed chunk, else the words of the answer's text.
 """
@@ -100,19 +100,25 @@ def tokens_in(body: Any, tokens_field: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
+SSE, NDJSON, TEXT = "sse", "ndjson", "text"
+
+
 class CustomStream:
-    """Reads a custom server's streamed answer as it arrives: SSE or plain text.
+    """Reads a custom server's streamed answer as it arrives: SSE, JSON lines or plain text, told
+    from the first bytes.
 
     ``feed(data, at)`` and ``finish(at)`` return the times (``at``: the caller's clock, when the
     bytes arrived) of the content chunks they completed. An SSE event is its ``data:`` lines up to
     the blank line that ends it (sse-starlette writes a text with newlines as several ``data:``
     lines of one event); an event with no text is still one (a token the server's detokenizer held
     back). A stream that never sends a blank line (``yield f"data: {x}\\n"``) is read one event per
-    ``data:`` line, each at its own arrival."""
+    ``data:`` line, each at its own arrival. A stream that starts with ``{`` is JSON lines (NDJSON,
+    as Ollama's API and many hand-written servers stream): one event per line. A JSON event that
+    carries the token count (``--tokens-field``) and no text is a summary, not content."""
 
     def __init__(self, tokens_field: str) -> None:
         self.tokens_field = tokens_field
-        self.sse: bool | None = None  # told from the first bytes
+        self.mode: str | None = None  # told from the first bytes
         self.buffer = b""
         self.output_tokens: int | None = None
         self.error: str | None = None
@@ -121,16 +127,16 @@ class CustomStream:
         self._blank_seen = False  # a blank line ended an event: the stream keeps to SSE's framing
 
     def feed(self, data: bytes, at: float = 0.0) -> list[float]:
-        if self.sse is None:
+        if self.mode is None:
             head = (self.buffer + data).lstrip()
             if not head or any(len(head) < len(p) and p.startswith(head) for p in SSE_PREFIXES):
                 self.buffer += data  # too little yet to tell ("da" may become "data:")
                 return []
-            self.sse = head.startswith(SSE_PREFIXES)
-            if not self.sse:
+            self.mode = SSE if head.startswith(SSE_PREFIXES) else NDJSON if head.startswith(b"{") else TEXT
+            if self.mode == TEXT:
                 self.buffer = b""
                 return [at]
-        if not self.sse:
+        if self.mode == TEXT:
             return [at] if data.strip() else []
         self.buffer += data
         *lines, self.buffer = self.buffer.split(b"\n")
@@ -139,10 +145,10 @@ class CustomStream:
     def finish(self, at: float = 0.0) -> list[float]:
         """The end of the stream: a last line without its newline, an event without its blank line
         (or a few bytes of text)."""
-        if self.sse is None and self.buffer.strip():
+        if self.mode is None and self.buffer.strip():
             self.buffer = b""
             return [at]
-        if not self.sse:
+        if self.mode not in (SSE, NDJSON):
             return []
         line, self.buffer = self.buffer.rstrip(b"\r"), b""
         times = self._line(line, at) if line else []
@@ -152,6 +158,8 @@ class CustomStream:
         return times + self._dispatch_pending(at)
 
     def _line(self, line: bytes, at: float) -> list[float]:
+        if self.mode == NDJSON:
+            return self._dispatch([(at, line)], at) if line.strip() else []
         if not line:  # the blank line that ends an event
             self._blank_seen = True
             return self._dispatch_pending(at)
@@ -181,8 +189,8 @@ class CustomStream:
         tokens = tokens_in(body, self.tokens_field)
         if tokens is not None:
             self.output_tokens = tokens
-            # A chunk that only reports the count (a usage chunk) carries no text.
-            if answer_text(body) is None:
+            # A chunk that only reports the count (a usage chunk, Ollama's last line) carries no text.
+            if not answer_text(body):
                 return []
         return [at]
 
