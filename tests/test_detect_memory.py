@@ -128,6 +128,31 @@ def test_fragmentation_and_near_limit_from_cuda_allocator_samples(tmp_path: Path
     assert "memory_growth" not in kinds  # it went up and came back down
 
 
+def test_a_pool_held_near_the_limit_is_not_pressure_until_the_allocator_retries(tmp_path: Path):
+    """An engine's KV cache sized to 90% of the device (vLLM's --gpu-memory-utilization): 73 GiB
+    allocated all through, a little on top. Said at info, with no advice to shrink the pool; the
+    same levels with allocator retries are a warning with the room-making fix."""
+    source = Path(__file__).parent / "fixtures" / "demo_clean.json.gz"
+    base = _base_ns(source)
+
+    def pool(retries: int):  # noqa: ANN202
+        def add(meta: dict[str, Any]) -> None:
+            meta["memory"] = {"devices": {"cuda:0": _cuda_series(
+                base, [73 * GIB, 73 * GIB + 512 * 1024**2, 73 * GIB], [74 * GIB, 74 * GIB, 74 * GIB], 80 * GIB,
+                {"num_alloc_retries": retries})}}
+        return add
+
+    (held,) = [f for f in analyse(load_trace(_with_metadata(source, tmp_path / "p.json", pool(0)))).findings
+               if f.kind == "memory_near_limit"]
+    assert held.severity == "info" and held.evidence["preallocated_pool"] is True
+    assert "allocated all through the trace" in held.title and "--gpu-memory-utilization" in held.fix
+    assert held.fix.startswith("Nothing to lower")
+    (pressed,) = [f for f in analyse(load_trace(_with_metadata(source, tmp_path / "q.json", pool(2)))).findings
+                  if f.kind == "memory_near_limit"]
+    assert pressed.severity == "warning" and pressed.evidence["preallocated_pool"] is False
+    assert pressed.fix.startswith("Give the peak room")
+
+
 def test_device_memory_growing_step_over_step_in_cuda_samples(tmp_path: Path):
     source = Path(__file__).parent / "fixtures" / "demo_clean.json.gz"
     trace = load_trace(source)

@@ -57,6 +57,16 @@ NEAR_LIMIT_FIX = {
 }
 
 
+# A device peak this much of which was held throughout the window is a preallocated pool (weights and
+# an engine's KV cache), not pressure: without an allocator retry or OOM it is not a warning.
+POOL_SHARE = 0.9
+POOL_FIX = ("Nothing to lower while the allocator neither retries nor runs out: a pool held near the limit is how "
+            "engines size their KV cache (vLLM reserves --gpu-memory-utilization of the device, SGLang "
+            "--mem-fraction-static), and shrinking it shrinks the batch the cache holds. If a session shows "
+            "allocator retries or an OOM, leave activations more room (a lower share, a smaller "
+            "--max-num-batched-tokens or batch) and check for other processes on the GPU.")
+
+
 def _mib(value: float) -> str:
     return f"{value / MIB:,.1f} MiB"
 
@@ -146,21 +156,28 @@ def _near_limit(series: MemorySeries, info: dict[str, Any], key: str) -> list[Fi
         return []
     critical = ooms > 0 or (share is not None and share >= NEAR_LIMIT_CRITICAL)
     what = "reserved" if "peak_reserved_bytes" in info else "resident" if series.source == "process_rss" else "allocated"
+    baseline = int(info.get("baseline_bytes") or 0)
+    # Device memory held all through the window, with nothing retried or run out: a preallocated pool.
+    pool = _device_kind(series.device) == "cuda" and retries <= 0 and ooms <= 0 and baseline >= POOL_SHARE * peak
     parts = []
     if share is not None:
         parts.append(f"peak {what} {_mib(peak)} is {share:.0%} of {_mib(total or 0)}")
+    if pool:
+        parts.append(f"{_mib(baseline)} of it allocated all through the trace (weights and a preallocated pool such "
+                     f"as an engine's KV cache), {_mib(max(0, peak - baseline))} on top at the peak, no allocator "
+                     "retry or out-of-memory error")
     if retries > 0:
         parts.append(f"the allocator freed its cache and retried {retries} time(s)")
     if ooms > 0:
         parts.append(f"{ooms} out-of-memory error(s)")
-    evidence = {"device": key, "peak_bytes": peak, "measure": what, "total_bytes": total,
+    evidence = {"device": key, "peak_bytes": peak, "measure": what, "total_bytes": total, "preallocated_pool": pool,
                 "total_from": series.total_from, "share": share, "alloc_retries": retries, "ooms": ooms,
                 "device_free_bytes_at_end": device_free, "peak_at_us": info.get("peak_reserved_at_us",
                                                                               info["peak_allocated_at_us"])}
     at = float(evidence["peak_at_us"])
-    return [Finding("memory_near_limit", "critical" if critical else "warning", 0.0, at, at,
-                    f"{key}: memory near its limit: {'; '.join(parts)}", evidence=evidence,
-                    fix=NEAR_LIMIT_FIX[_device_kind(series.device)])]
+    severity = "info" if pool else "critical" if critical else "warning"
+    return [Finding("memory_near_limit", severity, 0.0, at, at, f"{key}: memory near its limit: {'; '.join(parts)}",
+                    evidence=evidence, fix=POOL_FIX if pool else NEAR_LIMIT_FIX[_device_kind(series.device)])]
 
 
 def _fragmentation(series: MemorySeries, info: dict[str, Any], key: str) -> list[Finding]:
