@@ -1,0 +1,63 @@
+"""CUDA / HIP graph capture in a trace: while a stream captures, the kernels launched on it are
+recorded into a graph, not run, so the device idles by design. A trace of start-up (vLLM and
+SGLang capture their decode graphs there; SGLang's ``--enable-profile-cuda-graph`` records it)
+or of a first ``torch.compile(mode="reduce-overhead")`` call holds such windows: the device's idle
+inside them is not the serving loop's and is not judged as a gap.
+
+A window runs on its thread from a ``*StreamBeginCapture`` call to the next ``*StreamEndCapture``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from servprof.detect.intervals import covered, merge
+from servprof.detect.name_guard import Guarded
+from servprof.detect.step_forms import host_rows
+from servprof.trace.model import Trace, distinct
+
+BEGIN_CAPTURE = Guarded(re.compile(r"^(cuda|hip)StreamBeginCapture"), "StreamBeginCapture")
+END_CAPTURE = Guarded(re.compile(r"^(cuda|hip)StreamEndCapture"), "StreamEndCapture")
+MISSING_WHAT = "device time while capturing graphs"
+
+
+def capture_windows(trace: Trace, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, ends) in µs, in time order, of the rank's graph captures (a begin without its end
+    runs to the end of the trace)."""
+    begins = host_rows(trace, BEGIN_CAPTURE)
+    begins = begins[trace.rank[begins] == rank]
+    if begins.size == 0:
+        return np.empty(0), np.empty(0)
+    ends = host_rows(trace, END_CAPTURE)
+    ends = ends[trace.rank[ends] == rank]
+    starts: list[float] = []
+    stops: list[float] = []
+    trace_end = float(trace.end.max())
+    for tid in distinct(trace.tid[begins]).tolist():  # (np.unique imports numpy.ma)
+        mine_begin = begins[trace.tid[begins] == tid]
+        mine_end = ends[trace.tid[ends] == tid]
+        end_at = trace.end[mine_end]
+        for row in mine_begin.tolist():
+            at = int(np.searchsorted(end_at, trace.ts[row], side="left"))
+            starts.append(float(trace.ts[row]))
+            stops.append(float(end_at[at]) if at < end_at.size else trace_end)
+    order = np.argsort(starts, kind="stable")
+    return np.array(starts)[order], np.array(stops)[order]
+
+
+def inside_captures(starts: np.ndarray, ends: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Which windows [a, b] lie at least half inside a capture."""
+    if starts.size == 0 or a.size == 0:
+        return np.zeros(a.size, dtype=bool)
+    merged_start, merged_end = merge(starts, ends)
+    return covered(merged_start, merged_end, a, b) >= 0.5 * (b - a)
+
+
+def missing_entry(captures: int, idle_us: float) -> dict[str, str]:
+    return {"what": MISSING_WHAT, "message": (
+        f"This trace records {captures} CUDA/HIP graph capture(s) (start-up, or a first torch.compile "
+        f"'reduce-overhead' call): the kernels launched while capturing are recorded into graphs, not run, so "
+        f"the device's {idle_us / 1000:.2f} ms idle inside them is not judged as a gap. Profile the serving steps "
+        "that replay the graphs to judge the device's time.")}
