@@ -19,8 +19,9 @@ def test_vllm_start_up_capture_is_not_judged_as_serving_gaps() -> None:
     analysis = analyse(load_trace(public_trace("vllm_graph_capture_piecewise_mi300x.json.gz")))
     captured = analysis.summary["decode_gap"]["graph_capture"]
     assert captured["captures"] == 25 and captured["idle_us_not_judged"] > 40_000  # ~47 ms of 55
+    assert captured["launches"] > 300  # recorded into the graphs, not run
     (entry,) = [m for m in analysis.summary["missing"] if m["what"] == MISSING_WHAT]
-    assert "25 CUDA/HIP graph capture(s)" in entry["message"]
+    assert "25 CUDA/HIP graph capture(s)" in entry["message"] and f"the {captured['launches']} launch" in entry["message"]
     gaps = [f for f in analysis.findings if f.kind == "decode_gap"]
     assert all(f.severity != "critical" and f.evidence["share_of_step_time"] < 0.2 for f in gaps), \
         [f.title for f in gaps]

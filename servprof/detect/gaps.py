@@ -24,7 +24,7 @@ import numpy as np
 
 from servprof.detect.causes import CAUSES, Explained, GapExplainer
 from servprof.detect.concurrency import other_steps_during
-from servprof.detect.graph_capture import capture_windows, inside_captures
+from servprof.detect.graph_capture import capture_windows, inside_captures, launches_inside
 from servprof.detect.graph_capture import missing_entry as capture_missing
 from servprof.detect.host_stacks import BUSY_CLASSES, CLASSES, GRAPH_LAUNCH, TOKENIZE, HostStacks, NameClasses
 from servprof.detect.intervals import merge
@@ -121,10 +121,13 @@ def find_gaps(trace: Any, steps: list[Step], requests_us: list[tuple[float, floa
         stacks = HostStacks(trace, rank, classes)
         on_device = any(s.on_device for s in rank_steps)
         explainer = GapExplainer(stacks, light, on_device)
+        windows = capture_windows(trace, rank)
+        if windows[0].size:
+            _count_captures(stats, windows[0].size, launches_inside(trace, rank, *windows))
         if on_device:
             stats["mode"] = "device"
             gaps.extend(_device_gaps(trace, rank, rank_steps, index, explainer, cutoffs.get(rank, np.inf), fresh,
-                                     stats))
+                                     stats, windows))
         else:
             gaps.extend(_on_the_loop(trace, steps, _host_gaps(rank_steps, index, explainer, fresh)))
             if not light:  # a light trace records no work inside a step: no stall can be told from work
@@ -133,14 +136,14 @@ def find_gaps(trace: Any, steps: list[Step], requests_us: list[tuple[float, floa
     return gaps, stats
 
 
-def _count_captures(stats: dict[str, Any], captures: int, idle_us: float) -> None:
-    """Graph captures and the device idle inside them (not judged), in find_gaps' stats, with the
-    summary's "missing" entry that says so."""
-    seen = stats.setdefault("graph_capture", {"captures": 0, "idle_us_not_judged": 0.0})
+def _count_captures(stats: dict[str, Any], captures: int = 0, launches: int = 0, idle_us: float = 0.0) -> None:
+    """Graph captures, the launches they recorded and the device idle inside them (not judged), in
+    find_gaps' stats, with the summary's "missing" entry that says so."""
+    seen = stats.setdefault("graph_capture", {"captures": 0, "launches": 0, "idle_us_not_judged": 0.0})
     seen["captures"] += captures
+    seen["launches"] += launches
     seen["idle_us_not_judged"] = round(seen["idle_us_not_judged"] + idle_us, 1)
-    if seen["idle_us_not_judged"] > 0:
-        stats["missing"] = [capture_missing(seen["captures"], seen["idle_us_not_judged"])]
+    stats["missing"] = [capture_missing(seen["captures"], seen["launches"], seen["idle_us_not_judged"])]
 
 
 def after_arrival(steps: list[Step], requests_us: list[tuple[float, float]] | None) -> set[int]:
@@ -205,7 +208,8 @@ def zones(steps: list[Step]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nda
 
 
 def _device_gaps(trace: Any, rank: int, steps: list[Step], index: dict[int, int], explainer: GapExplainer,
-                 cutoff: float, fresh: set[int], stats: dict[str, Any]) -> list[Gap]:
+                 cutoff: float, fresh: set[int], stats: dict[str, Any],
+                 windows: tuple[np.ndarray, np.ndarray]) -> list[Gap]:
     on_device = sorted((s for s in steps if s.on_device), key=lambda s: s.device_start_us or 0.0)
     rows, dev_start, dev_end = device_rows(trace, rank, cutoff)
     block_start, block_end = merge(dev_start, dev_end)
@@ -218,10 +222,9 @@ def _device_gaps(trace: Any, rank: int, steps: list[Step], index: dict[int, int]
     ok = (z >= 0) & (mid < ze[np.maximum(z, 0)])
     hole_a, hole_b, z = hole_a[ok], hole_b[ok], z[ok]
     # Idle while a graph was captured is by design (its kernels were recorded, not run): not judged.
-    windows = capture_windows(trace, rank)
     if windows[0].size:
         capturing = inside_captures(*windows, hole_a, hole_b)
-        _count_captures(stats, windows[0].size, float((hole_b - hole_a)[capturing].sum()))
+        _count_captures(stats, idle_us=float((hole_b - hole_a)[capturing].sum()))
         hole_a, hole_b, z = hole_a[~capturing], hole_b[~capturing], z[~capturing]
         if hole_a.size == 0:
             return _stragglers(trace, rank, on_device, index, rows, dev_start, dev_end)

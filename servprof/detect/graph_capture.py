@@ -13,10 +13,12 @@ import re
 
 import numpy as np
 
+from servprof.detect.host_stacks import LAUNCH_NAMES
 from servprof.detect.intervals import covered, merge
 from servprof.detect.name_guard import Guarded
+from servprof.detect.name_scan import host_ids_matching
 from servprof.detect.step_forms import host_rows
-from servprof.trace.model import Trace, distinct
+from servprof.trace.model import RUNTIME_CATEGORIES, Trace, distinct
 
 BEGIN_CAPTURE = Guarded(re.compile(r"^(cuda|hip)StreamBeginCapture"), "StreamBeginCapture")
 END_CAPTURE = Guarded(re.compile(r"^(cuda|hip)StreamEndCapture"), "StreamEndCapture")
@@ -55,9 +57,21 @@ def inside_captures(starts: np.ndarray, ends: np.ndarray, a: np.ndarray, b: np.n
     return covered(merged_start, merged_end, a, b) >= 0.5 * (b - a)
 
 
-def missing_entry(captures: int, idle_us: float) -> dict[str, str]:
+def launches_inside(trace: Trace, rank: int, starts: np.ndarray, ends: np.ndarray) -> int:
+    """The rank's kernel launches (and async copies, memsets) made inside capture windows."""
+    if starts.size == 0:
+        return 0
+    rows = np.flatnonzero(trace.has_id(trace.name_id, host_ids_matching(trace, LAUNCH_NAMES))
+                          & trace.mask_category(*RUNTIME_CATEGORIES) & (trace.rank == rank))
+    merged_start, merged_end = merge(starts, ends)
+    at = np.searchsorted(merged_start, trace.ts[rows], side="right") - 1
+    return int(np.count_nonzero((at >= 0) & (trace.ts[rows] < merged_end[np.maximum(at, 0)])))
+
+
+def missing_entry(captures: int, launches: int, idle_us: float) -> dict[str, str]:
+    idle = (f", and the device's {idle_us / 1000:.2f} ms idle inside them is not judged as a gap" if idle_us > 0
+            else "")
     return {"what": MISSING_WHAT, "message": (
         f"This trace records {captures} CUDA/HIP graph capture(s) (start-up, or a first torch.compile "
-        f"'reduce-overhead' call): the kernels launched while capturing are recorded into graphs, not run, so "
-        f"the device's {idle_us / 1000:.2f} ms idle inside them is not judged as a gap. Profile the serving steps "
-        "that replay the graphs to judge the device's time.")}
+        f"'reduce-overhead' call): the {launches} launch(es) made while capturing were recorded into graphs, not "
+        f"run{idle}. Profile the serving steps that replay the graphs to judge the device's time.")}
