@@ -8,41 +8,35 @@ max(50 µs, 2% of the step's device span) are summed per step and cause rather t
 listed one by one (1,000 tiny launch gaps are one cause: launch-bound). A collective
 kernel far longer than its median on the rank is time spent waiting for a slower
 rank (a straggler), listed beside the idle time. On a CPU-only trace, a gap is the
-host time between consecutive steps on the step's thread, and the part of an
-unusually slow decode step in which that thread recorded no work (not on a light trace,
-whose threads record no work by design: tier.py). Causes: causes.py.
+host time between consecutive steps on the step's thread, and the part of a step in which
+that thread recorded no work (stalled_steps.py; not on a light trace, whose threads record no
+work by design: tier.py). Causes: causes.py. A gap: gap.py.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from servprof.detect.causes import CAUSES, Explained, GapExplainer
 from servprof.detect.concurrency import other_steps_during
-from servprof.detect.graph_capture import capture_windows, inside_captures, launches_inside
-from servprof.detect.graph_capture import missing_entry as capture_missing
-from servprof.detect.host_stacks import BUSY_CLASSES, CLASSES, GRAPH_LAUNCH, TOKENIZE, HostStacks, NameClasses
+from servprof.detect.gap import CPU_MIN_GAP_US, RELATIVE_MIN_GAP, Description, Gap
+from servprof.detect.graph_capture import capture_windows, count_captures, inside_captures, launches_inside
+from servprof.detect.host_stacks import CLASSES, GRAPH_LAUNCH, HostStacks, NameClasses
 from servprof.detect.intervals import merge
 from servprof.detect.name_guard import Guarded
 from servprof.detect.name_scan import host_ids_matching
 from servprof.detect.overhead import stop_cutoffs
+from servprof.detect.stalled_steps import stalled_steps
 from servprof.detect.steps import Step, device_segments
 from servprof.detect.tier import NEEDS_DEEP_CAUSE, is_light
 from servprof.trace.meta import loop_thread
 from servprof.trace.model import distinct, median
 
-CPU_MIN_GAP_US = 1000.0  # host gaps below 1 ms are the ordinary cost of a Python engine loop
 GPU_MIN_GAP_US = 50.0  # device idle below 50 µs is launch latency: summed per step, not listed
-RELATIVE_MIN_GAP = 0.25  # ... and a host gap must be at least this share of the median step
-# Steps are judged for stalls inside them all when the median one left as much of itself unrecorded
-# as a host gap must be (CPU_MIN_GAP_US, RELATIVE_MIN_GAP of the median step); of unknown kind, not
-# those past this many times that median unrecorded time.
-UNKNOWN_OUTLIER = 4.0
 # Device idle is listed one by one from this share of the step's device span (inside) or of
 # the median span (between); shorter holes are summed per step and cause.
 DEVICE_RELATIVE_MIN_GAP = 0.02
@@ -56,50 +50,6 @@ STREAM_WAIT = Guarded(re.compile(r"^(cuda|hip|cu)StreamWaitEvent"), "StreamWaitE
 EVENT_LOOP_WORK = "event_loop_work"
 CONTINUING_KINDS = ("decode", "mixed", "step", "train")  # a gap before one of these is the engine's own
 
-
-Description = tuple[str, dict[str, Any]]  # (explanation, evidence)
-
-
-@dataclass
-class Gap:
-    rank: int
-    start_us: float
-    end_us: float
-    idle_us: float
-    where: str  # "between_steps" | "inside_step"
-    cause: str
-    # (explanation, evidence), or what makes them when first read: a trace of a million steps has
-    # as many gaps, and the reports show a few per cause (reading the frames is most of the work).
-    description: Description | Callable[[], Description]
-    request_ids: list[str] = field(default_factory=list)
-    count: int = 1  # > 1: short gaps of one step and cause, summed (start/end: the step's span)
-    step: int = -1  # index in the steps list of the step it belongs to (between: the step after it)
-
-    @property
-    def explanation(self) -> str:
-        return self._described()[0]
-
-    @property
-    def evidence(self) -> dict[str, Any]:
-        return self._described()[1]
-
-    def _described(self) -> Description:
-        if callable(self.description):
-            self.description = self.description()
-        return self.description
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "start_us": self.start_us,
-            "end_us": self.end_us,
-            "idle_us": round(self.idle_us, 1),
-            "where": self.where,
-            "cause": self.cause,
-            "explanation": self.explanation,
-            "count": self.count,
-            "request_ids": self.request_ids[:20],
-            **self.evidence,
-        }
 
 def find_gaps(trace: Any, steps: list[Step], requests_us: list[tuple[float, float]] | None = None
               ) -> tuple[list[Gap], dict[str, Any]]:
@@ -123,7 +73,7 @@ def find_gaps(trace: Any, steps: list[Step], requests_us: list[tuple[float, floa
         explainer = GapExplainer(stacks, light, on_device)
         windows = capture_windows(trace, rank)
         if windows[0].size:
-            _count_captures(stats, windows[0].size, launches_inside(trace, rank, *windows))
+            count_captures(stats, windows[0].size, launches_inside(trace, rank, *windows))
         if on_device:
             stats["mode"] = "device"
             gaps.extend(_device_gaps(trace, rank, rank_steps, index, explainer, cutoffs.get(rank, np.inf), fresh,
@@ -131,19 +81,9 @@ def find_gaps(trace: Any, steps: list[Step], requests_us: list[tuple[float, floa
         else:
             gaps.extend(_on_the_loop(trace, steps, _host_gaps(rank_steps, index, explainer, fresh)))
             if not light:  # a light trace records no work inside a step: no stall can be told from work
-                gaps.extend(_stalled_steps(rank_steps, index, explainer, stacks))
+                gaps.extend(stalled_steps(rank_steps, index, explainer, stacks))
     stats["median_step_us"] = round(median([s.time_us for s in steps]), 1) if steps else None
     return gaps, stats
-
-
-def _count_captures(stats: dict[str, Any], captures: int = 0, launches: int = 0, idle_us: float = 0.0) -> None:
-    """Graph captures, the launches they recorded and the device idle inside them (not judged), in
-    find_gaps' stats, with the summary's "missing" entry that says so."""
-    seen = stats.setdefault("graph_capture", {"captures": 0, "launches": 0, "idle_us_not_judged": 0.0})
-    seen["captures"] += captures
-    seen["launches"] += launches
-    seen["idle_us_not_judged"] = round(seen["idle_us_not_judged"] + idle_us, 1)
-    stats["missing"] = [capture_missing(seen["captures"], seen["launches"], seen["idle_us_not_judged"])]
 
 
 def after_arrival(steps: list[Step], requests_us: list[tuple[float, float]] | None) -> set[int]:
@@ -224,7 +164,7 @@ def _device_gaps(trace: Any, rank: int, steps: list[Step], index: dict[int, int]
     # Idle while a graph was captured is by design (its kernels were recorded, not run): not judged.
     if windows[0].size:
         capturing = inside_captures(*windows, hole_a, hole_b)
-        _count_captures(stats, idle_us=float((hole_b - hole_a)[capturing].sum()))
+        count_captures(stats, idle_us=float((hole_b - hole_a)[capturing].sum()))
         hole_a, hole_b, z = hole_a[~capturing], hole_b[~capturing], z[~capturing]
         if hole_a.size == 0:
             return _stragglers(trace, rank, on_device, index, rows, dev_start, dev_end)
@@ -420,86 +360,3 @@ def _on_the_loop(trace: Any, steps: list[Step], gaps: list[Gap]) -> list[Gap]:
 
         gap.cause, gap.description = EVENT_LOOP_WORK, on_loop
     return gaps
-
-
-def _unrecorded_us(steps: list[Step], stacks: HostStacks) -> np.ndarray:
-    """Per step, the time its own thread recorded no work in it."""
-    out = np.zeros(len(steps))
-    for tid in {s.tid for s in steps}:
-        at = [i for i, s in enumerate(steps) if s.tid == tid]
-        a, b = np.array([steps[i].start_us for i in at]), np.array([steps[i].end_us for i in at])
-        out[at] = (b - a) - stacks.thread(tid).class_times(a, b)[:, list(BUSY_CLASSES)].sum(axis=1)
-    return out
-
-
-def _stalled_candidates(steps: list[Step], stacks: HostStacks) -> tuple[list[Step], float]:
-    """The steps to judge for a stall inside them, and the typical step they are judged against:
-    decode steps 1.5x slower than their median, or all of them when the median one left as much of
-    itself unrecorded as a host gap must be; steps of unknown kind (a landmark's: an unmarked
-    trace without shapes) only when their thread left a host gap's worth of the typical step unrecorded (a
-    sleep or a wait in every iteration), and then not the outliers far past that: a trace without
-    step kinds cannot tell a stall there from the wait for the next request (generate() called
-    again after the server sat idle)."""
-    decode = [s for s in steps if s.kind == "decode"]
-    if len(decode) >= 3:
-        typical = median([s.dur_us for s in decode])
-        if _usual_unrecorded(decode, stacks, typical) is not None:  # a wait in every step: all of them
-            return decode, typical
-        return [s for s in decode if s.dur_us >= 1.5 * typical], typical
-    unknown = [s for s in steps if s.kind == "step"]
-    if len(unknown) < 3:
-        return [], 0.0
-    typical = median([s.dur_us for s in unknown])
-    usual = _usual_unrecorded(unknown, stacks, typical)
-    if usual is None:
-        return [], typical
-    unrecorded = _unrecorded_us(unknown, stacks)
-    return [s for s, u in zip(unknown, unrecorded.tolist(), strict=True) if u <= UNKNOWN_OUTLIER * usual], typical
-
-
-def _usual_unrecorded(steps: list[Step], stacks: HostStacks, typical: float) -> float | None:
-    """The median step's unrecorded time when it is as long as a host gap must be (1 ms, a quarter of
-    the typical step) while
-    the steps do record work (a trace of step ranges alone records none: nothing to judge): the
-    thread waits in every iteration; else None."""
-    unrecorded = _unrecorded_us(steps, stacks)
-    recorded = np.array([s.dur_us for s in steps]) - unrecorded
-    usual = float(np.median(unrecorded))
-    if float(np.median(recorded)) <= 0.0:
-        return None
-    return usual if usual >= max(CPU_MIN_GAP_US, RELATIVE_MIN_GAP * typical) else None
-
-
-def _stalled_steps(steps: list[Step], index: dict[int, int], explainer: GapExplainer, stacks: HostStacks
-                   ) -> list[Gap]:
-    """Steps whose own thread recorded no work for much of the step (it waited for the GIL, slept,
-    or was off the CPU): the unrecorded time is a gap inside the step (_stalled_candidates)."""
-    slow, typical = _stalled_candidates(steps, stacks)
-    out: list[Gap] = []
-    for tid in {s.tid for s in slow}:
-        mine = [s for s in slow if s.tid == tid]
-        a, b = np.array([s.start_us for s in mine]), np.array([s.end_us for s in mine])
-        stalled = _unrecorded_us(mine, stacks)
-        keep = stalled >= max(CPU_MIN_GAP_US, RELATIVE_MIN_GAP * typical)
-        if not keep.any():
-            continue
-        a, b, stalled = a[keep], b[keep], stalled[keep]
-        mine = [s for s, k in zip(mine, keep.tolist(), strict=True) if k]
-        ones = np.ones(a.size, dtype=bool)
-        explained = explainer.explain(a, b, np.full(a.size, tid, dtype=np.int64), ones, ~ones, ~ones,
-                                      look_elsewhere=True)
-        for i, step in enumerate(mine):
-            # Its own recorded work is not what made it slow: the time it recorded nothing is, and
-            # the thread that ran meanwhile (holding the GIL), if one did.
-            other = explained.other_us[i]
-            busy_other = float(other[list(BUSY_CLASSES)].sum())
-            if explained.other_tid[i] >= 0 and busy_other >= 0.5 * stalled[i]:
-                cause = "tokenization" if other[TOKENIZE] >= 0.5 * busy_other else "gil_contention"
-            else:
-                cause = "untraced_host_time"
-                explained.other_tid[i] = -1
-            explained.cause[i] = cause
-            out.append(Gap(step.rank, float(a[i]), float(b[i]), float(stalled[i]), "inside_step", cause,
-                           explainer.described_later(explained, i, float(a[i]), float(b[i])),
-                           list(step.request_ids), step=index[id(step)]))
-    return out

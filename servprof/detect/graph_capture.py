@@ -10,6 +10,7 @@ A window runs on its thread from a ``*StreamBeginCapture`` call to the next ``*S
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import numpy as np
 
@@ -75,3 +76,13 @@ def missing_entry(captures: int, launches: int, idle_us: float) -> dict[str, str
         f"This trace records {captures} CUDA/HIP graph capture(s) (start-up, or a first torch.compile "
         f"'reduce-overhead' call): the {launches} launch(es) made while capturing were recorded into graphs, not "
         f"run{idle}. Profile the serving steps that replay the graphs to judge the device's time.")}
+
+
+def count_captures(stats: dict[str, Any], captures: int = 0, launches: int = 0, idle_us: float = 0.0) -> None:
+    """Graph captures, the launches they recorded and the device idle inside them (not judged), in
+    gaps.find_gaps' stats, with the summary's "missing" entry that says so."""
+    seen = stats.setdefault("graph_capture", {"captures": 0, "launches": 0, "idle_us_not_judged": 0.0})
+    seen["captures"] += captures
+    seen["launches"] += launches
+    seen["idle_us_not_judged"] = round(seen["idle_us_not_judged"] + idle_us, 1)
+    stats["missing"] = [missing_entry(seen["captures"], seen["launches"], seen["idle_us_not_judged"])]

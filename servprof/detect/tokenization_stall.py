@@ -205,6 +205,16 @@ def _other_steps_during_spans(spans: list[tuple[str | None, float, float, int, i
     return cover, threads
 
 
+def _fix(entry: dict[str, Any], waited: bool, worked_long: bool, contended: bool) -> str:
+    if entry["on_event_loop"]:
+        return FIX_ON_LOOP
+    if waited:  # (a thread that mostly waited did not hold the GIL that slowed others' steps meanwhile)
+        return FIX_WAITED_AND_SLOW if worked_long else FIX_WAITED
+    if entry["delayed_steps"]:
+        return FIX_GIL
+    return FIX_CONTENDED if contended else FIX_SLOW
+
+
 def detect_tokenization_stalls(trace: Trace, steps: list[Step], gaps: list[Gap]) -> tuple[list[Finding], dict[str, Any]]:
     spans = _tokenize_spans(trace)
     session_us = float(trace.end.max() - trace.ts.min()) if len(trace) else 0.0
@@ -285,14 +295,14 @@ def detect_tokenization_stalls(trace: Trace, steps: list[Step], gaps: list[Gap])
                     f"{entry['delayed_step_ms']:.1f} ms slower meanwhile")
         if entry["on_event_loop"]:
             harm += "; it ran on the event loop, blocking every other request"
-        # (Beside an on-loop call or one that slowed others' steps, that fix comes first.)
         # (Its own CPU time alone may be a stall: then the tokenizer is slow too.)
         worked_long = cpu_us >= MIN_TOKENIZE_MS * 1000
         if waited:
             harm += (f"; its thread ran on a CPU for {cpu_us / 1000:.1f} ms of it and waited the rest "
                      "(the GIL, a CPU, I/O)" + ("" if worked_long else ": the tokenizer is not what is slow"))
         # Other threads' steps covering it hint at contention where nothing measured it (a tokenizer
-        # whose thread ran all along was working: slow, whatever ran beside it).
+        # whose thread ran all along was working: slow, whatever ran beside it). Beside an on-loop
+        # call or one that slowed others' steps, that fix comes first.
         contended = not entry["on_event_loop"] and not entry["delayed_steps"] and not measured \
             and entry["other_steps"]["us"] >= CONTENDED_SHARE * entry["tokenize_ms"] * 1000
         if contended:
@@ -306,10 +316,7 @@ def detect_tokenization_stalls(trace: Trace, steps: list[Step], gaps: list[Gap])
         big = (share or 0) >= CRITICAL_SHARE or (session_us > 0 and cost * 1000 >= 0.2 * session_us) \
             or entry["on_event_loop"] or entry["delayed_steps"]
         noticeable = (share or 0) >= CRITICAL_SHARE or entry["on_event_loop"] or entry["tokenize_ms"] >= WARNING_MS
-        # (A thread that mostly waited did not hold the GIL that slowed others' steps meanwhile.)
-        fix = FIX_ON_LOOP if entry["on_event_loop"] else (
-            FIX_WAITED_AND_SLOW if worked_long else FIX_WAITED) if waited else (
-            FIX_GIL if entry["delayed_steps"] else (FIX_CONTENDED if contended else FIX_SLOW))
+        fix = _fix(entry, waited, worked_long, contended)
         findings.append(Finding(
             kind="tokenization_stall",
             severity="critical" if big and cost >= CRITICAL_MS else ("warning" if noticeable else "info"),

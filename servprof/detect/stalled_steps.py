@@ -1,0 +1,97 @@
+"""Stalls inside steps on a CPU trace: the time a step's own thread recorded no work in it (it
+waited for the GIL, slept, or was off the CPU), each a gap inside the step with its cause.
+
+Decode steps are judged when 1.5x slower than their median, and all of them when the median
+one left as much of itself unrecorded as a host gap must be (a wait in every iteration slows no
+step more than the others). Steps of unknown kind (a landmark's: an unmarked trace without
+shapes) only in that second case, and not those far past the median: without step kinds, the
+last forward of a ``generate()`` call runs to the next call's first, across any idle time
+between requests.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from servprof.detect.causes import GapExplainer
+from servprof.detect.gap import CPU_MIN_GAP_US, RELATIVE_MIN_GAP, Gap
+from servprof.detect.host_stacks import BUSY_CLASSES, TOKENIZE, HostStacks
+from servprof.detect.steps import Step
+from servprof.trace.model import median
+
+# Of unknown kind, steps past this many times the median unrecorded time are not judged.
+UNKNOWN_OUTLIER = 4.0
+
+
+def _unrecorded_us(steps: list[Step], stacks: HostStacks) -> np.ndarray:
+    """Per step, the time its own thread recorded no work in it."""
+    out = np.zeros(len(steps))
+    for tid in {s.tid for s in steps}:
+        at = [i for i, s in enumerate(steps) if s.tid == tid]
+        a, b = np.array([steps[i].start_us for i in at]), np.array([steps[i].end_us for i in at])
+        out[at] = (b - a) - stacks.thread(tid).class_times(a, b)[:, list(BUSY_CLASSES)].sum(axis=1)
+    return out
+
+
+def _candidates(steps: list[Step], stacks: HostStacks) -> tuple[list[Step], float]:
+    """The steps to judge (the module's rules) and the typical step they are judged against."""
+    decode = [s for s in steps if s.kind == "decode"]
+    if len(decode) >= 3:
+        typical = median([s.dur_us for s in decode])
+        if _usual_unrecorded(decode, stacks, typical)[0] is not None:  # a wait in every step: all of them
+            return decode, typical
+        return [s for s in decode if s.dur_us >= 1.5 * typical], typical
+    unknown = [s for s in steps if s.kind == "step"]
+    if len(unknown) < 3:
+        return [], 0.0
+    typical = median([s.dur_us for s in unknown])
+    usual, unrecorded = _usual_unrecorded(unknown, stacks, typical)
+    if usual is None:
+        return [], typical
+    return [s for s, u in zip(unknown, unrecorded.tolist(), strict=True) if u <= UNKNOWN_OUTLIER * usual], typical
+
+
+def _usual_unrecorded(steps: list[Step], stacks: HostStacks, typical: float) -> tuple[float | None, np.ndarray]:
+    """(the median step's unrecorded time when it is as long as a host gap must be, else None; each
+    step's). None too where the steps record no work at all (step ranges alone: nothing to judge)."""
+    unrecorded = _unrecorded_us(steps, stacks)
+    recorded = np.array([s.dur_us for s in steps]) - unrecorded
+    usual = float(np.median(unrecorded))
+    if float(np.median(recorded)) <= 0.0 or usual < max(CPU_MIN_GAP_US, RELATIVE_MIN_GAP * typical):
+        return None, unrecorded
+    return usual, unrecorded
+
+
+def stalled_steps(steps: list[Step], index: dict[int, int], explainer: GapExplainer, stacks: HostStacks
+                  ) -> list[Gap]:
+    """Steps whose own thread recorded no work for much of the step (it waited for the GIL, slept,
+    or was off the CPU): the unrecorded time is a gap inside the step."""
+    slow, typical = _candidates(steps, stacks)
+    out: list[Gap] = []
+    for tid in {s.tid for s in slow}:
+        mine = [s for s in slow if s.tid == tid]
+        a, b = np.array([s.start_us for s in mine]), np.array([s.end_us for s in mine])
+        stalled = _unrecorded_us(mine, stacks)
+        keep = stalled >= max(CPU_MIN_GAP_US, RELATIVE_MIN_GAP * typical)
+        if not keep.any():
+            continue
+        a, b, stalled = a[keep], b[keep], stalled[keep]
+        mine = [s for s, k in zip(mine, keep.tolist(), strict=True) if k]
+        ones = np.ones(a.size, dtype=bool)
+        explained = explainer.explain(a, b, np.full(a.size, tid, dtype=np.int64), ones, ~ones, ~ones,
+                                      look_elsewhere=True)
+        for i, step in enumerate(mine):
+            # Its own recorded work is not what made it slow: the time it recorded nothing is, and
+            # the thread that ran meanwhile (holding the GIL), if one did.
+            other = explained.other_us[i]
+            busy_other = float(other[list(BUSY_CLASSES)].sum())
+            if explained.other_tid[i] >= 0 and busy_other >= 0.5 * stalled[i]:
+                cause = "tokenization" if other[TOKENIZE] >= 0.5 * busy_other else "gil_contention"
+            else:
+                cause = "untraced_host_time"
+                explained.other_tid[i] = -1
+            explained.cause[i] = cause
+            out.append(Gap(step.rank, float(a[i]), float(b[i]), float(stalled[i]), "inside_step", cause,
+                           explainer.described_later(explained, i, float(a[i]), float(b[i])),
+                           list(step.request_ids), step=index[id(step)]))
+    return out
