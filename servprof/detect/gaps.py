@@ -24,7 +24,13 @@ import numpy as np
 from servprof.detect.causes import CAUSES, Explained, GapExplainer
 from servprof.detect.concurrency import other_steps_during
 from servprof.detect.gap import CPU_MIN_GAP_US, RELATIVE_MIN_GAP, Description, Gap
-from servprof.detect.graph_capture import capture_windows, count_captures, inside_captures, launches_inside
+from servprof.detect.graph_capture import (
+    NO_WINDOWS,
+    capture_windows,
+    count_captures,
+    inside_captures,
+    launches_inside,
+)
 from servprof.detect.host_stacks import CLASSES, GRAPH_LAUNCH, HostStacks, NameClasses
 from servprof.detect.intervals import merge
 from servprof.detect.name_guard import Guarded
@@ -64,6 +70,7 @@ def find_gaps(trace: Any, steps: list[Step], requests_us: list[tuple[float, floa
     classes = NameClasses(trace) if steps else None
     cutoffs = stop_cutoffs(trace)
     index = {id(s): i for i, s in enumerate(steps)}
+    captures = capture_windows(trace) if steps else {}
     for rank in trace.ranks:
         rank_steps = [s for s in steps if s.rank == rank]
         if not rank_steps:
@@ -71,7 +78,7 @@ def find_gaps(trace: Any, steps: list[Step], requests_us: list[tuple[float, floa
         stacks = HostStacks(trace, rank, classes)
         on_device = any(s.on_device for s in rank_steps)
         explainer = GapExplainer(stacks, light, on_device)
-        windows = capture_windows(trace, rank)
+        windows = captures.get(rank, NO_WINDOWS)
         if windows[0].size:
             count_captures(stats, windows[0].size, launches_inside(trace, rank, *windows))
         if on_device:

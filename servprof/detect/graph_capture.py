@@ -19,35 +19,39 @@ from servprof.detect.intervals import covered, merge
 from servprof.detect.name_guard import Guarded
 from servprof.detect.name_scan import host_ids_matching
 from servprof.detect.step_forms import host_rows
-from servprof.trace.model import RUNTIME_CATEGORIES, Trace, distinct
+from servprof.trace.model import RUNTIME_CATEGORIES, Trace
 
 BEGIN_CAPTURE = Guarded(re.compile(r"^(cuda|hip)StreamBeginCapture"), "StreamBeginCapture")
 END_CAPTURE = Guarded(re.compile(r"^(cuda|hip)StreamEndCapture"), "StreamEndCapture")
 MISSING_WHAT = "device time while capturing graphs"
 
 
-def capture_windows(trace: Trace, rank: int) -> tuple[np.ndarray, np.ndarray]:
-    """(starts, ends) in µs, in time order, of the rank's graph captures (a begin without its end
-    runs to the end of the trace)."""
+Windows = tuple[np.ndarray, np.ndarray]  # (starts, ends) in µs, in time order
+NO_WINDOWS: Windows = (np.empty(0), np.empty(0))
+
+
+def capture_windows(trace: Trace) -> dict[int, Windows]:
+    """Per rank, its graph captures (a begin without its end runs to the end of the trace); ranks
+    without one are absent. The names are read once for all ranks."""
     begins = host_rows(trace, BEGIN_CAPTURE)
-    begins = begins[trace.rank[begins] == rank]
     if begins.size == 0:
-        return np.empty(0), np.empty(0)
+        return {}
     ends = host_rows(trace, END_CAPTURE)
-    ends = ends[trace.rank[ends] == rank]
-    starts: list[float] = []
-    stops: list[float] = []
     trace_end = float(trace.end.max())
-    for tid in distinct(trace.tid[begins]).tolist():  # (np.unique imports numpy.ma)
-        mine_begin = begins[trace.tid[begins] == tid]
-        mine_end = ends[trace.tid[ends] == tid]
-        end_at = trace.end[mine_end]
-        for row in mine_begin.tolist():
-            at = int(np.searchsorted(end_at, trace.ts[row], side="left"))
-            starts.append(float(trace.ts[row]))
-            stops.append(float(end_at[at]) if at < end_at.size else trace_end)
-    order = np.argsort(starts, kind="stable")
-    return np.array(starts)[order], np.array(stops)[order]
+    out: dict[int, Windows] = {}
+    for rank, tid in sorted(set(zip(trace.rank[begins].tolist(), trace.tid[begins].tolist(), strict=True))):
+        mine = begins[(trace.rank[begins] == rank) & (trace.tid[begins] == tid)]
+        end_at = trace.end[ends[(trace.rank[ends] == rank) & (trace.tid[ends] == tid)]]
+        at = np.searchsorted(end_at, trace.ts[mine], side="left")
+        stops = np.full(mine.size, trace_end)
+        found = at < end_at.size
+        stops[found] = end_at[at[found]]
+        previous = out.get(rank, NO_WINDOWS)
+        out[rank] = (np.concatenate([previous[0], trace.ts[mine].astype(float)]), np.concatenate([previous[1], stops]))
+    for rank, (starts, stops) in out.items():
+        order = np.argsort(starts, kind="stable")
+        out[rank] = (starts[order], stops[order])
+    return out
 
 
 def inside_captures(starts: np.ndarray, ends: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
