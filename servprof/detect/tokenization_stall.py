@@ -298,7 +298,7 @@ def detect_tokenization_stalls(trace: Trace, steps: list[Step], gaps: list[Gap])
         # (Its own CPU time alone may be a stall: then the tokenizer is slow too.)
         worked_long = cpu_us >= MIN_TOKENIZE_MS * 1000
         if waited:
-            harm += (f"; its thread ran on a CPU for {cpu_us / 1000:.1f} ms of it and waited the rest "
+            harm += (f"; its thread ran on a CPU for {entry['thread_cpu_ms']:.1f} ms of it and waited the rest "
                      "(the GIL, a CPU, I/O)" + ("" if worked_long else ": the tokenizer is not what is slow"))
         # Other threads' steps covering it hint at contention where nothing measured it (a tokenizer
         # whose thread ran all along was working: slow, whatever ran beside it). Beside an on-loop
