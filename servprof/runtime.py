@@ -141,7 +141,7 @@ class ServprofRuntime:
             return None
         self.paused_reason = None
         self.counters["sampled"] += 1
-        session.watch_loop()  # the watchdog attaches to this serving loop (once per session)
+        session.request_joined(record.request_id)  # the loop watchdog attaches (once), the step hooks look out
         return session
 
     @staticmethod

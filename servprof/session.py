@@ -72,11 +72,13 @@ class Session:
         return (self.state in (STARTING, CAPTURING) and self.stop_requested is None
                 and len(self.records) < self.target_requests)
 
-    def watch_loop(self) -> None:
-        """Called on the serving loop by the first sampled request: the watchdog attaches to it."""
+    def request_joined(self, request_id: str) -> None:
+        """Called on the serving loop by each sampled request: the watchdog attaches to the loop
+        (once), and the step hooks watch for a model this session has not seen yet."""
         instruments = self.instruments
         if instruments is not None and self.state == CAPTURING:
             instruments.attach_loop()
+            instruments.request_joined(request_id)
 
     def open_request_ids(self) -> list[str]:
         return [r.request_id for r in list(self.records) if r.end_ns is None]

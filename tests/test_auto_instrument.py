@@ -78,6 +78,9 @@ def test_sequence_length_reads_ids_embeddings_and_scalars() -> None:
     assert _sequence_length((torch.ones(9, dtype=torch.long),), None) == 9
     assert _sequence_length((torch.ones(4, 16),), None) is None  # [B, D] floats: no sequence to read
     assert _sequence_length(("text",), {}) is None
+    # An encoder-decoder's decoder step: its decoder tokens, not the encoder's mask beside them.
+    assert _sequence_length((), {"attention_mask": torch.ones(1, 9, dtype=torch.long),
+                                 "decoder_input_ids": torch.ones(1, 1, dtype=torch.long)}) == 1
 
 
 def test_hand_written_loop_with_and_without_a_cache(tmp_path: Path) -> None:
@@ -256,6 +259,83 @@ def test_a_forward_running_when_the_session_starts_does_not_make_its_parts_model
     phases, auto = auto_phases(tmp_path, work)
     assert auto.summary()["models"] == ["TinyLM"]  # not the Sequential or the Linear it was inside
     assert [p for p, _ in phases] == ["decode_step"]
+
+
+def _tiny_t5() -> Any:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)).eval()
+
+
+def _in_request(request_id: str, work: Any) -> Any:
+    token = request_id_var.set(request_id)
+    try:
+        return work()
+    finally:
+        request_id_var.reset(token)
+
+
+def test_a_model_first_run_by_a_request_that_arrives_later_is_found(tmp_path: Path) -> None:
+    """A second model (another endpoint's, an encoder-decoder here: its encoder and its decoder steps
+    are two outermost modules) first runs after the session's first steps: the sampled request's
+    arrival has the hooks look again until a step of a model already found serves it; then the
+    global hooks are gone again."""
+    from servprof.auto.steps import DISCOVERY_STEPS
+
+    chat, summarizer = TinyLM().eval(), _tiny_t5()
+    seen: dict[str, Any] = {}
+
+    def work() -> None:
+        with torch.no_grad():
+            _in_request("req-chat", lambda: [chat(torch.ones(1, 1, dtype=torch.long)) for _ in range(6)])
+        seen["discovering after the first steps"] = auto.steps.discovering
+        auto.steps.request_joined("req-summary")
+        ids = torch.ones(1, 5, dtype=torch.long)
+        _in_request("req-summary", lambda: summarizer.generate(input_ids=ids, max_new_tokens=4, min_new_tokens=4,
+                                                               do_sample=False))
+        seen["discovering after its steps"] = auto.steps.discovering
+        seen["global hooks"] = len(torch_module._global_forward_pre_hooks)
+
+    auto = AutoInstrumentation()
+    phases, _ = auto_phases(tmp_path, work, session_ids=["req-chat", "req-summary"], auto=auto)
+    summary_steps = [p for p, ids in phases if ids == ["req-summary"]]
+    # The encoder's pass over the prompt, then a decoder step per token (decoder_input_ids: one token each).
+    assert summary_steps == ["prefill"] + ["decode_step"] * 4
+    assert set(auto.summary()["models"]) == {"TinyLM", "T5ForConditionalGeneration", "T5Stack"}
+    assert seen == {"discovering after the first steps": False, "discovering after its steps": False,
+                    "global hooks": 0}
+    assert auto.steps.discovery_steps > DISCOVERY_STEPS
+
+
+def test_requests_that_never_run_a_model_keep_the_hooks_looking_for_a_bounded_number_of_steps(
+        tmp_path: Path) -> None:
+    from servprof.auto.steps import MAX_DISCOVERY_STEPS
+
+    model = TinyLM().eval()
+    open_ids = ["req-waiting"]
+
+    def work() -> None:
+        auto.steps.request_joined("req-waiting")  # in flight all along, never served by a step
+        with torch.no_grad():
+            _in_request("req-other", lambda: [model(torch.ones(1, 1, dtype=torch.long)) for _ in range(40)])
+
+    auto = AutoInstrumentation()
+    auto_phases(tmp_path, work, session_ids=open_ids, auto=auto)
+    assert auto.steps.discovery_steps == MAX_DISCOVERY_STEPS
+    assert auto.steps.steps == 40
+
+    # A request that ended without a step waits no more: the next step ends the look.
+    def ended() -> None:
+        with torch.no_grad():
+            _in_request("req-other", lambda: [model(torch.ones(1, 1, dtype=torch.long)) for _ in range(5)])
+            auto.steps.request_joined("req-health")  # a request that runs no model, and ends
+            _in_request("req-other", lambda: model(torch.ones(1, 1, dtype=torch.long)))
+
+    auto_phases(tmp_path / "ended", ended, session_ids=[], auto=auto)
+    assert not auto.steps.discovering
+    assert auto.steps.discovery_steps == 5
 
 
 def test_threads_started_for_a_request_carry_its_id_while_it_runs() -> None:

@@ -86,6 +86,11 @@ class SessionInstruments:
         """On the serving loop (the first sampled request's join)."""
         self.watchdog.attach()
 
+    def request_joined(self, request_id: str) -> None:
+        """A sampled request arrived (serving loop)."""
+        if self.auto is not None and self.auto.hooks_active:
+            self.auto.steps.request_joined(request_id)
+
     def live(self) -> LiveSignals:
         return self.auto.live() if self.auto is not None else LiveSignals()
 

@@ -6,14 +6,18 @@ a lone ``lm_head`` or a parameter-free sampler called from a loop is not a step)
 
 Cost matters: any *global* module hook sends every module call in the process down
 ``Module._call_impl``'s slow path (+3-5 µs per call measured here; a 32-layer model makes
-~400 calls per step). So global hooks run only for the first few steps of a session, to
-discover which modules are outermost (and count module calls per step for the event
-budget); after that only those modules carry hooks (per-module pre-hook with kwargs,
+~400 calls per step). So global hooks run only while the model is being discovered: the
+first few steps of a session (which also count module calls per step for the event budget),
+and again from each sampled request's arrival until a step serves it, so that a second model
+(another endpoint's: embeddings beside chat, speech beside text) is found in a session the
+first model's requests began; never for more than MAX_DISCOVERY_STEPS steps a session. Outside
+those windows only the modules found carry hooks (per-module pre-hook with kwargs,
 always-called post-hook) and nested modules go back to the fast path. Known outermost
 modules are remembered across sessions (weakly). Nothing is registered between sessions.
 
-Prefill or decode is read from the input's shape: ``input_ids`` / ``inputs_embeds``
-keyword (transformers' ``generate`` passes them so) or the first tensor argument.
+Prefill or decode is read from the input's shape: ``decoder_input_ids`` (an encoder-decoder's
+decoder step), ``input_ids`` / ``inputs_embeds`` keyword (transformers' ``generate`` passes them
+so) or the first tensor argument; an encoder's pass over its input reads as prefill.
 Sequence length 1 is a decode step (KV-cached decode, ``[B, 1]`` batches); a length one
 more than the previous step's on the same thread is a decode step of a loop without a
 KV cache; any other length > 1 is a prefill. A 1-D batch of decode tokens (``[B]``, no
@@ -38,11 +42,15 @@ from servprof.budget import STOP_LATENCY_S
 
 _UNRECORDED = object()  # a step counted but not recorded: the server's own marker covers it
 DISCOVERY_STEPS = 4  # completed outermost forwards watched with global hooks per session
+# ... and at most this many, however many sampled requests arrive still waiting for a step.
+MAX_DISCOVERY_STEPS = 16
+_SEQUENCE_KEYWORDS = ("decoder_input_ids", "decoder_inputs_embeds", "input_ids", "inputs_embeds")
 _Tensor = torch.Tensor
 
 
 class _ThreadState(threading.local):
     generation = -1
+    window = -1  # the discovery window depth and pending belong to
     depth = 0  # module calls open on this thread (global hooks only)
     handle: Any = None  # the open step range
     owner: Any = None  # the module whose post-hook closes it
@@ -54,9 +62,10 @@ class _ThreadState(threading.local):
 def _sequence_length(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> int | None:
     tensor = None
     if kwargs:
-        tensor = kwargs.get("input_ids")
-        if tensor is None:
-            tensor = kwargs.get("inputs_embeds")
+        for keyword in _SEQUENCE_KEYWORDS:
+            tensor = kwargs.get(keyword)
+            if tensor is not None:
+                break
     if tensor is None:
         for value in args[:4]:
             if isinstance(value, _Tensor):
@@ -122,8 +131,11 @@ class StepHooks:
     def __init__(self) -> None:
         self._state = _ThreadState()
         self._generation = 0
+        self._window = 0  # discovery windows opened (a thread's depth counts within one)
         self.active = False
         self.discovering = False
+        self._counting = False  # module calls counted: the session's first discovery window only
+        self._awaiting: set[str] = set()  # sampled requests that arrived and have had no step yet
         self._global_handles: list[Any] = []
         self._module_handles: list[Any] = []
         self._hooked: set[int] = set()
@@ -164,16 +176,14 @@ class StepHooks:
         for module, is_model in known:
             if module is not None and is_model:
                 self._hook_module(module)
-        self.discovering = True
-        self._global_handles = [
-            torch_module.register_module_forward_pre_hook(self._global_pre),
-            torch_module.register_module_forward_hook(self._global_post, always_call=True),
-        ]
+        self._counting = True
+        self._begin_discovery()
 
     def clear(self) -> None:
         """This session's counts from zero (also for a session that registers no hook)."""
         self.steps = self.prefill_steps = self.decode_steps = self.module_calls = self.discovery_steps = 0
         self.open_steps = self.open_started_ns = 0
+        self._awaiting = set()
         self.models = set()
         self.threads_without_request: set[int] = set()  # threads whose steps named the session's requests
 
@@ -192,9 +202,44 @@ class StepHooks:
         for handle in handles:
             handle.remove()
 
+    # --- discovery windows ------------------------------------------------------------------------
+
+    def request_joined(self, request_id: str) -> None:
+        """A sampled request arrived (serving loop): global hooks watch again until a step serves
+        it, in case it runs a model no step of this session has shown yet."""
+        if not self.active:
+            return
+        self._awaiting.add(request_id)
+        if not self.discovering and self.discovery_steps < MAX_DISCOVERY_STEPS:
+            self._begin_discovery()
+
+    def _begin_discovery(self) -> None:
+        with self._lock:
+            if self.discovering or not self.active:
+                return
+            self._window += 1  # threads' depths restart: calls open now began unwatched
+            self.discovering = True
+            self._global_handles = [
+                torch_module.register_module_forward_pre_hook(self._global_pre),
+                torch_module.register_module_forward_hook(self._global_post, always_call=True),
+            ]
+
+    def _discovered(self) -> bool:
+        """Enough steps watched: the first few, and for every sampled request in flight that
+        arrived during the session, a step of a model found before it (or the most a session watches)."""
+        if self.discovery_steps >= MAX_DISCOVERY_STEPS:
+            return True
+        if self.discovery_steps < DISCOVERY_STEPS:
+            return False
+        if self._awaiting:
+            self._awaiting &= set(self._session_ids())  # those that ended without a step wait no more
+        return not self._awaiting
+
     def _end_discovery(self) -> None:
-        self.discovering = False
-        handles, self._global_handles = self._global_handles, []
+        with self._lock:
+            self.discovering = False
+            self._counting = False
+            handles, self._global_handles = self._global_handles, []
         for handle in handles:
             handle.remove()
 
@@ -217,21 +262,25 @@ class StepHooks:
         state = self._state
         if state.generation != self._generation:  # first call of this thread in this session
             state.generation = self._generation
-            state.depth = 0
-            state.handle = state.owner = state.pending = None
+            state.handle = state.owner = None
             state.last_seq = -1
+        if state.window != self._window:  # first call of this thread in this discovery window
+            state.window = self._window
+            state.depth = 0
+            state.pending = None
         return state
 
     def _global_pre(self, module: Any, args: tuple[Any, ...]) -> None:
         if not self.discovering:
             return
         state = self._thread_state()
-        calls = self.module_calls = self.module_calls + 1
-        # Steps running now will make their remaining calls before a stop lands: count them whole.
-        if calls + self.open_steps * self.next_step_share * (calls // (self.steps or 1)) >= self.call_limit \
-                and self._on_calls is not None \
-                and not self._on_calls(calls):
-            self.call_limit = 1 << 62
+        if self._counting:
+            calls = self.module_calls = self.module_calls + 1
+            # Steps running now will make their remaining calls before a stop lands: count them whole.
+            if calls + self.open_steps * self.next_step_share * (calls // (self.steps or 1)) >= self.call_limit \
+                    and self._on_calls is not None \
+                    and not self._on_calls(calls):
+                self.call_limit = 1 << 62
         state.depth += 1
         if state.depth != 1 or state.handle is not None or not self.active:
             return
@@ -241,7 +290,7 @@ class StepHooks:
         if not self._remember(module):
             return
         self._hook_module(module)  # from its next call on
-        self._open(state, module, args, _frame_kwargs())
+        self._open(state, module, args, _frame_kwargs(), discovered=True)
 
     def _global_post(self, module: Any, args: tuple[Any, ...], output: Any) -> None:
         state = self._thread_state()
@@ -250,8 +299,9 @@ class StepHooks:
         if state.depth == 0 and state.owner is module:
             self._close(state)
             self.discovery_steps += 1
-            if self.discovering and self.discovery_steps >= DISCOVERY_STEPS:
-                self.calls_per_step = self.module_calls / max(1, self.steps)
+            if self.discovering and self._discovered():
+                if self._counting:
+                    self.calls_per_step = self.module_calls / max(1, self.steps)
                 self._end_discovery()
 
     def _module_pre(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -260,7 +310,7 @@ class StepHooks:
         state = self._thread_state()
         if state.handle is not None:
             return  # inside another model's step
-        if self.discovering:
+        if self.discovering and state.depth > 0:
             if state.pending is not module:
                 return  # called nested, not outermost
             state.pending = None
@@ -279,8 +329,11 @@ class StepHooks:
         entry = self._known.get(key)
         if entry is not None and entry[0]() is module:
             return entry[1]
-        # A module first seen nested in a forward that was already running is a part, not a model.
-        is_model = _is_model(module) and not _inside_module_call(3)
+        is_model = _is_model(module)
+        if is_model and _inside_module_call(3):
+            # Nested in a forward that began before the window opened: a part, not a model, this
+            # time (not remembered: an encoder is also called on its own by its model's generate).
+            return False
         with self._lock:
             self._known[key] = (weakref.ref(module, lambda _r, k=key: self._known.pop(k, None)), is_model)
         return is_model
@@ -294,7 +347,9 @@ class StepHooks:
             self._module_handles.append(module.register_forward_pre_hook(self._module_pre, with_kwargs=True))
             self._module_handles.append(module.register_forward_hook(self._module_post, always_call=True))
 
-    def _open(self, state: _ThreadState, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> None:
+    def _open(self, state: _ThreadState, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None,
+              discovered: bool = False) -> None:
+        """A step begins (``discovered``: its model found by this very call)."""
         seq = _sequence_length(args, kwargs)
         if seq is None or seq == 1 or (state.last_seq > 0 and seq == state.last_seq + 1):
             kind = "decode_step"
@@ -310,6 +365,11 @@ class StepHooks:
             if request_id is None:  # an engine's thread, or one of a pool: it serves whoever is in flight
                 self.threads_without_request.add(threading.get_native_id())
             ids = [request_id] if request_id is not None else self._session_ids()
+            if self._awaiting and not discovered:
+                # A model found before this step serves them: what they run is known. (Served only
+                # by one found just now, they may run more: an encoder-decoder's encoder is one
+                # module, its decoder steps another.)
+                self._awaiting.difference_update(ids)
             state.handle = open_range(auto_phase_name(kind, ids))
         state.owner = module
         state.opened_ns = time.perf_counter_ns()

@@ -1,0 +1,47 @@
+"""A server with two models on two endpoints (tests/servers/speech_and_text.py: a T5 summarizer and a
+Whisper transcriber, both encoder-decoders run by ``generate``). A session whose first steps are
+one model's still marks every step of the other, which first runs later in the session: the
+sampled request's arrival has servprof look for a model it has not seen.
+
+Real parts: uvicorn on loopback, a light session of the real profiler and the real analysis
+worker, real transformers models and feature extractor, a real BPE tokenizer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from _server_session import PROMPT, session_on
+
+MAX_TOKENS = 12
+
+
+def _steps(result: dict, rid: str) -> dict[str, int]:
+    names = [p["name"] for p in result["requests"][rid]["phases"]]
+    return {name: names.count(name) for name in ("prefill", "decode_step")}
+
+
+def test_the_second_models_steps_are_marked_when_its_request_comes_after_the_firsts(tmp_path: Path) -> None:
+    observed = session_on("servers.speech_and_text", tmp_path, ["/summarize", "/transcribe"], MAX_TOKENS,
+                          spaced_s=0.1, body=[{"prompt": PROMPT, "max_tokens": MAX_TOKENS},
+                                              {"seconds": 2.0, "max_tokens": MAX_TOKENS}])
+    (summary_id, transcript_id) = [rid for _path, status, rid in observed["responses"] if status == 200]
+    result = observed["result"]
+    # Each: the encoder's pass over its input (a prefill), then one decoder step per token.
+    assert _steps(result, summary_id) == {"prefill": 1, "decode_step": MAX_TOKENS}
+    assert _steps(result, transcript_id) == {"prefill": 1, "decode_step": MAX_TOKENS}
+    steps = result["summary"]["detect"]["steps"]
+    assert steps["count"] == 2 * (1 + MAX_TOKENS) and steps["source"] == ["servprof_auto"]
+    assert set(observed["session"]["auto"]["models"]) == {
+        "T5ForConditionalGeneration", "T5Stack", "WhisperForConditionalGeneration", "WhisperEncoder"}
+
+
+def test_both_models_at_once(tmp_path: Path) -> None:
+    paths = ["/summarize", "/transcribe", "/summarize", "/transcribe"]
+    bodies = [{"prompt": PROMPT, "max_tokens": MAX_TOKENS} if p == "/summarize" else
+              {"seconds": 1.0, "max_tokens": MAX_TOKENS} for p in paths]
+    observed = session_on("servers.speech_and_text", tmp_path, paths, MAX_TOKENS, body=bodies)
+    ids = [rid for _path, status, rid in observed["responses"] if status == 200]
+    assert len(ids) == 4
+    for rid in ids:
+        assert _steps(observed["result"], rid) == {"prefill": 1, "decode_step": MAX_TOKENS}, rid
