@@ -45,3 +45,26 @@ def test_both_models_at_once(tmp_path: Path) -> None:
     assert len(ids) == 4
     for rid in ids:
         assert _steps(observed["result"], rid) == {"prefill": 1, "decode_step": MAX_TOKENS}, rid
+
+
+def test_a_deep_window_names_the_handlers_own_compute_before_the_model_call(tmp_path: Path) -> None:
+    """``/transcribe`` extracts log-mel features on its handler's thread (torch's STFT) before
+    ``generate``: with ops recorded, the wait before the model call names them as the handler's
+    compute; a light session (no ops) says only what it measured."""
+    body, paths = {"seconds": 8.0, "max_tokens": 4}, ["/transcribe"] * 2
+    # (One after the other: the first request's wait is not judged, as a step then running would not be in the trace.)
+    deep = session_on("servers.speech_and_text", tmp_path / "deep", paths, 4, spaced_s=0.1, body=body, tier="deep")
+    (finding,) = [f for f in deep["result"]["findings"] if f["kind"] == "queue_wait"]
+    work = finding["evidence"]["handler_threads"]
+    assert finding["evidence"]["cause"] == "before_model_call"
+    assert work["busy_ms"] >= 0.5 * work["window_ms"] and work["busy_ms"] <= work["window_ms"]
+    names = [f["name"] for f in work["top_frames"]]
+    assert any("fft" in name or "stft" in name for name in names), names
+    assert "computing outside the model" in finding["title"] and names[0] in finding["title"]
+    assert "preprocessing" in finding["fix"]
+
+    light = session_on("servers.speech_and_text", tmp_path / "light", paths, 4, spaced_s=0.1, body=body)
+    measured = light["result"]["summary"]["detect"]["queue_wait"]["waits"]
+    assert any(w["own_model_call"] and w["idle_ms"] > 0 for w in measured), measured  # the same wait, measured
+    for finding in (f for f in light["result"]["findings"] if f["kind"] == "queue_wait"):
+        assert "handler_threads" not in finding["evidence"] and "preprocessing" not in finding["fix"]

@@ -15,6 +15,10 @@ the session does not list among those without a request: ``asyncio.to_thread``, 
 thread started for it) was held by no queue: its idle wait is reported apart (``before_model_call``),
 as what its handler did before that call (an awaited retrieval, a client built per request, a lock).
 
+Where the trace records ops (a deep window), the thread that then ran the request's first step
+is read over that time: ops or Python outside any model forward most of it (feature extraction,
+image transforms: the handler's own compute) are named, with what to do about them.
+
 The request's prefill is the first prefill after its arrival that names it: its own (a request
 served on its own thread), or a batch's (steps with no request of their own name every request in
 flight, and a request can be in no batch that started before it arrived). A step that was already
@@ -30,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from servprof.detect.finding import WARNING_SHARE, Finding, severity_for_share
+from servprof.detect.host_stacks import BUSY_CLASSES, CLASSES, DETOKENIZE, TOKENIZE, HostStacks
 from servprof.detect.intervals import covered, covered_within, merge
 from servprof.detect.request_times import RequestTimes
 from servprof.detect.steps import Step
@@ -49,6 +54,14 @@ FIX_QUEUED = (
     "The model was free while these requests waited: start the next step as soon as one is waiting. Wake the model "
     "thread with a blocking queue `get()` or a condition instead of polling with `sleep`; keep a batching window only "
     "while there is nothing to run (take what has arrived and go); hold the model's lock around the model call only."
+)
+# Recorded work on the thread (ops, Python, runtime calls), not the request's own tokenize phases.
+HANDLER_BUSY = tuple(c for c in BUSY_CLASSES if c not in (TOKENIZE, DETOKENIZE))
+FIX_HANDLER_COMPUTE = (
+    "Each of these requests called the model from its own handler, and before the call its thread was computing "
+    "(the ops and functions named: the handler's own preprocessing, such as audio feature extraction or image "
+    "transforms, done for each request). It adds to every request's time to first token: run it where the model "
+    "runs (its torch ops on the model's device), batch it across requests, cache what repeats, or do it once up front."
 )
 FIX_BEFORE_CALL = (
     "Each of these requests called the model from its own handler, so no queue held it: the time is what its handler "
@@ -119,6 +132,7 @@ def detect_queue_wait(trace: Trace, steps: list[Step], times: dict[str, RequestT
         idle = max(0.0, (b - a) - _covered([*spans, *busy_spans], a, b))
         until = t.first_byte_us if t.first_byte_us is not None else t.end_us
         waits.append({"request_id": rid, "arrival_us": t.arrival_us, "first_step_us": first.start_us,
+                      "thread": first.tid, "rank": first.rank, "from_us": a,
                       "wait_ms": round((first.start_us - t.arrival_us) / 1e3, 3), "idle_ms": round(idle / 1e3, 3),
                       "other_steps_ms": round(busy / 1e3, 3), "own_phases_ms": round(own_us / 1e3, 3),
                       "to_first_byte_ms": round((until - t.arrival_us) / 1e3, 3) if until < float("inf") else None,
@@ -140,11 +154,41 @@ def detect_queue_wait(trace: Trace, steps: list[Step], times: dict[str, RequestT
         prefix = "" if cause == QUEUED else "before_model_call_"
         summary.update({f"{prefix}idle_ms": round(idle_ms, 3), f"{prefix}share_of_time_to_first_byte": round(share, 4)})
         if share >= WARNING_SHARE:  # (a few ms of hand-off in a long answer: in the summary only)
-            findings.append(_finding(cause, group, len(waits), idle_ms, share))
+            work = _handler_work(trace, group, busy_start, busy_end) if cause == BEFORE_CALL else None
+            findings.append(_finding(cause, group, len(waits), idle_ms, share, work))
     return findings, summary
 
 
-def _finding(cause: str, group: list[dict[str, Any]], requests: int, idle_ms: float, share: float) -> Finding:
+def _handler_work(trace: Trace, group: list[dict[str, Any]], steps_start: np.ndarray, steps_end: np.ndarray
+                  ) -> dict[str, Any] | None:
+    """What the threads of these requests' first steps recorded between arrival and that step while
+    no model step ran (on any thread), when recorded work (ops, Python) covers most of that time:
+    its time by class and top frames. None where the trace records none there (a light trace records
+    no ops) or the threads mostly recorded nothing (they waited: I/O, a lock, another thread)."""
+    stacks: dict[int, HostStacks] = {}
+    window_us, by_class, frames = 0.0, np.zeros(len(CLASSES)), {}
+    for wait in group:
+        a, b = _outside(float(wait["from_us"]), float(wait["first_step_us"]), steps_start, steps_end)
+        rank = int(wait["rank"])
+        stack = stacks.setdefault(rank, HostStacks(trace, rank)).thread(int(wait["thread"]))
+        window_us += float((b - a).sum())
+        by_class += stack.class_times(a, b).sum(axis=0)
+        _window, keys, spent = stack.top_keys(a, b, limit=8)
+        for key, us in zip(keys.tolist(), spent.tolist(), strict=True):
+            frames[key] = frames.get(key, 0.0) + us
+    busy_us = float(by_class[list(HANDLER_BUSY)].sum())
+    if window_us <= 0 or busy_us < 0.5 * window_us:
+        return None
+    ranked = sorted((kv for kv in frames.items() if kv[0] % len(CLASSES) in HANDLER_BUSY), key=lambda kv: -kv[1])
+    top = [{"name": trace.names[key // len(CLASSES)], "class": CLASSES[key % len(CLASSES)], "self_ms": round(us / 1e3, 3)}
+           for key, us in ranked[:5]]
+    return {"busy_ms": round(busy_us / 1e3, 3), "window_ms": round(window_us / 1e3, 3),
+            "self_ms": {CLASSES[c]: round(float(v) / 1e3, 3) for c, v in enumerate(by_class) if v >= 50.0},
+            "top_frames": top}
+
+
+def _finding(cause: str, group: list[dict[str, Any]], requests: int, idle_ms: float, share: float,
+             work: dict[str, Any] | None = None) -> Finding:
     busy_ms = sum(w["other_steps_ms"] for w in group)
     each = f"median {median([w['idle_ms'] for w in group]):.1f} ms each, {share:.0%} of their time to first byte"
     if cause == QUEUED:
@@ -154,6 +198,10 @@ def _finding(cause: str, group: list[dict[str, Any]], requests: int, idle_ms: fl
         title = (f"{len(group)} of {requests} sampled requests spent {idle_ms:.1f} ms ({each}) in their handlers "
                  "before calling the model, while no model step ran")
     title += f"; other requests' steps ran {busy_ms:.1f} ms of those waits" if busy_ms >= 0.05 else ""
+    if work is not None:
+        names = ", ".join(f["name"][:60] for f in work["top_frames"][:3])
+        title += (f"; their threads were computing outside the model for {work['busy_ms']:.1f} of "
+                  f"{work['window_ms']:.1f} ms ({names})")
     severity = severity_for_share(share, idle_ms)
     if cause == BEFORE_CALL and severity == "critical":
         severity = "warning"  # the handler's own work (a retrieval may be the app's design), not capacity left idle
@@ -163,8 +211,9 @@ def _finding(cause: str, group: list[dict[str, Any]], requests: int, idle_ms: fl
         title=title, request_ids=[w["request_id"] for w in group],
         evidence={"cause": cause, "requests": requests, "waited": len(group), "idle_ms": round(idle_ms, 3),
                   "share_of_time_to_first_byte": round(share, 4), "other_steps_ms": round(busy_ms, 3),
-                  "waits": sorted(group, key=lambda w: -w["idle_ms"])[:20]},
-        fix=FIX_QUEUED if cause == QUEUED else FIX_BEFORE_CALL,
+                  "waits": sorted(group, key=lambda w: -w["idle_ms"])[:20],
+                  **({"handler_threads": work} if work is not None else {})},
+        fix=FIX_QUEUED if cause == QUEUED else FIX_HANDLER_COMPUTE if work is not None else FIX_BEFORE_CALL,
     )
 
 
@@ -175,6 +224,16 @@ def _threads_without_request(trace: Trace) -> set[int] | None:
     auto = trace.servprof_metadata().get("auto")
     listed = auto.get("threads_without_request") if isinstance(auto, dict) else None
     return {t for t in listed if isinstance(t, int) and not isinstance(t, bool)} if isinstance(listed, list) else None
+
+
+def _outside(a: float, b: float, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[a, b] less the merged spans (starts, ends): the windows left, as two arrays."""
+    inside = (ends > a) & (starts < b)
+    cuts_start, cuts_end = starts[inside], ends[inside]
+    lo = np.concatenate(([a], np.minimum(cuts_end, b)))
+    hi = np.concatenate((np.maximum(cuts_start, a), [b]))
+    keep = hi > lo
+    return lo[keep], hi[keep]
 
 
 def _covered(spans: list[tuple[float, float]], a: float, b: float) -> float:
