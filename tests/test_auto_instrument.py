@@ -261,6 +261,54 @@ def test_a_forward_running_when_the_session_starts_does_not_make_its_parts_model
     assert [p for p, _ in phases] == ["decode_step"]
 
 
+def _tiny_llama(layers: int, seed: int) -> Any:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=layers, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)).eval()
+
+
+def test_assisted_generation_verifies_drafts_in_decode_steps(tmp_path: Path) -> None:
+    """Assisted generation: a draft model proposes tokens, the target verifies several at once over
+    its KV cache. Each model's first forward (empty cache) is its prefill; every later one, drafts
+    and verifications of several tokens alike, continues the sequence: a decode step."""
+    target, draft = _tiny_llama(2, 0), _tiny_llama(1, 1)
+    shapes: list[tuple[str, int]] = []
+    for name, model in (("target", target), ("draft", draft)):
+        model.register_forward_pre_hook(
+            lambda _m, _a, kwargs, name=name: shapes.append((name, int(kwargs["input_ids"].shape[-1]))),
+            with_kwargs=True)
+    ids = torch.arange(3, 15).unsqueeze(0)
+
+    def work() -> None:
+        _in_request("req-assisted", lambda: target.generate(input_ids=ids, assistant_model=draft, max_new_tokens=12,
+                                                            min_new_tokens=12, do_sample=False))
+
+    phases, _ = auto_phases(tmp_path, work)
+    kinds = [p for p, _ids in phases if p in ("prefill", "decode_step")]
+    assert len(kinds) == len(shapes)
+    assert kinds[:2] == ["prefill", "prefill"] and set(kinds[2:]) == {"decode_step"}
+    assert any(length > 1 for _name, length in shapes[2:])  # verifications of several tokens were among them
+
+
+def test_cached_tokens_are_read_from_shapes_only() -> None:
+    transformers = pytest.importorskip("transformers")
+    from servprof.auto.steps import _cached_tokens
+
+    key = torch.zeros(1, 2, 7, 4)
+    assert _cached_tokens({"past_key_values": ((key, key),)}) == 7  # per-layer tuples
+    assert _cached_tokens({"past_key_values": ()}) == 0
+    assert _cached_tokens({}) is None
+    cache = transformers.DynamicCache()
+    assert _cached_tokens({"past_key_values": cache}) == 0
+    cache.update(key, key, 0)
+    assert _cached_tokens({"past_key_values": cache}) == 7
+    # A static cache is allocated whole: its shapes say nothing of what it holds.
+    static = transformers.StaticCache(config=_tiny_llama(1, 0).config, max_cache_len=32)
+    assert _cached_tokens({"past_key_values": static}) is None
+
+
 def _tiny_t5() -> Any:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)

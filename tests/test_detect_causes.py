@@ -97,6 +97,31 @@ def test_only_a_sleeping_thread_meanwhile_is_not_a_cause(tmp_path: Path):
     assert "ran_instead" not in gap.evidence["worst_gaps"][0]
 
 
+@pytest.mark.parametrize("recorded", ["python frames", "a servprof session", "neither"])
+def test_time_nothing_recorded_for_is_followed_up_as_the_trace_allows(tmp_path: Path, recorded: str):
+    """With Python frames in the trace, more frames would show nothing more (the thread was off the
+    CPU or blocked in C); in a servprof session, frames come from servprof's setting; else from
+    torch.profiler's."""
+    from servprof.detect.cause_texts import UNTRACED_IN_SESSION, UNTRACED_WITH_FRAMES
+
+    trace = KinetoTrace()
+    t = 0.0
+    for _ in range(5):
+        trace.host(DECODE, t, 60)
+        t = eager_step(trace, t, kernels=10) + 800
+    if recorded == "python frames":
+        _sleeping_monitor(trace, t + 100)
+    elif recorded == "a servprof session":
+        trace.metadata["servprof"] = {"session_id": "s1", "tier": "deep"}
+    (gap,) = _gaps(analyse(load_trace(trace.write(tmp_path / "t.json"))))
+    assert gap.evidence["cause"] == "untraced_host_time"
+    expected = {"python frames": UNTRACED_WITH_FRAMES, "a servprof session": UNTRACED_IN_SESSION}
+    if recorded in expected:
+        assert gap.fix == expected[recorded]
+    else:
+        assert gap.fix.startswith("Record with with_stack=True")
+
+
 def test_blocking_device_to_host_read_every_step(tmp_path: Path):
     """Each step ends with .item(): aten::item > _local_scalar_dense > a DtoH copy into pageable memory
     and cudaStreamSynchronize. The device drains while the host waits, then idles while the host

@@ -20,7 +20,10 @@ decoder step), ``input_ids`` / ``inputs_embeds`` keyword (transformers' ``genera
 so) or the first tensor argument; an encoder's pass over its input reads as prefill.
 Sequence length 1 is a decode step (KV-cached decode, ``[B, 1]`` batches); a length one
 more than the previous step's on the same thread is a decode step of a loop without a
-KV cache; any other length > 1 is a prefill. A 1-D batch of decode tokens (``[B]``, no
+KV cache; so is a step of several tokens over a KV cache that already holds tokens (a draft's
+tokens verified: assisted generation, prompt lookup; also, read as decode, a new turn's prompt
+over a conversation kept in the cache), read from a dynamic cache's shapes or, failing that, a
+2-D attention mask longer than the input; any other length > 1 is a prefill. A 1-D batch of decode tokens (``[B]``, no
 sequence dimension) cannot be told from a prompt and reads as prefill.
 """
 
@@ -83,6 +86,44 @@ def _sequence_length(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> in
     if len(shape) == 0:
         return 1
     return int(shape[-1]) if len(shape) <= 2 else int(shape[1])
+
+
+def _extends(seq: int, last_seq: int, kwargs: dict[str, Any] | None) -> bool:
+    """A step of several tokens that continues a sequence: over a KV cache that holds tokens (a
+    draft's tokens verified, as in assisted generation or prompt lookup), or, with no cache to
+    read, under a 2-D attention mask longer than the input (``generate()`` passes the whole
+    sequence's when it pads) or one token longer than the thread's previous step (a loop
+    without a KV cache). A cache that holds none is a prefill's."""
+    cached = _cached_tokens(kwargs) if kwargs else None
+    if cached is not None:
+        return cached > 0
+    mask = kwargs.get("attention_mask") if kwargs else None
+    if isinstance(mask, _Tensor) and mask.dim() == 2 and int(mask.shape[-1]) > seq:
+        return True
+    return last_seq > 0 and seq == last_seq + 1
+
+
+def _cached_tokens(kwargs: dict[str, Any]) -> int | None:
+    """Tokens the step's ``past_key_values`` holds, where its shapes say so (None: no cache, or one
+    that cannot be read without waiting for the device, as a static cache allocated whole)."""
+    past = kwargs.get("past_key_values")
+    if past is None:
+        return None
+    if isinstance(past, (tuple, list)):  # per-layer (key, value) tuples: a hand-written loop, older transformers
+        if not past:
+            return 0
+        key = past[0][0] if isinstance(past[0], (tuple, list)) and past[0] else None
+    else:  # transformers' Cache: its first layer's keys, where they grow with the sequence
+        layers = getattr(past, "layers", None)
+        if isinstance(layers, list) and not layers:
+            return 0  # (a dynamic cache before its first step)
+        layer = layers[0] if isinstance(layers, list) else None
+        if not type(layer).__name__.startswith("Dynamic"):
+            return None
+        if getattr(layer, "is_initialized", True) is False:
+            return 0
+        key = getattr(layer, "keys", None)
+    return int(key.shape[-2]) if isinstance(key, _Tensor) and key.dim() >= 2 else None
 
 
 def _frame_kwargs() -> dict[str, Any] | None:
@@ -351,7 +392,7 @@ class StepHooks:
               discovered: bool = False) -> None:
         """A step begins (``discovered``: its model found by this very call)."""
         seq = _sequence_length(args, kwargs)
-        if seq is None or seq == 1 or (state.last_seq > 0 and seq == state.last_seq + 1):
+        if seq is None or seq == 1 or _extends(seq, state.last_seq, kwargs):
             kind = "decode_step"
             self.decode_steps += 1
         else:

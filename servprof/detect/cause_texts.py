@@ -3,6 +3,8 @@ decode_gap finding (causes.py, gaps.py, host_reads.py) is written from."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from servprof.detect.tier import DEEP_WINDOW_HOW, LIGHT_TRACE, NEEDS_DEEP, NEEDS_DEEP_CAUSE
 
 # cause id -> (what it is, in a few words; what to do about it)
@@ -185,6 +187,28 @@ def cause_label(cause: str, on_device: bool = True) -> str:
     if not on_device and cause in HOST_CAUSES:
         return HOST_CAUSES[cause][0]
     return CAUSES.get(cause, CAUSES["untraced_host_time"])[0]
+
+
+# Host time with nothing recorded, where the trace already holds Python frames (with_stack was on)
+# or came from servprof's own session (its setting turns the frames on).
+UNTRACED_WITH_FRAMES = (
+    "The thread recorded nothing there, not even a Python frame: it was off the CPU or blocked outside Python "
+    "(a sleep or a lock taken in C code, a wait on another process or on I/O, too few CPU cores for the server's "
+    "threads). Check the server's thread count against its cores, and what that thread waits on."
+)
+UNTRACED_IN_SESSION = (
+    "Set SERVPROF_WITH_STACK=1 so that deep windows record the Python frames as well as the ops; look for sleeps, "
+    "waits on other processes, or too few CPU cores for the server's threads (the thread was off the CPU)."
+)
+
+
+def untraced_fix(trace: Any) -> str:
+    """The fix for host time nothing was recorded for, as this trace can take it further."""
+    if trace.mask_category("python_function").any():
+        return UNTRACED_WITH_FRAMES
+    if trace.servprof_metadata():
+        return UNTRACED_IN_SESSION
+    return CAUSES["untraced_host_time"][1]
 
 
 def cause_fix(cause: str, training: bool = False, on_device: bool = True) -> str:
