@@ -175,6 +175,36 @@ def test_device_memory_growing_step_over_step_in_cuda_samples(tmp_path: Path):
     assert growth[0].evidence["per_request_bytes"] == pytest.approx(64 * 1024**2, rel=0.2)
 
 
+def test_growth_given_back_before_the_trace_ends_is_no_leak(tmp_path: Path):
+    """Memory that rose step over step and was all given back after the last step (a benchmark that
+    kept each forward's results until it finished, as in TraceLens' OWLv2 trace): no growth finding,
+    and the summary says how much came back; kept to the end, the same rise is one."""
+    source = Path(__file__).parent / "fixtures" / "demo_clean.json.gz"
+    steps = analyse(load_trace(source)).steps
+    base = _base_ns(source)
+    t0, t1 = min(s.start_us for s in steps), max(s.end_us for s in steps)
+    times = np.arange(t0 - 1000, t1 + 5000, 1000.0)
+    prefills = sorted(s.end_us for s in steps if s.kind == "prefill")
+
+    def series(given_back: bool):  # noqa: ANN202
+        allocated = [int(GIB + 64 * 1024**2 * np.searchsorted(prefills, t)) for t in times]
+        if given_back:
+            allocated = [GIB if t > t1 + 2000 else a for t, a in zip(times, allocated, strict=True)]
+
+        def add(meta: dict[str, Any]) -> None:
+            samples = [[int(base + t * 1000), a, a + GIB // 4] for t, a in zip(times, allocated, strict=True)]
+            meta["memory"] = {"devices": {"cuda:0": {"kind": "cuda_allocator", "total_bytes": 80 * GIB,
+                                                     "samples": samples}}}
+        return add
+
+    kept = analyse(load_trace(_with_metadata(source, tmp_path / "kept.json", series(False))))
+    assert len(_growth(kept)) == 1
+    released = analyse(load_trace(_with_metadata(source, tmp_path / "back.json", series(True))))
+    assert _growth(released) == []
+    device = released.summary["memory"]["devices"]["cuda:0"]
+    assert device["released_after_steps_bytes"] == 64 * 1024**2 * len(prefills)
+
+
 def test_between_sessions_growth_follows_requests_not_a_warm_up():
     points = [[i * 10**9, 10 * i, 1] for i in range(8)]
     leak = [500_000_000 + 8 * 1024**2 * 10 * i for i in range(8)]

@@ -245,6 +245,12 @@ def _growth_in_trace(series: MemorySeries, steps: list[Step], info: dict[str, An
     if not _is_growth(shape, max(GROWTH_MIN_BYTES, GROWTH_MIN_SHARE * info["baseline_bytes"])):
         return []
     growth = shape["growth_bytes"]
+    later = series.allocated[series.t_us > end]
+    if later.size and later[-1] - levels[0] < GROWTH_KEPT_SHARE * growth:
+        # Given back before the trace ended (results a benchmark kept until it finished): held for
+        # a while, not kept; a leak is never given back.
+        info["released_after_steps_bytes"] = int(levels[-1] - later[-1])
+        return []
     admitted = _admitted(steps, start, end)
     window_s = max((end - start) / 1e6, 1e-6)
     evidence: dict[str, Any] = {
