@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import queue
 import socket
 import threading
@@ -121,7 +122,9 @@ def serve(app: Any) -> Iterator[tuple[str, uvicorn.Server]]:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+    # SERVPROF_TEST_LOOP: uvicorn's --loop (auto: uvloop where installed, as here; asyncio: the standard loop).
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5,
+                            loop=os.environ.get("SERVPROF_TEST_LOOP", "auto"))
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

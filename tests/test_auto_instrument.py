@@ -292,6 +292,20 @@ def test_assisted_generation_verifies_drafts_in_decode_steps(tmp_path: Path) -> 
     assert any(length > 1 for _name, length in shapes[2:])  # verifications of several tokens were among them
 
 
+def test_a_prompt_prefilled_in_chunks_is_prefill_throughout(tmp_path: Path) -> None:
+    """``prefill_chunk_size``: generate() prefills a long prompt a chunk at a time over its cache."""
+    model = _tiny_llama(1, 0)
+    ids = torch.arange(3, 15).unsqueeze(0)
+
+    def work() -> None:
+        _in_request("req-chunked", lambda: model.generate(input_ids=ids, max_new_tokens=3, min_new_tokens=3,
+                                                          do_sample=False, prefill_chunk_size=4))
+
+    phases, _ = auto_phases(tmp_path, work)
+    # 12 prompt tokens in chunks of 4, then a decode step per further token.
+    assert [p for p, _ids in phases if p in ("prefill", "decode_step")] == ["prefill"] * 3 + ["decode_step"] * 2
+
+
 def test_cached_tokens_are_read_from_shapes_only() -> None:
     transformers = pytest.importorskip("transformers")
     from servprof.auto.steps import _cached_tokens

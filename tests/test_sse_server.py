@@ -11,12 +11,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from _server_session import session_on
 
 MAX_TOKENS = 32
 
 
-def test_iterating_a_streamer_on_the_loop_is_named_with_the_async_form(tmp_path: Path) -> None:
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_iterating_a_streamer_on_the_loop_is_named_with_the_async_form(tmp_path: Path, loop: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # uvicorn runs uvloop where it is installed (uvicorn[standard]) and asyncio's own loop elsewhere.
+    monkeypatch.setenv("SERVPROF_TEST_LOOP", loop)
     observed = session_on("servers.sse_streaming", tmp_path, ["/v1/chat/stream"] * 2, MAX_TOKENS)
     result = observed["result"]
     assert [status for _, status, _ in observed["responses"]] == [200, 200]

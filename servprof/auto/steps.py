@@ -22,7 +22,7 @@ Sequence length 1 is a decode step (KV-cached decode, ``[B, 1]`` batches); a len
 more than the previous step's on the same thread is a decode step of a loop without a
 KV cache; so is a step of several tokens over a KV cache that already holds tokens (a draft's
 tokens verified: assisted generation, prompt lookup; also, read as decode, a new turn's prompt
-over a conversation kept in the cache), read from a dynamic cache's shapes or, failing that, a
+over a conversation kept in the cache; not a chunk of a prompt ``generate()`` prefills in chunks), read from a dynamic cache's shapes or, failing that, a
 2-D attention mask longer than the input; any other length > 1 is a prefill. A 1-D batch of decode tokens (``[B]``, no
 sequence dimension) cannot be told from a prompt and reads as prefill.
 """
@@ -96,11 +96,28 @@ def _extends(seq: int, last_seq: int, kwargs: dict[str, Any] | None) -> bool:
     without a KV cache). A cache that holds none is a prefill's."""
     cached = _cached_tokens(kwargs) if kwargs else None
     if cached is not None:
-        return cached > 0
+        return cached > 0 and not _in_prefill_call()
     mask = kwargs.get("attention_mask") if kwargs else None
     if isinstance(mask, _Tensor) and mask.dim() == 2 and int(mask.shape[-1]) > seq:
         return True
     return last_seq > 0 and seq == last_seq + 1
+
+
+def _in_prefill_call() -> bool:
+    """Called from transformers' ``generate()`` prefill (its ``_prefill``) of a prompt it prefills
+    in chunks (``prefill_chunk_size``): each chunk goes over a cache holding the chunks before it.
+    (An assistant model's ``generate()`` in assisted generation also starts with ``_prefill``, over
+    the tokens accepted since its last call: a step of the request's decoding.)"""
+    frame = sys._getframe(2)
+    for _ in range(16):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name == "_prefill" and "transformers" in code.co_filename:
+            config = frame.f_locals.get("generation_config")
+            return getattr(config, "prefill_chunk_size", None) is not None
+        frame = frame.f_back
+    return False
 
 
 def _cached_tokens(kwargs: dict[str, Any]) -> int | None:
