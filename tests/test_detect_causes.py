@@ -66,9 +66,42 @@ def _engine_then_other_thread(other_work: Callable[[KinetoTrace, int, float], No
     for k in range(5):
         trace.host(DECODE, t, 60)
         end = eager_step(trace, t, kernels=10)
+        trace.frame("myapp/engine.py(20): step", t, end - t)  # (with_stack follows the engine thread)
         other_work(trace, k, end)
         t = end + 800
     return trace, t
+
+
+def test_a_thread_whose_python_was_not_followed_is_never_read_as_waiting_for_the_gil(tmp_path: Path):
+    """torch's Python tracer follows the threads alive when the profiler started: a pool worker
+    started later records ops but no frame. Its unrecorded time may be its own Python, so another
+    thread's work meanwhile is not 'held the GIL', and the fix says why nothing was recorded."""
+    from servprof.detect.cause_texts import UNTRACED_THREAD_UNFRAMED
+
+    trace = KinetoTrace()
+    t = 0.0
+    for _ in range(5):
+        trace.host(DECODE, t, 60)
+        end = eager_step(trace, t, kernels=10)
+        trace.frame("myapp/normalise.py(5): slow_normalise", end + 10, 780, tid=OTHER)
+        t = end + 800
+    (gap,) = _gaps(analyse(load_trace(trace.write(tmp_path / "t.json"))))
+    assert gap.evidence["cause"] == "untraced_host_time"
+    assert gap.fix == UNTRACED_THREAD_UNFRAMED
+
+
+def test_an_event_loops_own_wait_is_no_thread_holding_the_gil(tmp_path: Path):
+    """uvloop waits for events in C under ``asyncio.run``: the loop thread's innermost recorded
+    frame is runners.py's ``run`` for all of that time, the GIL released. Only a callback it ran
+    counts as its work."""
+    def loop_thread(trace: KinetoTrace, _k: int, end: float) -> None:
+        trace.frame("asyncio/runners.py(118): run", end - 5, 810, tid=OTHER)
+        trace.frame("myapp/routes.py(30): health", end + 100, 20, tid=OTHER)
+
+    trace, _t = _engine_then_other_thread(loop_thread)
+    (gap,) = _gaps(analyse(load_trace(trace.write(tmp_path / "t.json"))))
+    assert gap.evidence["cause"] == "untraced_host_time"
+    assert "runners.py" not in gap.title
 
 
 def test_a_thread_that_holds_the_gil_is_named_and_a_sleeping_one_never(tmp_path: Path):
@@ -111,6 +144,7 @@ def test_time_nothing_recorded_for_is_followed_up_as_the_trace_allows(tmp_path: 
         t = eager_step(trace, t, kernels=10) + 800
     if recorded == "python frames":
         _sleeping_monitor(trace, t + 100)
+        trace.frame("myapp/engine.py(20): step", 0.0, 50.0)  # the engine thread is followed too
     elif recorded == "a servprof session":
         trace.metadata["servprof"] = {"session_id": "s1", "tier": "deep"}
     (gap,) = _gaps(analyse(load_trace(trace.write(tmp_path / "t.json"))))

@@ -202,9 +202,22 @@ UNTRACED_IN_SESSION = (
 )
 
 
-def untraced_fix(trace: Any) -> str:
-    """The fix for host time nothing was recorded for, as this trace can take it further."""
-    if trace.mask_category("python_function").any():
+UNTRACED_THREAD_UNFRAMED = (
+    "torch's Python tracer recorded other threads' Python but none of this thread's: it follows the threads alive "
+    "when the profiler started, and this one began later (a worker the server's thread pool started, a thread "
+    "started per request), so its time between steps may be its own Python. Run the model on threads that outlive "
+    "requests (a fixed pool or an engine thread started with the server): a later trace then records their frames."
+)
+
+
+def untraced_fix(trace: Any, thread: Any = None, rank: Any = None) -> str:
+    """The fix for host time nothing was recorded for, as this trace can take it further (``thread``,
+    ``rank``: where it was read)."""
+    python = trace.mask_category("python_function")
+    if python.any():
+        if isinstance(thread, int) and isinstance(rank, int) \
+                and not (python & (trace.tid == thread) & (trace.rank == rank)).any():
+            return UNTRACED_THREAD_UNFRAMED
         return UNTRACED_WITH_FRAMES
     if trace.servprof_metadata():
         return UNTRACED_IN_SESSION

@@ -113,10 +113,11 @@ class GapExplainer:
         loading = loading_us(self.stacks.trace, self.loader_rows, a, b, tid)
         other_tid, other_us = self._instead(a, b, tid, class_us, look_elsewhere)
         waited = np.zeros(n, dtype=bool) if stream_waited is None else np.asarray(stream_waited, dtype=bool)
+        unframed = np.isin(tid, list(self.stacks.unframed)) if self.stacks.unframed else None
         causes = self._decide(class_us, other_us, at_start, np.asarray(starved, dtype=bool),
                               np.asarray(small, dtype=bool), compiled, waited, b - a, self.light,
                               np.asarray(next_graph_launch, dtype=bool), loading,
-                              None if concurrent is None else concurrent[0])
+                              None if concurrent is None else concurrent[0], unframed)
         return Explained(causes, tid, other_tid, class_us, other_us, *(concurrent or (None, None)))
 
     def _instead(self, a: np.ndarray, b: np.ndarray, tid: np.ndarray, class_us: np.ndarray, always: bool = False
@@ -145,7 +146,7 @@ class GapExplainer:
     def _decide(us: np.ndarray, other: np.ndarray, at_start: np.ndarray, starved: np.ndarray, small: np.ndarray,
                 compiled: np.ndarray, waited: np.ndarray, length: np.ndarray, light: bool = False,
                 graph_launch: np.ndarray | None = None, loading: np.ndarray | None = None,
-                concurrent: np.ndarray | None = None) -> list[str]:
+                concurrent: np.ndarray | None = None, unframed: np.ndarray | None = None) -> list[str]:
         """Each gap's cause: the first rule (most specific first) that holds, vectorised over gaps.
         A graph launch's cost grows with the graph: a long one is not a slow launch of a kernel.
         On a light trace the rules that read the absence of ops (a GIL held elsewhere while this
@@ -161,6 +162,8 @@ class GapExplainer:
         python = us[:, PYTHON] + us[:, COMPILE]
         host_busy = busy.sum(axis=1) >= 0.5 * length
         gil = (us[:, UNTRACED] >= 0.5 * length) & (other_busy >= 0.2 * length)
+        if unframed is not None:  # its Python was not recorded: what it did not record may be its own
+            gil &= ~unframed
         # (mask, cause, read from what the thread did not record: never concluded on a light trace)
         rules = [
             (~starved & waited, "stream_wait", False),

@@ -66,6 +66,13 @@ WAIT_NAMES = Guarded(re.compile(
 ), "threading.py(", "acquire", "sleep", "selectors.py(", "<method 'poll'", "<method 'select'", "<method 'control'",
    "<built-in method select", "<built-in method poll", "<built-in method epoll", "queue.py(", "connection.py(",
    "tqdm/_monitor.py", "recv_multipart")
+# An event loop's own frames whose self time is its C core waiting for events (uvloop's loop, the
+# standard loop's when its selector call is not recorded), the GIL released: a loop thread idle,
+# not Python holding the GIL. Only their own time: the callbacks they run keep their classes.
+LOOP_IDLE_FRAMES = Guarded(re.compile(
+    r"asyncio/runners\.py\(\d+\): run$|asyncio/base_events\.py\(\d+\): (run_forever|run_until_complete)$"
+    r"|uvloop/__init__\.py\(\d+\): run$|(<method|<built-in method) '?run_(forever|until_complete)'? of '?uvloop"
+), "asyncio/", "uvloop")
 # Collectives the host blocks in (a NCCL call only enqueues a kernel: its wait shows on the device).
 COLLECTIVE_NAMES = Guarded(re.compile(r"^gloo:|barrier|_distributed_c10d\.Work' objects>|^c10d::wait|ProcessGroup\w*\.wait"),
                            "gloo:", "barrier", "c10d", "ProcessGroup")
@@ -133,6 +140,7 @@ class NameClasses:
         self.compile = _per_name(size, host, text.search(COMPILE_NAMES), False, bool)
         self.compiled_region = _per_name(size, host, text.search(COMPILED_REGION), False, bool)
         self.launch = _per_name(size, host, text.search(LAUNCH_NAMES), False, bool)
+        self.loop_idle = _per_name(size, host, text.search(LOOP_IDLE_FRAMES), False, bool)
         # is_step_annotation of every name: the step forms' patterns are anchored (search is match),
         # and every servprof step phase starts with PHASE_PREFIX.
         annotation = phase  # (or-ed into in place: phase is not read again)
@@ -294,6 +302,11 @@ class HostStacks:
         tids = trace.tid[rows]
         self.tids: list[int] = distinct(tids).tolist()
         self._rows = {tid: rows[tids == tid] for tid in self.tids}  # a thread's rows, until it is swept
+        # Threads torch's Python tracer did not follow where it followed others (it takes the threads
+        # alive when the profiler started: one started later records ops but no frame). Their time
+        # with nothing recorded may be their own Python: never read as another thread's GIL.
+        framed = distinct(tids[trace.mask_category("python_function")[rows]]).tolist()
+        self.unframed: set[int] = set(self.tids) - set(framed) if framed else set()
         self._d2h = _device_to_host_launches(trace)
         self._stacks: dict[int, ThreadStack] = {}
 
@@ -362,7 +375,9 @@ def _base_classes(trace: Trace, rows: np.ndarray, name_ids: np.ndarray, nc: Name
     """Class of an event by its own kind: a Python frame, an op, a launch or other runtime call;
     annotations (step ranges, servprof phases) record no work of their own: untraced."""
     out = np.full(rows.shape, OP, dtype=np.int8)
-    out[trace.mask_category("python_function")[rows]] = PYTHON
+    python = trace.mask_category("python_function")[rows]
+    out[python] = PYTHON
+    out[python & nc.loop_idle[name_ids]] = WAIT  # an event loop's C core between its callbacks
     runtime = trace.mask_category(*RUNTIME_CATEGORIES)[rows]
     launch = nc.launch[name_ids]
     out[runtime & launch] = LAUNCH
