@@ -90,6 +90,20 @@ def test_a_thread_whose_python_was_not_followed_is_never_read_as_waiting_for_the
     assert gap.fix == UNTRACED_THREAD_UNFRAMED
 
 
+def test_servprofs_own_threads_are_never_the_thread_that_held_the_gil(tmp_path: Path):
+    """servprof's capture thread (its profiler calls, its polls) is servprof's overhead, not the
+    app's work: another thread's Python is named, or none."""
+    def servprof_thread(trace: KinetoTrace, k: int, end: float) -> None:
+        if k == 0:
+            trace.frame("/srv/app/.venv/lib/servprof/capture.py(245): _run", 0.0, 20_000, tid=OTHER)
+        trace.frame("/srv/app/.venv/lib/servprof/capture.py(249): _tick", end + 10, 780, tid=OTHER)
+
+    trace, _t = _engine_then_other_thread(servprof_thread)
+    (gap,) = _gaps(analyse(load_trace(trace.write(tmp_path / "t.json"))))
+    assert gap.evidence["cause"] == "untraced_host_time"
+    assert "servprof" not in gap.title
+
+
 def test_an_event_loops_own_wait_is_no_thread_holding_the_gil(tmp_path: Path):
     """uvloop waits for events in C under ``asyncio.run``: the loop thread's innermost recorded
     frame is runners.py's ``run`` for all of that time, the GIL released. Only a callback it ran

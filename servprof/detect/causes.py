@@ -130,6 +130,8 @@ class GapExplainer:
             return best_tid, best_us
         best_busy = np.zeros(need.size)
         for t in self.stacks.tids:
+            if t in self.stacks.servprof_threads:
+                continue  # servprof's own work is its overhead, never the app's
             sel = need[tid[need] != t]
             if sel.size == 0:
                 continue

@@ -73,6 +73,10 @@ LOOP_IDLE_FRAMES = Guarded(re.compile(
     r"asyncio/runners\.py\(\d+\): run$|asyncio/base_events\.py\(\d+\): (run_forever|run_until_complete)$"
     r"|uvloop/__init__\.py\(\d+\): run$|(<method|<built-in method) '?run_(forever|until_complete)'? of '?uvloop"
 ), "asyncio/", "uvloop")
+# The entry frames of servprof's own threads (capture, loop watchdog, memory snapshots): what they
+# run is servprof's overhead, never the app's work another thread waited for.
+SERVPROF_THREAD_FRAMES = Guarded(re.compile(r"servprof/(capture|watchdog|probes/snapshot)\.py\(\d+\): (_run|_watch)$"),
+                                 "servprof/")
 # Collectives the host blocks in (a NCCL call only enqueues a kernel: its wait shows on the device).
 COLLECTIVE_NAMES = Guarded(re.compile(r"^gloo:|barrier|_distributed_c10d\.Work' objects>|^c10d::wait|ProcessGroup\w*\.wait"),
                            "gloo:", "barrier", "c10d", "ProcessGroup")
@@ -305,8 +309,12 @@ class HostStacks:
         # Threads torch's Python tracer did not follow where it followed others (it takes the threads
         # alive when the profiler started: one started later records ops but no frame). Their time
         # with nothing recorded may be their own Python: never read as another thread's GIL.
-        framed = distinct(tids[trace.mask_category("python_function")[rows]]).tolist()
+        python = trace.mask_category("python_function")[rows]
+        framed = distinct(tids[python]).tolist()
         self.unframed: set[int] = set(self.tids) - set(framed) if framed else set()
+        frame_ids = trace.name_id[rows[python]]
+        own = trace.has_id(frame_ids, trace.ids_matching(SERVPROF_THREAD_FRAMES.search, distinct(frame_ids)))
+        self.servprof_threads: set[int] = set(distinct(tids[python][own]).tolist())
         self._d2h = _device_to_host_launches(trace)
         self._stacks: dict[int, ThreadStack] = {}
 
