@@ -90,32 +90,29 @@ def test_a_thread_whose_python_was_not_followed_is_never_read_as_waiting_for_the
     assert gap.fix == UNTRACED_THREAD_UNFRAMED
 
 
-def test_servprofs_own_threads_are_never_the_thread_that_held_the_gil(tmp_path: Path):
+def _servprof_capture_thread(trace: KinetoTrace, k: int, end: float) -> None:
+    if k == 0:
+        trace.frame("/srv/app/.venv/lib/servprof/capture.py(245): _run", 0.0, 20_000, tid=OTHER)
+    trace.frame("/srv/app/.venv/lib/servprof/capture.py(249): _tick", end + 10, 780, tid=OTHER)
+
+
+def _uvloop_thread(trace: KinetoTrace, _k: int, end: float) -> None:
+    trace.frame("asyncio/runners.py(118): run", end - 5, 810, tid=OTHER)
+    trace.frame("myapp/routes.py(30): health", end + 100, 20, tid=OTHER)
+
+
+@pytest.mark.parametrize(("other_work", "never_named"), [(_servprof_capture_thread, "servprof"),
+                                                          (_uvloop_thread, "runners.py")])
+def test_no_thread_held_the_gil_when_the_other_thread_was_servprof_or_an_idle_event_loop(
+        tmp_path: Path, other_work: Callable[[KinetoTrace, int, float], None], never_named: str):
     """servprof's capture thread (its profiler calls, its polls) is servprof's overhead, not the
-    app's work: another thread's Python is named, or none."""
-    def servprof_thread(trace: KinetoTrace, k: int, end: float) -> None:
-        if k == 0:
-            trace.frame("/srv/app/.venv/lib/servprof/capture.py(245): _run", 0.0, 20_000, tid=OTHER)
-        trace.frame("/srv/app/.venv/lib/servprof/capture.py(249): _tick", end + 10, 780, tid=OTHER)
-
-    trace, _t = _engine_then_other_thread(servprof_thread)
+    app's work. uvloop waits for events in C under ``asyncio.run``: the loop thread's innermost
+    recorded frame is runners.py's ``run`` all that time, the GIL released; only a callback it ran
+    is its work."""
+    trace, _t = _engine_then_other_thread(other_work)
     (gap,) = _gaps(analyse(load_trace(trace.write(tmp_path / "t.json"))))
     assert gap.evidence["cause"] == "untraced_host_time"
-    assert "servprof" not in gap.title
-
-
-def test_an_event_loops_own_wait_is_no_thread_holding_the_gil(tmp_path: Path):
-    """uvloop waits for events in C under ``asyncio.run``: the loop thread's innermost recorded
-    frame is runners.py's ``run`` for all of that time, the GIL released. Only a callback it ran
-    counts as its work."""
-    def loop_thread(trace: KinetoTrace, _k: int, end: float) -> None:
-        trace.frame("asyncio/runners.py(118): run", end - 5, 810, tid=OTHER)
-        trace.frame("myapp/routes.py(30): health", end + 100, 20, tid=OTHER)
-
-    trace, _t = _engine_then_other_thread(loop_thread)
-    (gap,) = _gaps(analyse(load_trace(trace.write(tmp_path / "t.json"))))
-    assert gap.evidence["cause"] == "untraced_host_time"
-    assert "runners.py" not in gap.title
+    assert never_named not in gap.title
 
 
 def test_a_thread_that_holds_the_gil_is_named_and_a_sleeping_one_never(tmp_path: Path):

@@ -52,6 +52,9 @@ CRAFTED = [
     "CUDAGraphNode.record (dynamo_timed)\n", "torch/_dynamo/convert_frame.py(1): __call__",
     "torch/_inductor/compile_fx.py(2): compile_fx_inner", "_compile.compile_inner",
     "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", "x enumerate(DataLoader)#",
+    "asyncio/runners.py(118): run", "asyncio/base_events.py(600): run_forever", "uvloop/__init__.py(105): run",
+    "<built-in method run_until_complete of uvloop.Loop object>", "asyncio/runners.py(118): runner",
+    "/srv/.venv/lib/servprof/capture.py(245): _run", "servprof/watchdog.py(10): _watch", "servprof/capture.py(9): _tick",
 ]
 
 
