@@ -18,12 +18,13 @@ modules are remembered across sessions (weakly). Nothing is registered between s
 Prefill or decode is read from the input's shape: ``decoder_input_ids`` (an encoder-decoder's
 decoder step), ``input_ids`` / ``inputs_embeds`` keyword (transformers' ``generate`` passes them
 so) or the first tensor argument; an encoder's pass over its input reads as prefill.
-Sequence length 1 is a decode step (KV-cached decode, ``[B, 1]`` batches); a length one
-more than the previous step's on the same thread is a decode step of a loop without a
-KV cache; so is a step of several tokens over a KV cache that already holds tokens (a draft's
-tokens verified: assisted generation, prompt lookup; also, read as decode, a new turn's prompt
-over a conversation kept in the cache; not a chunk of a prompt ``generate()`` prefills in chunks), read from a dynamic cache's shapes or, failing that, a
-2-D attention mask longer than the input; any other length > 1 is a prefill. A 1-D batch of decode tokens (``[B]``, no
+Sequence length 1 is a decode step (KV-cached decode, ``[B, 1]`` batches). So is a step of
+several tokens over a KV cache that already holds tokens, read from a dynamic cache's shapes
+(a draft's tokens verified: assisted generation, prompt lookup; also, read as decode, a new
+turn's prompt over a conversation kept in the cache; not a chunk of a prompt ``generate()``
+prefills in chunks). With no cache to read, a 2-D attention mask longer than the input, or a
+length one more than the previous step's on the same thread (a loop without a KV cache), is a
+decode step. Any other length > 1 is a prefill. A 1-D batch of decode tokens (``[B]``, no
 sequence dimension) cannot be told from a prompt and reads as prefill.
 """
 
