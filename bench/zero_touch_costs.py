@@ -89,9 +89,9 @@ def measure_costs() -> dict[str, float]:
         def block() -> float:
             if hooks == "none":
                 return _us_per_call(step, n)
-            saved = steps.DISCOVERY_STEPS
+            saved = steps.DISCOVERY_STEPS, steps.MAX_DISCOVERY_STEPS
             if hooks == "global":  # global hooks on every module call, as while discovering
-                steps.DISCOVERY_STEPS = 10**9
+                steps.DISCOVERY_STEPS = steps.MAX_DISCOVERY_STEPS = 10**9
             auto.start(list, None)
             if hooks == "model":
                 for _ in range(steps.DISCOVERY_STEPS + 1):  # past discovery: hooks on the model only
@@ -101,7 +101,7 @@ def measure_costs() -> dict[str, float]:
             finally:
                 auto.stop()
                 auto.remove()
-                steps.DISCOVERY_STEPS = saved
+                steps.DISCOVERY_STEPS, steps.MAX_DISCOVERY_STEPS = saved
         return block
 
     # The hooks' cost does not depend on what a step computes: measured on models that compute
@@ -198,6 +198,8 @@ def _watchdog_cost(seconds: float = 1.0, handlers: int = 3000, work_us: float = 
 
 
 def print_costs(console: Console, costs: dict[str, float], runs: list[dict[str, Any]]) -> None:
+    from servprof.auto.steps import DISCOVERY_STEPS, MAX_DISCOVERY_STEPS
+
     table = Table(title="what zero-touch costs: CPU time in the thread doing the work (medians of interleaved rounds)")
     table.add_column("item")
     table.add_column("cost", justify="right")
@@ -217,7 +219,8 @@ def print_costs(console: Console, costs: dict[str, float], runs: list[dict[str, 
                       f"{hooks * steps_per_request / 1e3:.2f} ms ({steps_per_request} steps)")
         table.add_row(f"session: global hooks while discovering, {name} ({calls:.0f} module calls/step)",
                       f"{per_call:.2f} µs per module call = {per_call * calls:.0f} µs per step",
-                      "the first 4 steps of a session")
+                      f"the first {DISCOVERY_STEPS} steps of a session (up to {MAX_DISCOVERY_STEPS} "
+                      "while sampled requests wait for a model already found)")
     table.add_row("session: tokenizer patch", f"{costs['tokenizer_patch_per_call_us']:.2f} µs per call "
                   f"({costs['tokenize_call_us']:.0f} µs per encode)",
                   f"{costs['tokenizer_patch_per_call_us'] * (steps_per_request + 1):.0f} µs "
