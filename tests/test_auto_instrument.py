@@ -306,6 +306,25 @@ def test_a_prompt_prefilled_in_chunks_is_prefill_throughout(tmp_path: Path) -> N
     assert [p for p, _ids in phases if p in ("prefill", "decode_step")] == ["prefill"] * 3 + ["decode_step"] * 2
 
 
+def test_a_new_turn_over_a_conversations_cache_is_its_prefill(tmp_path: Path) -> None:
+    """A chat server that keeps each conversation's cache and passes it back with the next turn:
+    that generate()'s first forward goes over a cache that holds the earlier turns, and is a prefill."""
+    transformers = pytest.importorskip("transformers")
+    model = _tiny_llama(1, 0)
+    first = torch.arange(3, 11).unsqueeze(0)
+
+    def work() -> None:
+        cache = transformers.DynamicCache()
+        out = model.generate(input_ids=first, past_key_values=cache, max_new_tokens=3, min_new_tokens=3,
+                             do_sample=False, return_dict_in_generate=True)
+        turn = torch.cat([out.sequences, torch.arange(20, 26).unsqueeze(0)], dim=1)  # the user's next message
+        _in_request("req-turn", lambda: model.generate(input_ids=turn, past_key_values=out.past_key_values,
+                                                       max_new_tokens=3, min_new_tokens=3, do_sample=False))
+
+    phases, _ = auto_phases(tmp_path, work)
+    assert [p for p, ids in phases if ids == ["req-turn"]] == ["prefill", "decode_step", "decode_step"]
+
+
 def test_cached_tokens_are_read_from_shapes_only() -> None:
     transformers = pytest.importorskip("transformers")
     from servprof.auto.steps import _cached_tokens

@@ -20,9 +20,8 @@ decoder step), ``input_ids`` / ``inputs_embeds`` keyword (transformers' ``genera
 so) or the first tensor argument; an encoder's pass over its input reads as prefill.
 Sequence length 1 is a decode step (KV-cached decode, ``[B, 1]`` batches). So is a step of
 several tokens over a KV cache that already holds tokens, read from a dynamic cache's shapes
-(a draft's tokens verified: assisted generation, prompt lookup; also, read as decode, a new
-turn's prompt over a conversation kept in the cache; not a chunk of a prompt ``generate()``
-prefills in chunks). With no cache to read, a 2-D attention mask longer than the input, or a
+(a draft's tokens verified: assisted generation, prompt lookup), unless ``generate()`` makes it
+as its prefill (a prompt prefilled in chunks, a new turn over a conversation's cache). With no cache to read, a 2-D attention mask longer than the input, or a
 length one more than the previous step's on the same thread (a loop without a KV cache), is a
 decode step. Any other length > 1 is a prefill. A 1-D batch of decode tokens (``[B]``, no
 sequence dimension) cannot be told from a prompt and reads as prefill.
@@ -105,20 +104,24 @@ def _extends(seq: int, last_seq: int, kwargs: dict[str, Any] | None) -> bool:
 
 
 def _in_prefill_call() -> bool:
-    """Called from transformers' ``generate()`` prefill (its ``_prefill``) of a prompt it prefills
-    in chunks (``prefill_chunk_size``): each chunk goes over a cache holding the chunks before it.
-    (An assistant model's ``generate()`` in assisted generation also starts with ``_prefill``, over
-    the tokens accepted since its last call: a step of the request's decoding.)"""
+    """Called from transformers' ``generate()`` prefill (its ``_prefill``: a ``generate()``'s first
+    forward), other than an assistant model's in assisted generation (its ``generate()`` runs again
+    for every draft, from the tokens accepted since: a step of the request's decoding). Such a
+    prefill can go over a cache that holds tokens: a prompt prefilled in chunks
+    (``prefill_chunk_size``), a new turn over a conversation's cache passed back in."""
     frame = sys._getframe(2)
-    for _ in range(16):
+    prefill = False
+    for _ in range(32):
         if frame is None:
-            return False
+            break
         code = frame.f_code
-        if code.co_name == "_prefill" and "transformers" in code.co_filename:
-            config = frame.f_locals.get("generation_config")
-            return getattr(config, "prefill_chunk_size", None) is not None
+        if "transformers" in code.co_filename:
+            if code.co_name == "_prefill":
+                prefill = True
+            elif code.co_name == "get_candidates":
+                return False
         frame = frame.f_back
-    return False
+    return prefill
 
 
 def _cached_tokens(kwargs: dict[str, Any]) -> int | None:
