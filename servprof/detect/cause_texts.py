@@ -200,8 +200,6 @@ UNTRACED_IN_SESSION = (
     "Set SERVPROF_WITH_STACK=1 so that deep windows record the Python frames as well as the ops; look for sleeps, "
     "waits on other processes, or too few CPU cores for the server's threads (the thread was off the CPU)."
 )
-
-
 UNTRACED_THREAD_UNFRAMED = (
     "torch's Python tracer recorded other threads' Python but none of this thread's: it follows the threads alive "
     "when the profiler started, and this one began later (a worker the server's thread pool started, a thread "
@@ -210,18 +208,16 @@ UNTRACED_THREAD_UNFRAMED = (
 )
 
 
-def untraced_fix(trace: Any, thread: Any = None, rank: Any = None) -> str:
-    """The fix for host time nothing was recorded for, as this trace can take it further (``thread``,
-    ``rank``: where it was read)."""
-    python = trace.mask_category("python_function")
-    if python.any():
-        if isinstance(thread, int) and isinstance(rank, int) \
-                and not (python & (trace.tid == thread) & (trace.rank == rank)).any():
-            return UNTRACED_THREAD_UNFRAMED
+def untraced_fix(evidence: dict[str, Any], in_session: bool) -> str:
+    """The fix for host time nothing was recorded for, as the trace can take it further: the gap's
+    evidence says whether its thread's Python frames were recorded (``python_frames``, absent when
+    the trace has none); ``in_session``: a servprof session's trace."""
+    frames = evidence.get("python_frames")
+    if frames == "other_threads_only":
+        return UNTRACED_THREAD_UNFRAMED
+    if frames == "recorded":
         return UNTRACED_WITH_FRAMES
-    if trace.servprof_metadata():
-        return UNTRACED_IN_SESSION
-    return CAUSES["untraced_host_time"][1]
+    return UNTRACED_IN_SESSION if in_session else CAUSES["untraced_host_time"][1]
 
 
 def cause_fix(cause: str, training: bool = False, on_device: bool = True) -> str:

@@ -113,7 +113,7 @@ class GapExplainer:
         loading = loading_us(self.stacks.trace, self.loader_rows, a, b, tid)
         other_tid, other_us = self._instead(a, b, tid, class_us, look_elsewhere)
         waited = np.zeros(n, dtype=bool) if stream_waited is None else np.asarray(stream_waited, dtype=bool)
-        unframed = np.isin(tid, list(self.stacks.unframed)) if self.stacks.unframed else None
+        unframed = np.isin(tid, list(self.stacks.unframed)) if self.stacks.has_frames and self.stacks.unframed else None
         causes = self._decide(class_us, other_us, at_start, np.asarray(starved, dtype=bool),
                               np.asarray(small, dtype=bool), compiled, waited, b - a, self.light,
                               np.asarray(next_graph_launch, dtype=bool), loading,
@@ -247,6 +247,8 @@ class GapExplainer:
             "self_us": {CLASSES[c]: round(float(v), 1) for c, v in enumerate(explained.class_us[i]) if v >= 0.05},
             "top_frames": top,
         }
+        if self.stacks.has_frames:  # (what the fix for time nothing was recorded for can say: cause_texts)
+            evidence["python_frames"] = "other_threads_only" if tid in self.stacks.unframed else "recorded"
         other = int(explained.other_tid[i])
         if other >= 0:
             evidence["ran_instead"] = {"thread": other, "top_frames": self.stacks.thread(other).top(a, b, self.names),

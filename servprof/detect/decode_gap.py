@@ -171,7 +171,7 @@ def detect_decode_gaps(trace: Any, steps: list[Step], found: tuple[list[Gap], di
                 "warm_up": warm_up,
                 "worst_gaps": [g.to_dict() for g in worst[:10]],
             },
-            fix=untraced_fix(trace, worst[0].evidence.get("thread"), worst[0].rank) if cause == "untraced_host_time" else
+            fix=untraced_fix(worst[0].evidence, bool(trace.servprof_metadata())) if cause == "untraced_host_time" else
             cause_fix(cause, training=words == "training steps", on_device=stats.get("mode") == "device"),
         ))
     _add_host_reads(trace, steps, step_span_us(steps), findings, summary)

@@ -20,7 +20,7 @@ import numpy as np
 
 from servprof.detect.compile_ranges import COMPILING_NAMES
 from servprof.detect.name_guard import Guarded
-from servprof.detect.name_scan import NameText, host_name_text
+from servprof.detect.name_scan import NameText, host_ids_matching, host_name_text
 from servprof.detect.nesting import depths, extend_ends, levels, nearest, parents, segments, start_order
 from servprof.detect.step_forms import PROFILER_STEP_ROWS, SGLANG_STEP_ROWS, VLLM_STEP_ROWS
 from servprof.trace.columns import give_back_freed_memory
@@ -311,9 +311,10 @@ class HostStacks:
         # with nothing recorded may be their own Python: never read as another thread's GIL.
         python = trace.mask_category("python_function")[rows]
         framed = distinct(tids[python]).tolist()
-        self.unframed: set[int] = set(self.tids) - set(framed) if framed else set()
-        frame_ids = trace.name_id[rows[python]]
-        own = trace.has_id(frame_ids, trace.ids_matching(SERVPROF_THREAD_FRAMES.search, distinct(frame_ids)))
+        self.has_frames = bool(framed)  # torch's Python tracer was on (with_stack)
+        self.unframed: set[int] = set(self.tids) - set(framed)
+        # servprof's own threads, by their entry frames (the names searched once per trace).
+        own = trace.has_id(trace.name_id[rows[python]], host_ids_matching(trace, SERVPROF_THREAD_FRAMES))
         self.servprof_threads: set[int] = set(distinct(tids[python][own]).tolist())
         self._d2h = _device_to_host_launches(trace)
         self._stacks: dict[int, ThreadStack] = {}

@@ -44,3 +44,13 @@ def covered_within(starts: np.ndarray, ends: np.ndarray, a: float, b: float) -> 
     """How much of [a, b] the intervals cover (overlaps counted once)."""
     block_start, block_end = merge(np.asarray(starts, dtype=float), np.asarray(ends, dtype=float))
     return float(covered(block_start, block_end, np.array([a]), np.array([b]))[0])
+
+
+def outside(a: float, b: float, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[a, b] less the merged spans (starts, ends): the windows left, as two arrays."""
+    inside = (ends > a) & (starts < b)
+    cuts_start, cuts_end = starts[inside], ends[inside]
+    lo = np.concatenate(([a], np.minimum(cuts_end, b)))
+    hi = np.concatenate((np.maximum(cuts_start, a), [b]))
+    keep = hi > lo
+    return lo[keep], hi[keep]

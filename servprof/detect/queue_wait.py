@@ -35,7 +35,7 @@ import numpy as np
 
 from servprof.detect.finding import WARNING_SHARE, Finding, severity_for_share
 from servprof.detect.host_stacks import BUSY_CLASSES, CLASSES, DETOKENIZE, TOKENIZE, HostStacks
-from servprof.detect.intervals import covered, covered_within, merge
+from servprof.detect.intervals import covered, covered_within, merge, outside
 from servprof.detect.request_times import RequestTimes
 from servprof.detect.steps import Step
 from servprof.trace.model import Trace, median
@@ -168,7 +168,7 @@ def _handler_work(trace: Trace, group: list[dict[str, Any]], steps_start: np.nda
     stacks: dict[int, HostStacks] = {}
     window_us, by_class, frames = 0.0, np.zeros(len(CLASSES)), {}
     for wait in group:
-        a, b = _outside(float(wait["from_us"]), float(wait["first_step_us"]), steps_start, steps_end)
+        a, b = outside(float(wait["from_us"]), float(wait["first_step_us"]), steps_start, steps_end)
         rank = int(wait["rank"])
         stack = stacks.setdefault(rank, HostStacks(trace, rank)).thread(int(wait["thread"]))
         window_us += float((b - a).sum())
@@ -224,16 +224,6 @@ def _threads_without_request(trace: Trace) -> set[int] | None:
     auto = trace.servprof_metadata().get("auto")
     listed = auto.get("threads_without_request") if isinstance(auto, dict) else None
     return {t for t in listed if isinstance(t, int) and not isinstance(t, bool)} if isinstance(listed, list) else None
-
-
-def _outside(a: float, b: float, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """[a, b] less the merged spans (starts, ends): the windows left, as two arrays."""
-    inside = (ends > a) & (starts < b)
-    cuts_start, cuts_end = starts[inside], ends[inside]
-    lo = np.concatenate(([a], np.minimum(cuts_end, b)))
-    hi = np.concatenate((np.maximum(cuts_start, a), [b]))
-    keep = hi > lo
-    return lo[keep], hi[keep]
 
 
 def _covered(spans: list[tuple[float, float]], a: float, b: float) -> float:
