@@ -47,13 +47,25 @@ def test_both_models_at_once(tmp_path: Path) -> None:
         assert _steps(observed["result"], rid) == {"prefill": 1, "decode_step": MAX_TOKENS}, rid
 
 
+def _judged_transcriptions(out: Path, **settings: object) -> dict:
+    """Two 8 s clips transcribed one after the other, in one session. (The first request's wait is
+    not judged: a step then running would not be in the trace.) The second's is judged only when its
+    pool thread also ran the first one's steps: a thread that ran one request's steps alone counts
+    its whole wait as that request's own way there (queue_wait). Which worker the pool hands it is
+    the pool's choice, so a session where it was a new one is taken again (up to 3 times)."""
+    for attempt in range(3):
+        observed = session_on("servers.speech_and_text", out / str(attempt), ["/transcribe"] * 2, 4, spaced_s=0.1,
+                              body={"seconds": 8.0, "max_tokens": 4}, **settings)
+        if any(w["idle_ms"] > 0 for w in observed["result"]["summary"]["detect"]["queue_wait"]["waits"]):
+            break
+    return observed
+
+
 def test_a_deep_window_names_the_handlers_own_compute_before_the_model_call(tmp_path: Path) -> None:
     """``/transcribe`` extracts log-mel features on its handler's thread (torch's STFT) before
     ``generate``: with ops recorded, the wait before the model call names them as the handler's
     compute; a light session (no ops) says only what it measured."""
-    body, paths = {"seconds": 8.0, "max_tokens": 4}, ["/transcribe"] * 2
-    # (One after the other: the first request's wait is not judged, as a step then running would not be in the trace.)
-    deep = session_on("servers.speech_and_text", tmp_path / "deep", paths, 4, spaced_s=0.1, body=body, tier="deep")
+    deep = _judged_transcriptions(tmp_path / "deep", tier="deep")
     (finding,) = [f for f in deep["result"]["findings"] if f["kind"] == "queue_wait"]
     work = finding["evidence"]["handler_threads"]
     assert finding["evidence"]["cause"] == "before_model_call"
@@ -63,7 +75,7 @@ def test_a_deep_window_names_the_handlers_own_compute_before_the_model_call(tmp_
     assert "computing outside the model" in finding["title"] and names[0] in finding["title"]
     assert "preprocessing" in finding["fix"]
 
-    light = session_on("servers.speech_and_text", tmp_path / "light", paths, 4, spaced_s=0.1, body=body)
+    light = _judged_transcriptions(tmp_path / "light")
     measured = light["result"]["summary"]["detect"]["queue_wait"]["waits"]
     assert any(w["own_model_call"] and w["idle_ms"] > 0 for w in measured), measured  # the same wait, measured
     for finding in (f for f in light["result"]["findings"] if f["kind"] == "queue_wait"):
