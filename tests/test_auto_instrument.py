@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from servprof.auto import AutoInstrumentation, compiled_model_present
 from servprof.auto.context import install_thread_inheritance, request_id_here
-from servprof.auto.steps import _sequence_length
+from servprof.auto.step_kind import sequence_length as _sequence_length
 from servprof.observers import RequestRecord
 from servprof.request_context import request_id_var, request_record_var
 from servprof.trace.phases import parse_phase_event_name
@@ -327,7 +327,7 @@ def test_a_new_turn_over_a_conversations_cache_is_its_prefill(tmp_path: Path) ->
 
 def test_cached_tokens_are_read_from_shapes_only() -> None:
     transformers = pytest.importorskip("transformers")
-    from servprof.auto.steps import _cached_tokens
+    from servprof.auto.step_kind import _cached_tokens
 
     key = torch.zeros(1, 2, 7, 4)
     assert _cached_tokens({"past_key_values": ((key, key),)}) == 7  # per-layer tuples
@@ -515,3 +515,70 @@ def test_no_forward_in_the_process_names_the_engine_that_runs_it_elsewhere(
     _phases, auto = auto_phases(tmp_path / "engines", lambda: None)
     (entry,) = [m for m in auto.missing() if m["what"] == "automatic model steps"]
     assert "VLLMMiddleware" in entry["message"] and "/start_profile" in entry["message"]
+
+
+def test_a_torchscript_model_takes_no_hooks_so_the_global_hooks_mark_its_steps(tmp_path: Path) -> None:
+    """A ScriptModule refuses Python hooks of its own (RuntimeError). Registering them used to raise
+    inside the server's model call. Its steps are marked by the global hooks, kept on for the
+    session (a scripted model's nested calls do not go through Python: one call per step), and
+    taken away with the rest."""
+    from servprof.auto.steps import MAX_DISCOVERY_STEPS
+
+    scripted = torch.jit.script(TinyLM().eval())
+    steps = MAX_DISCOVERY_STEPS + 4  # past every discovery window
+
+    def work() -> None:
+        with torch.no_grad():
+            expected = scripted(torch.ones(1, 3, dtype=torch.long))
+            assert torch.equal(_in_request("req-1", lambda: scripted(torch.ones(1, 3, dtype=torch.long))), expected)
+            for _ in range(steps):
+                _in_request("req-1", lambda: scripted(torch.ones(1, 1, dtype=torch.long)))
+
+    auto = AutoInstrumentation()
+    phases, _ = auto_phases(tmp_path, work, session_ids=["req-1"], auto=auto)
+    assert phases == [("prefill", ["req-1"])] * 2 + [("decode_step", ["req-1"])] * steps
+    summary = auto.summary()
+    assert summary["models_marked_by_global_hooks"] == ["RecursiveScriptModule"]
+    assert summary["problem"] is None
+    assert not torch_module._global_forward_pre_hooks and not torch_module._global_forward_hooks
+
+    # The next session knows the model from the start: it is marked from its first call.
+    phases, _ = auto_phases(tmp_path / "again", work, session_ids=["req-1"], auto=auto)
+    assert len(phases) == steps + 2
+    assert not torch_module._global_forward_pre_hooks and not torch_module._global_forward_hooks
+
+
+class _CacheThatRaises:
+    """A server's own cache class whose ``layers`` is a property that fails (not an AttributeError)."""
+
+    @property
+    def layers(self) -> Any:
+        raise NotImplementedError("layers are allocated lazily")
+
+
+class _CachedLM(TinyLM):
+    def forward(self, ids: torch.Tensor, past_key_values: Any = None) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(ids)
+
+
+def test_a_hook_that_raises_stops_marking_steps_and_never_fails_the_models_call(tmp_path: Path) -> None:
+    model = _CachedLM().eval()
+    outputs = []
+
+    def work() -> None:
+        with torch.no_grad():
+            for _ in range(3):
+                _in_request("req-1", lambda: model(torch.ones(1, 1, dtype=torch.long)))
+            for _ in range(3):  # reading this cache's tokens raises inside servprof's hook
+                outputs.append(_in_request("req-1", lambda: model(torch.ones(1, 4, dtype=torch.long),
+                                                                  past_key_values=_CacheThatRaises())))
+            _in_request("req-1", lambda: model(torch.ones(1, 1, dtype=torch.long)))
+
+    auto = AutoInstrumentation()
+    phases, _ = auto_phases(tmp_path, work, session_ids=["req-1"], auto=auto)
+    assert [o.shape for o in outputs] == [torch.Size([1, 4, 64])] * 3
+    assert phases == [("decode_step", ["req-1"])] * 3  # none after the error
+    problem = auto.summary()["problem"]
+    assert "NotImplementedError: layers are allocated lazily" in problem and "after 3 step(s)" in problem
+    assert [m["what"] for m in auto.missing()][:1] == ["automatic model steps"]
+    assert not torch_module._global_forward_pre_hooks and not model._forward_pre_hooks

@@ -40,6 +40,10 @@ COMPILED = ("a torch.compile'd model runs in this process: servprof registers no
             "torch records, without prefill or decode and without request ids; a light session records no "
             "region. For both, mark each step with `with servprof.phase('decode_step'):` (or 'prefill')")
 
+HOOK_FAILED = ("servprof's step hook raised an error after {steps} step(s) of this session were marked, and marked "
+               "none after it (the model's calls went on unaffected): {failure}. Please report it; meanwhile mark each step with "
+               "`with servprof.phase('decode_step'):` (or 'prefill'), or set SERVPROF_AUTO_INSTRUMENT=0")
+
 
 def compiled_model_present() -> bool:
     """True once torch.compile has compiled a frame in this process (read without importing dynamo)."""
@@ -78,6 +82,8 @@ class AutoInstrumentation:
         """Before the profiler's stop(): nothing new opens; open ranges still close."""
         self.steps.stop()
         self.tokenizers.active = False
+        if self.steps.failure and self.problem is None:
+            self.problem = HOOK_FAILED.format(steps=self.steps.steps, failure=self.steps.failure)
 
     def remove(self) -> None:
         """After the profiler's stop(): every hook and patch goes away."""
@@ -99,7 +105,10 @@ class AutoInstrumentation:
         return {"steps": steps.steps if self.hooks_active else None, "running_at_stop": steps.open_steps,
                 "prefill": steps.prefill_steps,
                 "decode": steps.decode_steps, "module_calls_per_step": steps.calls_per_step,
-                "models": sorted(steps.models), "tokenizer_libraries": list(self.tokenizers.libraries),
+                "models": sorted(steps.models),
+                # Models that take no hooks of their own (TorchScript): the global hooks stayed on to mark them.
+                "models_marked_by_global_hooks": sorted(steps.unhookable_models),
+                "tokenizer_libraries": list(self.tokenizers.libraries),
                 "tokenizer_calls": dict(self.tokenizers.calls),
                 # [tid, start ns (perf_counter_ns), wall ns, the thread's CPU ns] of one text's calls from 1 ms
                 "tokenizer_cpu_ns": [list(call) for call in self.tokenizers.timed], "range_kind": range_kind(),

@@ -14,41 +14,34 @@ first model's requests began; never for more than MAX_DISCOVERY_STEPS steps a se
 those windows only the modules found carry hooks (per-module pre-hook with kwargs,
 always-called post-hook) and nested modules go back to the fast path. Known outermost
 modules are remembered across sessions (weakly). Nothing is registered between sessions.
-
-Prefill or decode is read from the input's shape: ``decoder_input_ids`` (an encoder-decoder's
-decoder step), ``input_ids`` / ``inputs_embeds`` keyword (transformers' ``generate`` passes them
-so) or the first tensor argument; an encoder's pass over its input reads as prefill.
-Sequence length 1 is a decode step (KV-cached decode, ``[B, 1]`` batches). So is a step of
-several tokens over a KV cache that already holds tokens, read from a dynamic cache's shapes
-(a draft's tokens verified: assisted generation, prompt lookup), unless ``generate()`` makes it
-as its prefill (a prompt prefilled in chunks, a new turn over a conversation's cache). With no cache to read, a 2-D attention mask longer than the input, or a
-length one more than the previous step's on the same thread (a loop without a KV cache), is a
-decode step. Any other length > 1 is a prefill. A 1-D batch of decode tokens (``[B]``, no
-sequence dimension) cannot be told from a prompt and reads as prefill.
+What kind of step each is: step_kind.py.
 """
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch.nn.modules import module as torch_module
 
 from servprof.auto.context import marked_step, request_id_here
 from servprof.auto.emit import auto_phase_name, close_range, open_range
+from servprof.auto.step_kind import (
+    extends_sequence,
+    frame_kwargs,
+    inside_module_call,
+    looks_like_model,
+    sequence_length,
+)
 from servprof.budget import STOP_LATENCY_S
 
 _UNRECORDED = object()  # a step counted but not recorded: the server's own marker covers it
 DISCOVERY_STEPS = 4  # completed outermost forwards watched with global hooks per session
 # ... and at most this many, however many sampled requests arrive still waiting for a step.
 MAX_DISCOVERY_STEPS = 16
-_SEQUENCE_KEYWORDS = ("decoder_input_ids", "decoder_inputs_embeds", "input_ids", "inputs_embeds")
-_Tensor = torch.Tensor
 
 
 class _ThreadState(threading.local):
@@ -60,131 +53,6 @@ class _ThreadState(threading.local):
     pending: Any = None  # outermost module whose own kwargs hook will open the range
     last_seq = -1  # sequence length of this thread's previous step
     opened_ns = 0
-
-
-def _sequence_length(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> int | None:
-    tensor = None
-    if kwargs:
-        for keyword in _SEQUENCE_KEYWORDS:
-            tensor = kwargs.get(keyword)
-            if tensor is not None:
-                break
-    if tensor is None:
-        for value in args[:4]:
-            if isinstance(value, _Tensor):
-                tensor = value
-                break
-        else:
-            if kwargs:
-                tensor = next((v for v in kwargs.values() if isinstance(v, _Tensor)), None)
-    if not isinstance(tensor, _Tensor):
-        return None
-    shape = tensor.shape
-    if tensor.is_floating_point():
-        # [B, T, D] embeddings; a 1-D/2-D float input has no sequence dimension to read.
-        return int(shape[1]) if len(shape) >= 3 else None
-    if len(shape) == 0:
-        return 1
-    return int(shape[-1]) if len(shape) <= 2 else int(shape[1])
-
-
-def _extends(seq: int, last_seq: int, kwargs: dict[str, Any] | None) -> bool:
-    """A step of several tokens that continues a sequence: over a KV cache that holds tokens (a
-    draft's tokens verified, as in assisted generation or prompt lookup), or, with no cache to
-    read, under a 2-D attention mask longer than the input (``generate()`` passes the whole
-    sequence's when it pads) or one token longer than the thread's previous step (a loop
-    without a KV cache). A cache that holds none is a prefill's."""
-    cached = _cached_tokens(kwargs) if kwargs else None
-    if cached is not None:
-        return cached > 0 and not _in_prefill_call()
-    mask = kwargs.get("attention_mask") if kwargs else None
-    if isinstance(mask, _Tensor) and mask.dim() == 2 and int(mask.shape[-1]) > seq:
-        return True
-    return last_seq > 0 and seq == last_seq + 1
-
-
-def _in_prefill_call() -> bool:
-    """Called from transformers' ``generate()`` prefill (its ``_prefill``: a ``generate()``'s first
-    forward), other than an assistant model's in assisted generation (its ``generate()`` runs again
-    for every draft, from the tokens accepted since: a step of the request's decoding). Such a
-    prefill can go over a cache that holds tokens: a prompt prefilled in chunks
-    (``prefill_chunk_size``), a new turn over a conversation's cache passed back in."""
-    frame = sys._getframe(2)
-    prefill = False
-    for _ in range(32):
-        if frame is None:
-            break
-        code = frame.f_code
-        if "transformers" in code.co_filename:
-            if code.co_name == "_prefill":
-                prefill = True
-            elif code.co_name == "get_candidates":
-                return False
-        frame = frame.f_back
-    return prefill
-
-
-def _cached_tokens(kwargs: dict[str, Any]) -> int | None:
-    """Tokens the step's ``past_key_values`` holds, where its shapes say so (None: no cache, or one
-    that cannot be read without waiting for the device, as a static cache allocated whole)."""
-    past = kwargs.get("past_key_values")
-    if past is None:
-        return None
-    if isinstance(past, (tuple, list)):  # per-layer (key, value) tuples: a hand-written loop, older transformers
-        if not past:
-            return 0
-        key = past[0][0] if isinstance(past[0], (tuple, list)) and past[0] else None
-    else:  # transformers' Cache: its first layer's keys, where they grow with the sequence
-        layers = getattr(past, "layers", None)
-        if isinstance(layers, list) and not layers:
-            return 0  # (a dynamic cache before its first step)
-        layer = layers[0] if isinstance(layers, list) else None
-        if not type(layer).__name__.startswith("Dynamic"):
-            return None
-        if getattr(layer, "is_initialized", True) is False:
-            return 0
-        key = getattr(layer, "keys", None)
-    return int(key.shape[-2]) if isinstance(key, _Tensor) and key.dim() >= 2 else None
-
-
-def _frame_kwargs() -> dict[str, Any] | None:
-    """The keyword arguments of the module call a global pre-hook is running for (global
-    pre-hooks get no kwargs): ``_call_impl``'s ``kwargs``, two frames up. Only used for a
-    module's first outermost call; its own kwargs hook covers the later ones."""
-    try:
-        frame = sys._getframe(2)
-        for _ in range(3):
-            if frame is None:
-                return None
-            kwargs = frame.f_locals.get("kwargs")
-            if isinstance(kwargs, dict):
-                return kwargs
-            frame = frame.f_back
-    except (ValueError, AttributeError):
-        pass
-    return None
-
-
-_CALL_CODES = frozenset(c for c in (getattr(torch.nn.Module._call_impl, "__code__", None),
-                                    getattr(torch.nn.Module._wrapped_call_impl, "__code__", None)) if c is not None)
-
-
-def _inside_module_call(depth_to_skip: int) -> bool:
-    """A module call is already running on this thread below the current one: one that began
-    before the hooks were registered (a forward in flight when the session started)."""
-    frame = sys._getframe(depth_to_skip)
-    seen = 0
-    while frame is not None:
-        if frame.f_code in _CALL_CODES:
-            seen += 1
-            if seen > 2:  # the current call's own _wrapped_call_impl and _call_impl
-                return True
-        frame = frame.f_back
-    return False
-
-
-def _is_model(module: torch.nn.Module) -> bool:
-    return bool(module._modules) and next(module.parameters(), None) is not None
 
 
 class StepHooks:
@@ -201,6 +69,7 @@ class StepHooks:
         self._global_handles: list[Any] = []
         self._module_handles: list[Any] = []
         self._hooked: set[int] = set()
+        self._unhookable: set[int] = set()  # models found that take no hooks of their own (this session)
         # id -> (weakref, is a model): modules seen as outermost, kept across sessions.
         self._known: dict[int, tuple[weakref.ref[Any], bool]] = {}
         self._lock = threading.Lock()  # module hooks are added on serving threads, removed on capture
@@ -221,6 +90,8 @@ class StepHooks:
         self.discovery_steps = 0
         self.calls_per_step: float | None = None  # nested module calls per step, from discovery
         self.models: set[str] = set()  # class names of the modules marked as steps
+        self.unhookable_models: set[str] = set()  # ... of those marked by the global hooks (no hooks of their own)
+        self.failure: str | None = None  # a hook's error that ended marking steps this session
 
     # --- lifecycle (capture thread) ---------------------------------------------------------------
 
@@ -247,6 +118,8 @@ class StepHooks:
         self.open_steps = self.open_started_ns = 0
         self._awaiting = set()
         self.models = set()
+        self.unhookable_models = set()
+        self.failure = None
         self.threads_without_request: set[int] = set()  # threads whose steps named the session's requests
 
     def stop(self) -> None:
@@ -257,10 +130,11 @@ class StepHooks:
     def remove(self) -> None:
         """Take every hook away (after the profiler stopped)."""
         self.active = False
-        self._end_discovery()
+        self._end_discovery(keep_for_unhookable=False)
         with self._lock:
             handles, self._module_handles = self._module_handles, []
             self._hooked = set()
+            self._unhookable = set()
         for handle in handles:
             handle.remove()
 
@@ -281,10 +155,11 @@ class StepHooks:
                 return
             self._window += 1  # threads' depths restart: calls open now began unwatched
             self.discovering = True
-            self._global_handles = [
-                torch_module.register_module_forward_pre_hook(self._global_pre),
-                torch_module.register_module_forward_hook(self._global_post, always_call=True),
-            ]
+            if not self._global_handles:  # (still on between windows for a model without hooks)
+                self._global_handles = [
+                    torch_module.register_module_forward_pre_hook(self._global_pre),
+                    torch_module.register_module_forward_hook(self._global_post, always_call=True),
+                ]
 
     def _discovered(self) -> bool:
         """Enough steps watched: the first few, and for every sampled request in flight that
@@ -297,10 +172,13 @@ class StepHooks:
             self._awaiting &= set(self._session_ids())  # those that ended without a step wait no more
         return not self._awaiting
 
-    def _end_discovery(self) -> None:
+    def _end_discovery(self, keep_for_unhookable: bool = True) -> None:
         with self._lock:
             self.discovering = False
             self._counting = False
+            if self._unhookable and keep_for_unhookable:  # they open and close its steps: on until remove()
+                self._window += 1
+                return
             handles, self._global_handles = self._global_handles, []
         for handle in handles:
             handle.remove()
@@ -332,57 +210,90 @@ class StepHooks:
             state.pending = None
         return state
 
+    # Every hook runs inside the server's model call: one that raises stops marking steps for the
+    # session (_fail) and lets the call go on, as if servprof were not there.
+
     def _global_pre(self, module: Any, args: tuple[Any, ...]) -> None:
-        if not self.discovering:
-            return
-        state = self._thread_state()
-        if self._counting:
-            calls = self.module_calls = self.module_calls + 1
-            # Steps running now will make their remaining calls before a stop lands: count them whole.
-            if calls + self.open_steps * self.next_step_share * (calls // (self.steps or 1)) >= self.call_limit \
-                    and self._on_calls is not None \
-                    and not self._on_calls(calls):
-                self.call_limit = 1 << 62
-        state.depth += 1
-        if state.depth != 1 or state.handle is not None or not self.active:
-            return
-        if id(module) in self._hooked:
-            state.pending = module  # its own hook sees the kwargs and opens the range
-            return
-        if not self._remember(module):
-            return
-        self._hook_module(module)  # from its next call on
-        self._open(state, module, args, _frame_kwargs(), discovered=True)
+        try:
+            state = self._thread_state()
+            if not self.discovering:  # kept on only for models that take no hooks of their own
+                if id(module) in self._unhookable and state.handle is None and self.active:
+                    self._open(state, module, args, frame_kwargs())
+                return
+            if self._counting:
+                calls = self.module_calls = self.module_calls + 1
+                # Steps running now will make their remaining calls before a stop lands: count them whole.
+                if calls + self.open_steps * self.next_step_share * (calls // (self.steps or 1)) >= self.call_limit \
+                        and self._on_calls is not None \
+                        and not self._on_calls(calls):
+                    self.call_limit = 1 << 62
+            state.depth += 1
+            if state.depth != 1 or state.handle is not None or not self.active:
+                return
+            key = id(module)
+            if key in self._hooked:
+                state.pending = module  # its own hook sees the kwargs and opens the range
+                return
+            if key in self._unhookable:
+                self._open(state, module, args, frame_kwargs())
+                return
+            if not self._remember(module):
+                return
+            self._hook_module(module)  # from its next call on
+            self._open(state, module, args, frame_kwargs(), discovered=True)
+        except Exception as exc:  # noqa: BLE001 - see above
+            self._fail(exc)
 
     def _global_post(self, module: Any, args: tuple[Any, ...], output: Any) -> None:
-        state = self._thread_state()
-        if state.depth > 0:
-            state.depth -= 1
-        if state.depth == 0 and state.owner is module:
-            self._close(state)
-            self.discovery_steps += 1
-            if self.discovering and self._discovered():
-                if self._counting:
-                    self.calls_per_step = self.module_calls / max(1, self.steps)
-                self._end_discovery()
+        try:
+            state = self._thread_state()
+            if not self.discovering:
+                if state.owner is module and id(module) in self._unhookable:
+                    self._close(state)
+                return
+            if state.depth > 0:
+                state.depth -= 1
+            if state.depth == 0 and state.owner is module:
+                self._close(state)
+                self.discovery_steps += 1
+                if self._discovered():
+                    if self._counting:
+                        self.calls_per_step = self.module_calls / max(1, self.steps)
+                    self._end_discovery()
+        except Exception as exc:  # noqa: BLE001 - see above
+            self._fail(exc)
 
     def _module_pre(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not self.active:
-            return
-        state = self._thread_state()
-        if state.handle is not None:
-            return  # inside another model's step
-        if self.discovering and state.depth > 0:
-            if state.pending is not module:
-                return  # called nested, not outermost
-            state.pending = None
-        self._open(state, module, args, kwargs)
+        try:
+            if not self.active:
+                return
+            state = self._thread_state()
+            if state.handle is not None:
+                return  # inside another model's step
+            if self.discovering and state.depth > 0:
+                if state.pending is not module:
+                    return  # called nested, not outermost
+                state.pending = None
+            self._open(state, module, args, kwargs)
+        except Exception as exc:  # noqa: BLE001 - see above
+            self._fail(exc)
 
     def _module_post(self, module: Any, args: tuple[Any, ...], output: Any) -> None:
-        state = self._state
-        if state.owner is module and state.generation == self._generation and \
-                (not self.discovering or state.depth == 0):
-            self._close(state)
+        try:
+            state = self._state
+            if state.owner is module and state.generation == self._generation and \
+                    (not self.discovering or state.depth == 0):
+                self._close(state)
+        except Exception as exc:  # noqa: BLE001 - see above
+            self._fail(exc)
+
+    def _fail(self, exc: Exception) -> None:
+        """A hook raised: no more steps are marked this session (status and the session's summary
+        say why); the model's call goes on."""
+        if self.failure is None:
+            self.failure = f"{type(exc).__name__}: {exc}"
+        self.active = False
+        self.discovering = False
 
     # --- helpers ----------------------------------------------------------------------------------
 
@@ -391,8 +302,8 @@ class StepHooks:
         entry = self._known.get(key)
         if entry is not None and entry[0]() is module:
             return entry[1]
-        is_model = _is_model(module)
-        if is_model and _inside_module_call(3):
+        is_model = looks_like_model(module)
+        if is_model and inside_module_call(3):
             # Nested in a forward that began before the window opened: a part, not a model, this
             # time (not remembered: an encoder is also called on its own by its model's generate).
             return False
@@ -401,19 +312,28 @@ class StepHooks:
         return is_model
 
     def _hook_module(self, module: Any) -> None:
+        """Hooks of the module's own, so that its steps are marked outside discovery windows. A
+        module that takes none (a TorchScript ``ScriptModule``) is marked by the global hooks,
+        which then stay on for the session."""
         key = id(module)
         with self._lock:
-            if key in self._hooked or not self.active:
+            if key in self._hooked or key in self._unhookable or not self.active:
+                return
+            try:
+                pre = module.register_forward_pre_hook(self._module_pre, with_kwargs=True)
+            except Exception:  # noqa: BLE001 - RuntimeError: "... is not supported on ScriptModules"
+                self._unhookable.add(key)
+                self.unhookable_models.add(type(module).__qualname__)
                 return
             self._hooked.add(key)
-            self._module_handles.append(module.register_forward_pre_hook(self._module_pre, with_kwargs=True))
+            self._module_handles.append(pre)
             self._module_handles.append(module.register_forward_hook(self._module_post, always_call=True))
 
     def _open(self, state: _ThreadState, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None,
               discovered: bool = False) -> None:
         """A step begins (``discovered``: its model found by this very call)."""
-        seq = _sequence_length(args, kwargs)
-        if seq is None or seq == 1 or _extends(seq, state.last_seq, kwargs):
+        seq = sequence_length(args, kwargs)
+        if seq is None or seq == 1 or extends_sequence(seq, state.last_seq, kwargs):
             kind = "decode_step"
             self.decode_steps += 1
         else:
