@@ -47,7 +47,9 @@ def _forget_torch_compile() -> Iterator[None]:
         return
     from torch._dynamo.utils import clear_compilation_metrics, counters, get_compilation_metrics
 
-    if counters.get("frames", {}).get("ok") or get_compilation_metrics():
+    from servprof.auto import compiled_model_present
+
+    if compiled_model_present() or get_compilation_metrics():
         import torch._dynamo
 
         torch._dynamo.reset()

@@ -468,11 +468,12 @@ def test_steps_of_an_unknown_thread_carry_the_session_requests(tmp_path: Path) -
     assert phases == [("decode_step", ["req-a", "req-b"])]
 
 
-def test_a_compiled_model_gets_no_hooks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fullgraph", [False, True])  # (a fullgraph compile counts no "frames" in dynamo)
+def test_a_compiled_model_gets_no_hooks(tmp_path: Path, fullgraph: bool) -> None:
     model = TinyLM().eval()
     _phases, server_auto = auto_phases(tmp_path / "eager", lambda: model(torch.ones(1, 1, dtype=torch.long)))
     assert server_auto.summary()["decode"] == 1  # an eager session before the compile counted its step
-    compiled = torch.compile(model, backend="eager")
+    compiled = torch.compile(model, backend="eager", fullgraph=fullgraph)
     compiled(torch.ones(1, 2, dtype=torch.long))
     assert compiled_model_present()
 
@@ -582,3 +583,51 @@ def test_a_hook_that_raises_stops_marking_steps_and_never_fails_the_models_call(
     assert "NotImplementedError: layers are allocated lazily" in problem and "after 3 step(s)" in problem
     assert [m["what"] for m in auto.missing()][:1] == ["automatic model steps"]
     assert not torch_module._global_forward_pre_hooks and not model._forward_pre_hooks
+
+
+def _counting_compile(model: torch.nn.Module, compiles: list[int]) -> Any:
+    def backend(graph: Any, _example_inputs: Any) -> Any:
+        compiles[0] += 1
+        return graph.forward
+
+    return torch.compile(model, backend=backend, fullgraph=True)
+
+
+def test_a_model_first_compiled_during_a_session_is_traced_without_servprofs_hooks(tmp_path: Path) -> None:
+    """A server that compiles lazily (its first requests, a new shape) compiles while a session's
+    global hooks are on: dynamo traces them with the model. They used to go into the graph and its
+    guards (a recompile at every step, their counters guarded) and, with fullgraph=True, failed
+    the call. Now they return at once under tracing: every call answers, and the model is compiled
+    at most once more than with no session (when the hooks go, dynamo's guard on their number).
+    (The real inductor backend is not needed for this: dynamo's tracing and guards are the same.)"""
+    shapes = (3, 1, 1, 1, 5, 1, 1)
+
+    def calls(compiled: Any, failures: list[str]) -> None:
+        with torch.no_grad():
+            for length in shapes:
+                try:
+                    compiled(torch.ones(1, length, dtype=torch.long))
+                except Exception as exc:  # noqa: BLE001 - counted
+                    failures.append(f"{type(exc).__name__}: {exc}"[:200])
+
+    torch.manual_seed(0)
+    alone, alone_failures = [0], []
+    calls(_counting_compile(TinyLM().eval(), alone), alone_failures)
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()  # (a server process compiling for the first time)
+    in_session, failures = [0], []
+    compiled = _counting_compile(TinyLM().eval(), in_session)
+    auto = AutoInstrumentation()
+    phases, _ = auto_phases(tmp_path, lambda: calls(compiled, failures), session_ids=["r"], auto=auto)
+    assert alone_failures == [] and failures == []
+    assert alone[0] <= in_session[0] <= alone[0] + 1
+    # The compiled module's own hooks run outside its compiled code: its steps are still marked.
+    assert len(phases) == len(shapes)
+    # Later sessions register no hooks: the process has compiled (a fullgraph compile counts too).
+    assert "torch.compile'd model runs in this process" in auto_phases(tmp_path / "next", lambda: None, auto=auto)[1] \
+        .summary()["problem"]
+    after = in_session[0]
+    calls(compiled, failures)  # after the session: nothing compiles again
+    assert failures == [] and in_session[0] == after

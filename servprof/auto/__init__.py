@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from servprof.auto.compiled import compiled_model_present
 from servprof.auto.context import install_thread_inheritance
 from servprof.auto.emit import range_kind, set_range_kind
 from servprof.auto.steps import StepHooks
@@ -23,7 +24,7 @@ from servprof.auto.tokenizers import TARGETS, TokenizerPatches
 from servprof.budget import LiveSignals
 from servprof.trace.meta import BUDGET_HOW, GPU_EVENTS_NOTE, NO_FORWARD_LEAD, NO_STEP_BEGAN_LEAD
 
-__all__ = ["AutoInstrumentation", "install_thread_inheritance", "range_kind", "set_range_kind"]
+__all__ = ["AutoInstrumentation", "compiled_model_present", "install_thread_inheritance", "range_kind", "set_range_kind"]
 
 MAX_THREADS_LISTED = 64
 # Engines that run the model in processes of their own, when loaded here, and how to profile those.
@@ -35,25 +36,16 @@ ENGINE_HINTS = {
               "its profiler (`POST /start_profile`, SGLANG_TORCH_PROFILER_DIR) and read the traces with "
               "`servprof analyze`.",
 }
+COMPILED_GUIDE = ("A deep window reads its steps from the compiled regions torch records, without prefill or decode "
+                  "and without request ids; a light session records no region. For both, mark each step with "
+                  "`with servprof.phase('decode_step'):` (or 'prefill')")
 COMPILED = ("a torch.compile'd model runs in this process: servprof registers no module hooks (adding or "
-            "removing them could make it recompile). A deep window reads its steps from the compiled regions "
-            "torch records, without prefill or decode and without request ids; a light session records no "
-            "region. For both, mark each step with `with servprof.phase('decode_step'):` (or 'prefill')")
+            "removing them could make it recompile). " + COMPILED_GUIDE)
 
 HOOK_FAILED = ("servprof's step hook raised an error after {steps} step(s) of this session were marked, and marked "
-               "none after it (the model's calls went on unaffected): {failure}. Please report it; meanwhile mark each step with "
-               "`with servprof.phase('decode_step'):` (or 'prefill'), or set SERVPROF_AUTO_INSTRUMENT=0")
-
-
-def compiled_model_present() -> bool:
-    """True once torch.compile has compiled a frame in this process (read without importing dynamo)."""
-    if "torch._dynamo" not in sys.modules:
-        return False
-    try:
-        from torch._dynamo.utils import counters
-    except Exception:  # noqa: BLE001 - a torch without it compiles nothing we know of
-        return False
-    return bool(counters.get("frames", {}).get("ok"))
+               "none after it (the model's calls went on unaffected): {failure}. Please report it; meanwhile mark "
+               "each step with `with servprof.phase('decode_step'):` (or 'prefill'), or set "
+               "SERVPROF_AUTO_INSTRUMENT=0")
 
 
 class AutoInstrumentation:

@@ -25,8 +25,10 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch.nn.modules import module as torch_module
 
+from servprof.auto.compiled import compiled_model_present
 from servprof.auto.context import marked_step, request_id_here
 from servprof.auto.emit import auto_phase_name, close_range, open_range
 from servprof.auto.step_kind import (
@@ -38,6 +40,7 @@ from servprof.auto.step_kind import (
 )
 from servprof.budget import STOP_LATENCY_S
 
+_compiling = torch.compiler.is_compiling
 _UNRECORDED = object()  # a step counted but not recorded: the server's own marker covers it
 DISCOVERY_STEPS = 4  # completed outermost forwards watched with global hooks per session
 # ... and at most this many, however many sampled requests arrive still waiting for a step.
@@ -146,7 +149,9 @@ class StepHooks:
         if not self.active:
             return
         self._awaiting.add(request_id)
-        if not self.discovering and self.discovery_steps < MAX_DISCOVERY_STEPS:
+        # Not once the process has compiled a model: dynamo guards on the number of global hooks,
+        # so each time they come or go, a frame compiled with the other number is compiled again.
+        if not self.discovering and self.discovery_steps < MAX_DISCOVERY_STEPS and not compiled_model_present():
             self._begin_discovery()
 
     def _begin_discovery(self) -> None:
@@ -211,9 +216,15 @@ class StepHooks:
         return state
 
     # Every hook runs inside the server's model call: one that raises stops marking steps for the
-    # session (_fail) and lets the call go on, as if servprof were not there.
+    # session (_fail) and lets the call go on, as if servprof were not there. While torch.compile
+    # traces a model (a first call, a new shape) the hooks it meets are traced too: each returns
+    # at once there (dynamo reads _compiling() as True), so that no graph holds servprof's code
+    # and no guard reads its counters (a guard on them recompiled every step; with
+    # fullgraph=True, tracing them failed the call).
 
     def _global_pre(self, module: Any, args: tuple[Any, ...]) -> None:
+        if _compiling():
+            return
         try:
             state = self._thread_state()
             if not self.discovering:  # kept on only for models that take no hooks of their own
@@ -245,6 +256,8 @@ class StepHooks:
             self._fail(exc)
 
     def _global_post(self, module: Any, args: tuple[Any, ...], output: Any) -> None:
+        if _compiling():
+            return
         try:
             state = self._thread_state()
             if not self.discovering:
@@ -264,6 +277,8 @@ class StepHooks:
             self._fail(exc)
 
     def _module_pre(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if _compiling():
+            return
         try:
             if not self.active:
                 return
@@ -279,6 +294,8 @@ class StepHooks:
             self._fail(exc)
 
     def _module_post(self, module: Any, args: tuple[Any, ...], output: Any) -> None:
+        if _compiling():
+            return
         try:
             state = self._state
             if state.owner is module and state.generation == self._generation and \
