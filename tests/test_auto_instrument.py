@@ -631,3 +631,76 @@ def test_a_model_first_compiled_during_a_session_is_traced_without_servprofs_hoo
     after = in_session[0]
     calls(compiled, failures)  # after the session: nothing compiles again
     assert failures == [] and in_session[0] == after
+
+
+class _TwoBlockLM(torch.nn.Module):
+    """Two blocks with weights between an embedding and a head, as a hand-written model has."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 16)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU())
+                                          for _ in range(2))
+        self.head = torch.nn.Linear(16, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(ids)
+        for block in self.blocks:
+            hidden = block(hidden)
+        return self.head(hidden)
+
+    def next_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """A method of its own that runs its parts (the way a generate() method may): one is the step."""
+        return self.head(self.blocks[0](self.embed(ids)))
+
+
+class _Wrapper(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(ids)
+
+
+def test_a_forward_called_directly_is_named_not_counted_as_its_parts_steps(tmp_path: Path) -> None:
+    """``model.forward(x)`` runs no module hook: its two blocks were each taken for a model, two
+    "decode steps" per real step and no prefill. Now the session says which forward is called so,
+    and where, and marks none of its parts."""
+    model = _TwoBlockLM().eval()
+
+    def work() -> None:
+        with torch.no_grad():
+            model.forward(torch.ones(1, 5, dtype=torch.long))
+            for _ in range(6):
+                model.forward(torch.ones(1, 1, dtype=torch.long))
+
+    auto = AutoInstrumentation()
+    phases, _ = auto_phases(tmp_path, work, auto=auto)
+    assert phases == []
+    direct = auto.summary()["forward_called_directly"]
+    assert list(direct) == ["_TwoBlockLM"] and f"{Path(__file__).name}:" in direct["_TwoBlockLM"] \
+        and direct["_TwoBlockLM"].endswith("in work")
+    (entry,) = [m for m in auto.missing() if m["what"] == "automatic model steps"]
+    assert entry["message"].startswith("_TwoBlockLM.forward is called directly") and "model(...)" in entry["message"]
+
+
+def test_parts_run_by_another_method_or_a_wrappers_forward_are_still_steps(tmp_path: Path) -> None:
+    """Not every outermost part inside a model's code is a piece of a step: one run by the model's
+    own generate-like method is one step per call, and a thin wrapper whose forward is called
+    directly holds no weights but the model's: the model is the step."""
+    model = _TwoBlockLM().eval()
+    wrapped = _Wrapper(_TwoBlockLM().eval())
+
+    def work() -> None:
+        with torch.no_grad():
+            for _ in range(3):
+                model.next_logits(torch.ones(1, 1, dtype=torch.long))
+            for _ in range(3):
+                wrapped.forward(torch.ones(1, 1, dtype=torch.long))
+
+    auto = AutoInstrumentation()
+    phases, _ = auto_phases(tmp_path, work, auto=auto)
+    assert phases == [("decode_step", [])] * 6
+    assert auto.summary()["forward_called_directly"] == {}
+    assert set(auto.summary()["models"]) == {"Sequential", "_TwoBlockLM"}

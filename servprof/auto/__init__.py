@@ -42,6 +42,10 @@ COMPILED_GUIDE = ("A deep window reads its steps from the compiled regions torch
 COMPILED = ("a torch.compile'd model runs in this process: servprof registers no module hooks (adding or "
             "removing them could make it recompile). " + COMPILED_GUIDE)
 
+DIRECT_FORWARD = ("{model}.forward is called directly ({where}): a forward called so, not through the model "
+                  "(`model(...)`), runs no module hook, so servprof cannot mark its steps, and does not count its "
+                  "parts as steps. Call the model itself, or mark each step with "
+                  "`with servprof.phase('decode_step'):` (or 'prefill').")
 HOOK_FAILED = ("servprof's step hook raised an error after {steps} step(s) of this session were marked, and marked "
                "none after it (the model's calls went on unaffected): {failure}. Please report it; meanwhile mark "
                "each step with `with servprof.phase('decode_step'):` (or 'prefill'), or set "
@@ -100,6 +104,8 @@ class AutoInstrumentation:
                 "models": sorted(steps.models),
                 # Models that take no hooks of their own (TorchScript): the global hooks stayed on to mark them.
                 "models_marked_by_global_hooks": sorted(steps.unhookable_models),
+                # Models whose forward was called directly (no hooks run): class -> where.
+                "forward_called_directly": dict(steps.direct_forwards),
                 "tokenizer_libraries": list(self.tokenizers.libraries),
                 "tokenizer_calls": dict(self.tokenizers.calls),
                 # [tid, start ns (perf_counter_ns), wall ns, the thread's CPU ns] of one text's calls from 1 ms
@@ -115,6 +121,9 @@ class AutoInstrumentation:
         out = []
         if self.problem:
             out.append({"what": "automatic model steps", "message": self.problem[0].upper() + self.problem[1:] + "."})
+        elif self.steps.direct_forwards:
+            out.append({"what": "automatic model steps", "message": " ".join(
+                DIRECT_FORWARD.format(model=model, where=where) for model, where in self.steps.direct_forwards.items())})
         elif self.steps.steps == 0 and self.steps.module_calls > 0:
             # Modules ran, inside forwards begun before the session: the model is here, no step began.
             out.append({"what": "automatic model steps", "message": _no_step_began(self.steps.module_calls,

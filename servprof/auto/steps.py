@@ -33,6 +33,7 @@ from servprof.auto.context import marked_step, request_id_here
 from servprof.auto.emit import auto_phase_name, close_range, open_range
 from servprof.auto.step_kind import (
     extends_sequence,
+    forward_called_directly,
     frame_kwargs,
     inside_module_call,
     looks_like_model,
@@ -41,6 +42,7 @@ from servprof.auto.step_kind import (
 from servprof.budget import STOP_LATENCY_S
 
 _compiling = torch.compiler.is_compiling
+_UNSEEN: Any = object()
 _UNRECORDED = object()  # a step counted but not recorded: the server's own marker covers it
 DISCOVERY_STEPS = 4  # completed outermost forwards watched with global hooks per session
 # ... and at most this many, however many sampled requests arrive still waiting for a step.
@@ -95,6 +97,8 @@ class StepHooks:
         self.models: set[str] = set()  # class names of the modules marked as steps
         self.unhookable_models: set[str] = set()  # ... of those marked by the global hooks (no hooks of their own)
         self.failure: str | None = None  # a hook's error that ended marking steps this session
+        # model class -> where its forward was called directly (no hooks run): its parts are not steps
+        self.direct_forwards: dict[str, str] = {}
 
     # --- lifecycle (capture thread) ---------------------------------------------------------------
 
@@ -123,6 +127,8 @@ class StepHooks:
         self.models = set()
         self.unhookable_models = set()
         self.failure = None
+        self.direct_forwards = {}
+        self._direct_parts: dict[int, tuple[str, str] | None] = {}  # module id -> forward_called_directly()
         self.threads_without_request: set[int] = set()  # threads whose steps named the session's requests
 
     def stop(self) -> None:
@@ -324,6 +330,14 @@ class StepHooks:
             # Nested in a forward that began before the window opened: a part, not a model, this
             # time (not remembered: an encoder is also called on its own by its model's generate).
             return False
+        if is_model:
+            direct = self._direct_parts.get(key, _UNSEEN)
+            if direct is _UNSEEN:
+                direct = self._direct_parts[key] = forward_called_directly(module, 3)
+            if direct is not None:  # a part of a model whose forward runs without hooks: not a step
+                if len(self.direct_forwards) < 8:
+                    self.direct_forwards.setdefault(*direct)
+                return False  # (not remembered across sessions: said again in each)
         with self._lock:
             self._known[key] = (weakref.ref(module, lambda _r, k=key: self._known.pop(k, None)), is_model)
         return is_model
