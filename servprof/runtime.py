@@ -141,7 +141,10 @@ class ServprofRuntime:
             return None
         self.paused_reason = None
         self.counters["sampled"] += 1
-        session.request_joined(record.request_id)  # the loop watchdog attaches (once), the step hooks look out
+        try:
+            session.request_joined(record.request_id)  # the loop watchdog attaches (once), the step hooks look out
+        except Exception as exc:  # noqa: BLE001 - the session's instruments never fail the request
+            self.last_error = f"session instruments, on a sampled request's arrival: {type(exc).__name__}: {exc}"
         return session
 
     @staticmethod

@@ -110,6 +110,7 @@ class LoopWatchdog:
         self._in_flight = in_flight or (lambda: None)
         self._open_request_ids = open_request_ids or list
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.foreign_loop: str | None = None  # the async library serving requests, when not asyncio (trio)
         self.loop_ident: int | None = None
         self.loop_native_id: int | None = None
         self._last_beat_ns = 0
@@ -127,9 +128,13 @@ class LoopWatchdog:
 
     def attach(self) -> None:
         """Start watching the running loop (call from the loop's thread)."""
-        if self.loop is not None or self.threshold_ns <= 0:
+        if self.loop is not None or self.threshold_ns <= 0 or self.foreign_loop is not None:
             return
-        self.loop = asyncio.get_running_loop()
+        try:
+            self.loop = asyncio.get_running_loop()
+        except RuntimeError:  # another async library's loop (Hypercorn on trio): nothing here to watch
+            self.foreign_loop = _async_library()
+            return
         self.loop_ident = threading.get_ident()
         self.loop_native_id = threading.get_native_id()
         self._running = True
@@ -238,3 +243,15 @@ class LoopWatchdog:
             shortest = min(range(len(self.stalls)), key=lambda i: self.stalls[i]["duration_ms"])
             if self.stalls[shortest]["duration_ms"] < entry["duration_ms"]:
                 self.stalls[shortest] = entry
+
+
+def _async_library() -> str:
+    """The async library running the current task, when it is not asyncio: trio, or "unknown"."""
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            trio.lowlevel.current_task()
+            return "trio"
+        except RuntimeError:
+            pass
+    return "unknown"

@@ -24,6 +24,9 @@ AUTO_OFF = ("Automatic phases are off (SERVPROF_AUTO_INSTRUMENT=0): model steps 
 WATCHDOG_OFF = ("The event-loop watchdog is off (SERVPROF_LOOP_STALL_MS=0): a call that blocks the serving loop "
                 "is not named; set it to e.g. 10.")
 NO_LOOP = ("No sampled request ran on an asyncio event loop in this session, so loop stalls were not watched.")
+FOREIGN_LOOP = ("The sampled requests ran on an event loop that is not asyncio's (its library: {}), and servprof's "
+                "loop watchdog watches asyncio loops only: loop stalls were not watched (tokenization on the loop's thread is still "
+                "timed). Serve with asyncio (uvicorn, or Hypercorn's asyncio worker) to have them watched.")
 
 
 _UNSAFE = str.maketrans({"\\": "/", '"': "'", **{chr(c): " " for c in range(32)}})
@@ -113,6 +116,8 @@ class SessionInstruments:
             missing.extend(self.auto.missing(budget_spent))
         if self.watchdog.threshold_ns <= 0:
             missing.append({"what": "event-loop stalls", "message": WATCHDOG_OFF})
+        elif self.watchdog.foreign_loop is not None:
+            missing.append({"what": "event-loop stalls", "message": FOREIGN_LOOP.format(self.watchdog.foreign_loop)})
         elif self.watchdog.loop is None:
             missing.append({"what": "event-loop stalls", "message": NO_LOOP})
         self.summary = metadata_safe({
