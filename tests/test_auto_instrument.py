@@ -663,6 +663,26 @@ class _Wrapper(torch.nn.Module):
         return self.model(ids)
 
 
+class _OwnCallLM(_TwoBlockLM):
+    """A model whose own ``__call__`` bypasses Module.__call__ (and so every module hook)."""
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks[1](self.blocks[0](self.embed(ids))))
+
+
+def test_a_call_of_its_own_that_bypasses_module_call_is_named_too(tmp_path: Path) -> None:
+    model = _OwnCallLM().eval()
+
+    def work() -> None:
+        with torch.no_grad():
+            for _ in range(3):
+                model(torch.ones(1, 1, dtype=torch.long))
+
+    auto = AutoInstrumentation()
+    phases, _ = auto_phases(tmp_path, work, auto=auto)
+    assert phases == [] and list(auto.summary()["forward_called_directly"]) == ["_OwnCallLM.__call__"]
+
+
 def test_a_forward_called_directly_is_named_not_counted_as_its_parts_steps(tmp_path: Path) -> None:
     """``model.forward(x)`` runs no module hook: its two blocks were each taken for a model, two
     "decode steps" per real step and no prefill. Now the session says which forward is called so,
@@ -679,10 +699,11 @@ def test_a_forward_called_directly_is_named_not_counted_as_its_parts_steps(tmp_p
     phases, _ = auto_phases(tmp_path, work, auto=auto)
     assert phases == []
     direct = auto.summary()["forward_called_directly"]
-    assert list(direct) == ["_TwoBlockLM"] and f"{Path(__file__).name}:" in direct["_TwoBlockLM"] \
-        and direct["_TwoBlockLM"].endswith("in work")
+    assert list(direct) == ["_TwoBlockLM.forward"] and f"{Path(__file__).name}:" in direct["_TwoBlockLM.forward"] \
+        and direct["_TwoBlockLM.forward"].endswith("in work")
     (entry,) = [m for m in auto.missing() if m["what"] == "automatic model steps"]
-    assert entry["message"].startswith("_TwoBlockLM.forward is called directly") and "model(...)" in entry["message"]
+    assert entry["message"].startswith("_TwoBlockLM.forward runs the model without Module.__call__") \
+        and "model(x)" in entry["message"]
 
 
 def test_parts_run_by_another_method_or_a_wrappers_forward_are_still_steps(tmp_path: Path) -> None:

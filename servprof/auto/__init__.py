@@ -42,9 +42,9 @@ COMPILED_GUIDE = ("A deep window reads its steps from the compiled regions torch
 COMPILED = ("a torch.compile'd model runs in this process: servprof registers no module hooks (adding or "
             "removing them could make it recompile). " + COMPILED_GUIDE)
 
-DIRECT_FORWARD = ("{model}.forward is called directly ({where}): a forward called so, not through the model "
-                  "(`model(...)`), runs no module hook, so servprof cannot mark its steps, and does not count its "
-                  "parts as steps. Call the model itself, or mark each step with "
+DIRECT_FORWARD = ("{model} runs the model without Module.__call__ ({where}): a model run so (`model.forward(x)`, "
+                  "or a `__call__` of its own) runs no module hook, so servprof cannot mark its steps, and does not "
+                  "count its parts as steps. Call the model itself (`model(x)`), or mark each step with "
                   "`with servprof.phase('decode_step'):` (or 'prefill').")
 HOOK_FAILED = ("servprof's step hook raised an error after {steps} step(s) of this session were marked, and marked "
                "none after it (the model's calls went on unaffected): {failure}. Please report it; meanwhile mark "
@@ -104,7 +104,7 @@ class AutoInstrumentation:
                 "models": sorted(steps.models),
                 # Models that take no hooks of their own (TorchScript): the global hooks stayed on to mark them.
                 "models_marked_by_global_hooks": sorted(steps.unhookable_models),
-                # Models whose forward was called directly (no hooks run): class -> where.
+                # Models run without Module.__call__ (no hooks run): "Class.forward" -> where it was called.
                 "forward_called_directly": dict(steps.direct_forwards),
                 "tokenizer_libraries": list(self.tokenizers.libraries),
                 "tokenizer_calls": dict(self.tokenizers.calls),

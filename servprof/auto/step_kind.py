@@ -148,12 +148,18 @@ def looks_like_model(module: torch.nn.Module) -> bool:
     return bool(module._modules) and next(module.parameters(), None) is not None
 
 
+# A model's methods that run a whole step: ``forward`` called directly, or a ``__call__`` of its own
+# that bypasses Module.__call__ (neither runs a module hook).
+_STEP_METHODS = ("forward", "__call__")
+
+
 def forward_called_directly(module: torch.nn.Module, depth_to_skip: int) -> tuple[str, str] | None:
     """Whether ``module`` is called, as the outermost call on its thread, from the ``forward`` of a
     model that contains it, that forward having been called directly (``model.forward(x)``, which
     runs no module hook): then it is one of several parts of each step, not a model of its own
     (unless it holds all of that model's parameters: a wrapper's forward around the model).
-    Returns (the model's class, where its forward was called: ``file:line in function``)."""
+    Returns (the model's class and method, ``Model.forward``; where it was called: ``file:line in
+    function``)."""
     frame = sys._getframe(depth_to_skip)
     for _ in range(12):
         if frame is None:
@@ -162,12 +168,12 @@ def forward_called_directly(module: torch.nn.Module, depth_to_skip: int) -> tupl
         if code not in _CALL_CODES and code.co_name != "inner":  # (_call_impl's closure for hooks)
             owner = frame.f_locals.get("self")
             if isinstance(owner, torch.nn.Module) and owner is not module:
-                if code.co_name != "forward" or not any(part is module for part in owner.modules()):
+                if code.co_name not in _STEP_METHODS or not any(part is module for part in owner.modules()):
                     return None  # another method (a generate() calling its parts, one step each), another model
                 if {id(p) for p in owner.parameters()} <= {id(p) for p in module.parameters()}:
                     return None  # the part holds all of the model's weights (a thin wrapper): it is the step
                 caller = frame.f_back
                 where = f"{caller.f_code.co_filename}:{caller.f_lineno} in {caller.f_code.co_name}" if caller else "?"
-                return type(owner).__qualname__, where
+                return f"{type(owner).__qualname__}.{code.co_name}", where
         frame = frame.f_back
     return None
