@@ -167,9 +167,12 @@ class _RequestResponder:
             scope = self.scope = {**scope, "headers": [(n, v) for n, v in scope["headers"] if n != _TOKEN_HEADER]}
         elif sample_asked:  # read only then: OpenAI clients send Authorization with every request
             presented_token = bearer_token(authorization)
-        # os.urandom is ~4x cheaper than uuid4 for the common case of no client id.
-        request_id = accept_request_id(raw_request_id.decode("latin-1")) if raw_request_id else _urandom(8).hex()
+        request_id = accept_request_id(raw_request_id.decode("latin-1")) if raw_request_id else _new_request_id()
         self.request_id_bytes = request_id.encode()
+        if raw_request_id is None:
+            # The app sees the id servprof gave the request, so that a request-id middleware inside
+            # (asgi-correlation-id) and the app's logs use the same id as servprof's records and spans.
+            scope = self.scope = {**scope, "headers": [*scope["headers"], (b"x-request-id", self.request_id_bytes)]}
         client = scope.get("client")
         method = scope["method"]
         record = self.record = RequestRecord(
@@ -263,6 +266,18 @@ class _RequestResponder:
         elif message_type == "http.response.start":
             self.record.status = message["status"]
             self.record.response_start_ns = _perf_ns()
-            message = dict(message)
-            message["headers"] = [*message.get("headers", ()), (b"x-request-id", self.request_id_bytes)]
+            headers = message.get("headers", ())
+            # An app (or a middleware inside) that answers with its own x-request-id keeps it alone.
+            if not any(name.lower() == b"x-request-id" for name, _value in headers):
+                message = dict(message)
+                message["headers"] = [*headers, (b"x-request-id", self.request_id_bytes)]
         return self._send(message)
+
+
+def _new_request_id() -> str:
+    """A random UUID4 in hex (as vLLM's ids and most request-id middlewares, which check for a
+    UUID4, take it): built from os.urandom, ~3x cheaper than uuid.uuid4().hex."""
+    raw = bytearray(_urandom(16))
+    raw[6] = raw[6] & 0x0F | 0x40  # version 4
+    raw[8] = raw[8] & 0x3F | 0x80  # RFC 4122 variant
+    return raw.hex()
