@@ -192,6 +192,17 @@ def test_traceparent_reaches_vllm_under_servprofs_span(profiled_server) -> None:
     assert parent_span != "00f067aa0ba902b7"  # but re-parented under servprof's SERVER span
 
 
+def test_a_request_without_an_id_gets_servprofs_id_in_vllms_request_ids(profiled_server) -> None:
+    """vLLM's serving layer takes its request ids from the X-Request-Id header: servprof puts the id
+    it gave the request there, so vLLM's ids, the response's header and servprof's records agree."""
+    base, engine, _out, _profile_dir = profiled_server
+    with httpx.Client(base_url=base) as client:
+        response = client.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 3})
+    assert response.status_code == 200
+    (request_id,) = response.headers.get_list("x-request-id")
+    assert [rid for rid in engine.trace_headers if request_id in rid], (request_id, list(engine.trace_headers))
+
+
 def test_missing_profiler_config_is_reported_and_serving_goes_on(tmp_path: Path) -> None:
     with vllm_server(tmp_path, []) as (base, engine, out), httpx.Client(base_url=base) as client:
         assert client.post("/servprof/sample?n=1", headers=AUTH).status_code in (200, 202)
