@@ -196,7 +196,7 @@ def test_a_request_without_an_id_gets_servprofs_id_in_vllms_request_ids(profiled
     """vLLM's serving layer takes its request ids from the X-Request-Id header: servprof puts the id
     it gave the request there, so vLLM's ids, the response's header and servprof's records agree."""
     base, engine, _out, _profile_dir = profiled_server
-    with httpx.Client(base_url=base) as client:
+    with httpx.Client(base_url=base, timeout=60) as client:
         response = client.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 3})
     assert response.status_code == 200
     (request_id,) = response.headers.get_list("x-request-id")
