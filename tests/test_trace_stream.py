@@ -186,6 +186,37 @@ def test_broken_text_anywhere_is_one_line(tmp_path: Path, small_batches: None) -
                 assert len(load_trace(path)) == len(reference)
 
 
+@pytest.mark.parametrize("batches", ["small", "whole"])
+def test_text_shapes_other_tools_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batches: str) -> None:
+    """A UTF-8 byte order mark (a trace re-saved by a Windows editor) is read past; the array
+    format's closing bracket, which the chrome-trace format lets a writer leave out, may be
+    missing; a trace cut off while written says so; UTF-16 text says what it is."""
+    if batches == "small":
+        monkeypatch.setattr(loader, "BATCH_BYTES", 1024)
+        monkeypatch.setattr("servprof.trace.source.CHUNK_BYTES", 300)
+    events = [kernel(i) for i in range(200)]
+    document = orjson.dumps({"traceEvents": events, "traceName": "t"})
+    plain = tmp_path / "plain.json"
+    plain.write_bytes(document)
+    expected = load_trace(plain)
+    bom = tmp_path / "bom.json"
+    bom.write_bytes(b"\xef\xbb\xbf" + document)
+    assert np.array_equal(load_trace(bom).ts, expected.ts) and load_trace(bom).metadata[0]["traceName"] == "t"
+    for tail in (b"", b",", b", \n"):
+        open_array = tmp_path / "open.json"
+        open_array.write_bytes(orjson.dumps(events)[:-1] + tail)
+        assert np.array_equal(load_trace(open_array).ts, expected.ts)
+    cut = tmp_path / "cut.json"
+    cut.write_bytes(document[: len(document) * 2 // 3])
+    with pytest.raises(TraceError, match=f"cut off while it was written.*after {len(document) * 2 // 3} bytes|"
+                                         f"after {len(document) * 2 // 3} bytes.*cut off"):
+        load_trace(cut)
+    utf16 = tmp_path / "utf16.json"
+    utf16.write_bytes(document.decode().encode("utf-16"))
+    with pytest.raises(TraceError, match="UTF-16 text.*iconv"):
+        load_trace(utf16)
+
+
 def test_megabytes_of_whitespace_between_events(tmp_path: Path) -> None:
     path = tmp_path / "spaced.json"
     events = b", ".join(orjson.dumps(kernel(i)) for i in range(3))

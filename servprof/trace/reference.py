@@ -34,6 +34,8 @@ from servprof.trace.values import (
 
 def parse_document(path: Path, data: bytes | bytearray) -> tuple[dict[str, Any], list[Any]]:
     """Top-level keys (without the events) and the event list."""
+    if data[:3] == b"\xef\xbb\xbf":  # a UTF-8 byte order mark (a trace re-saved by a Windows editor)
+        data = memoryview(data)[3:]
     try:
         document = orjson.loads(data)
     except orjson.JSONDecodeError as exc:

@@ -66,6 +66,7 @@ def trace_files(path: str | os.PathLike[str]) -> list[Path]:
 # Other profilers' files people point a trace analyser at: (is it, what it is). Said only of a
 # file whose text does not open as JSON does (a JSON file is read whatever its name).
 FOREIGN_FORMATS: tuple[tuple[Any, str], ...] = (
+
     (lambda name, head: head.startswith(b"SQLite format 3\x00"), "an SQLite database (an Nsight Systems export?)"),
     (lambda name, head: name.endswith((".nsys-rep", ".qdrep")), "an Nsight Systems report"),
     (lambda name, head: ".xplane.pb" in name, "a TensorBoard / JAX XPlane protobuf"),
@@ -104,6 +105,9 @@ def read_chunks(path: Path, limit: int, chunk_bytes: int | None = None) -> Itera
 def _refuse_foreign(path: Path, head: bytes) -> None:
     if head.lstrip(b"\xef\xbb\xbf \t\r\n")[:1] in (b"{", b"["):
         return
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise TraceError(f"{path}: UTF-16 text (a trace re-saved by an editor or PowerShell?); torch writes its traces "
+                         "in UTF-8, as JSON is: convert it back (iconv -f UTF-16 -t UTF-8 IN > OUT) and analyse that")
     what = next((text for test, text in FOREIGN_FORMATS if test(path.name.lower(), head)), None)
     if what is not None:
         raise TraceError(f"{path}: {what}, not a torch.profiler trace: {RECORD_HOW}")

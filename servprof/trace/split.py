@@ -79,6 +79,7 @@ class EventBatches:
         self._chunks = chunks
         self._buf = bytearray()
         self._offset = 0  # file offset of _buf[0], for error messages
+        self._read = 0  # bytes of text read
         self._eof = False
         self._false_cuts = 0
         self._searched = 0  # the buffer up to here holds no cut (until the buffer is dropped)
@@ -93,6 +94,7 @@ class EventBatches:
                 self._eof = True
             else:
                 self._buf += chunk
+                self._read += len(chunk)
 
     def _drop(self, upto: int) -> None:
         del self._buf[:upto]
@@ -109,6 +111,8 @@ class EventBatches:
     def _events_start(self) -> int:
         """Position just after the events array's ``[``, with the keys before it parsed."""
         self._fill(64 * 1024)
+        if self._buf.startswith(_UTF8_BOM):  # (a trace re-saved by a Windows editor)
+            self._drop(len(_UTF8_BOM))
         first = _NOT_SPACE.search(self._buf)
         self._array_format = first is not None and self._buf[first.start()] == ord("[")
         if self._array_format:  # the chrome-trace "JSON Array Format": no keys, events only
@@ -192,7 +196,7 @@ class EventBatches:
         text = (b"[" if self._array_format else b'{"traceEvents":[') + self._buf
         self._buf = bytearray()
         if self._array_format:
-            yield self._decode(text, None)
+            yield self._decode(_closed_array(text), None)
             return
         try:
             keys = _TAIL_KEYS.decode(text)
@@ -268,5 +272,23 @@ class EventBatches:
     def _invalid(self, message: str) -> TraceError:
         """The file's own JSON error (positions in a batch's text mean nothing to the user)."""
         reason = _POSITION.sub("", message).replace("JSON is malformed: ", "")
+        if any(words in reason for words in _TRUNCATED):
+            return TraceError(f"{self.path}: the text ends before the trace does (its events array or object is "
+                              f"never closed, after {self._read} bytes): the file was cut off "
+                              "while it was written or copied (a profiler stopped before its export finished, a "
+                              "full disk, a partial download); record or copy it again")
         where = f", in the text past byte {self._offset}" if self._offset else ""
         return TraceError(f"{self.path}: not valid JSON ({reason}{where})")
+
+
+_UTF8_BOM = b"\xef\xbb\xbf"
+_TRUNCATED = ("unexpected end of data", "Input data was truncated")
+
+
+def _closed_array(text: bytes) -> bytes:
+    """The chrome-trace array format's text, with the closing ``]`` the format lets a writer leave
+    out (after the last event, and a trailing comma, if any)."""
+    body = text.rstrip()
+    if body.endswith(b"]"):
+        return text
+    return (body[:-1] if body.endswith(b",") else body) + b"]"
