@@ -129,6 +129,44 @@ def test_a_thread_that_holds_the_gil_is_named_and_a_sleeping_one_never(tmp_path:
     assert f"thread {OTHER} ran myapp/normalise.py(5): slow_normalise" in gap.title
 
 
+@pytest.mark.parametrize("calls_recorded", [False, True])
+def test_a_thread_inside_a_call_since_before_the_tracer_started_is_not_read_as_holding_the_gil(
+        tmp_path: Path, calls_recorded: bool):
+    """A thread already inside a C call when torch's Python tracer started (an HTTP client's socket
+    read, found so in a real server's deep window) shows only the Python frame that made the call,
+    for the whole trace: the tracer never saw the call begin. That is no evidence of Python holding
+    the GIL. A thread whose frame, open since then, records calls is running Python: named."""
+    trace, t = _engine_then_other_thread(lambda trace, k, end: None)
+    trace.frame("threading.py(1012): run", 0.0, t, tid=OTHER)
+    name = "httpcore/_backends/sync.py(128): read" if not calls_recorded else "myapp/normalise.py(5): slow_normalise"
+    trace.frame(name, 0.5, t - 1, tid=OTHER)
+    if calls_recorded:
+        for start in range(10, int(t) - 20, 40):
+            trace.frame("<built-in method sub of re.Pattern object at 0x7f00>", float(start), 30.0, tid=OTHER)
+    (gap,) = _gaps(analyse(load_trace(trace.write(tmp_path / "t.json"))))
+    if calls_recorded:
+        assert gap.evidence["cause"] == "gil_contention" and "re.Pattern" in gap.title
+    else:
+        assert gap.evidence["cause"] == "untraced_host_time"
+        assert "sync.py" not in gap.title and "ran_instead" not in gap.evidence["worst_gaps"][0]
+
+
+@pytest.mark.parametrize("call", ["<built-in method recv of socket object at 0x7f7a307fbf40>",
+                                  "<method 'read' of '_ssl._SSLSocket' objects>"])
+def test_a_thread_waiting_in_a_socket_read_never_held_the_gil(tmp_path: Path, call: str):
+    """A client thread waiting for its answer (an HTTP call to another service, a database read)
+    sits in a socket read, the GIL released: never the thread that kept the engine from running."""
+    def client_read(trace: KinetoTrace, _k: int, end: float) -> None:
+        trace.frame("httpcore/_backends/sync.py(128): read", end + 5, 790, tid=OTHER)
+        trace.frame(call, end + 6, 788, tid=OTHER)
+
+    trace, _t = _engine_then_other_thread(client_read)
+    (gap,) = _gaps(analyse(load_trace(trace.write(tmp_path / "t.json"))))
+    assert gap.evidence["cause"] == "untraced_host_time" and "sync.py" not in gap.title
+    instead = gap.evidence["worst_gaps"][0].get("ran_instead")  # (shown as what it was: waiting)
+    assert instead is None or instead["top_frames"][0]["class"] == "wait"
+
+
 def test_only_a_sleeping_thread_meanwhile_is_not_a_cause(tmp_path: Path):
     trace = KinetoTrace()
     t = 0.0

@@ -218,3 +218,29 @@ def test_a_future_waited_for_on_the_loop_gets_the_await_it_fix(tmp_path: Path, l
     assert finding.evidence["function"] == "handler_waiting_for_the_pool"
     assert "waits on the event loop for another thread (result (_base.py:" in finding.fix
     assert "asyncio.wrap_future(future)" in finding.fix and "AsyncTextIteratorStreamer" not in finding.fix
+
+
+@pytest.mark.parametrize("op_during_the_stall", [True, False])
+def test_a_stall_with_no_sample_is_named_by_a_range_inside_it_never_by_the_loops_own_frames(
+        tmp_path: Path, op_during_the_stall: bool) -> None:
+    """A stall the watchdog could not sample (a C call held the GIL) is named from the trace: by
+    what the loop thread ran then. With with_stack, the loop thread's outer frames (its thread's
+    entry, asyncio.run) cover every stall: they are where the loop runs, never what blocked it (a
+    real session named a stall 'threading.py(1002): _bootstrap')."""
+    from _kineto_builder import KinetoTrace
+
+    base_ns, loop_tid = 1_700_000_000_000_000_000, 5
+    trace = KinetoTrace()
+    trace.frame("threading.py(1002): _bootstrap", 0.0, 100_000.0, tid=loop_tid)
+    trace.frame("asyncio/runners.py(118): run", 1.0, 99_998.0, tid=loop_tid)
+    if op_during_the_stall:
+        trace.host("aten::matmul", 10_500.0, 19_000.0, tid=loop_tid)
+    stall = {"start_wall_ns": base_ns + 10_000_000, "end_wall_ns": base_ns + 30_000_000, "duration_ms": 20.0,
+             "samples": 0, "idle_samples": 0, "stacks": [], "in_flight": 1, "request_ids": ["r1"]}
+    trace.metadata = {"baseTimeNanoseconds": base_ns, "servprof": orjson.dumps(
+        {"loop_stalls": [stall], "watchdog": {"attached": True, "watched_s": 0.1, "loop_tid": loop_tid},
+         "event_loop_tid": loop_tid}).decode()}
+    findings, _summary = detect_loop_stalls(load_trace(trace.write(tmp_path / "t.json")))
+    (finding,) = findings
+    assert finding.evidence["function"] == ("aten::matmul" if op_during_the_stall else UNSAMPLED)
+    assert "_bootstrap" not in finding.title and "runners.py" not in finding.title

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from servprof.detect.after_last_step import detect_after_last_step
 from servprof.detect.bandwidth_bound_decode import detect_bandwidth_bound
 from servprof.detect.decode_gap import detect_decode_gaps, find_gaps
 from servprof.detect.finding import KINDS, SEVERITY_ORDER, WHOLE_TRACE, Finding
@@ -53,10 +54,11 @@ def _analyse(trace: Trace, requests: list[dict[str, Any]] | None, device: str | 
     stall_findings, stall_summary = detect_loop_stalls(trace, token_findings)
     on_loop_findings, stall_summary["model_on_loop"] = detect_model_on_loop(trace, steps)
     wait_findings, wait_summary = detect_queue_wait(trace, steps, times)
+    after_findings, after_summary = detect_after_last_step(trace, steps, times)
     setup_findings, setup_summary = detect_shape_setup(trace, steps)
     explain_slow_host_ops(gap_findings, setup_findings, setup_summary["unshaped_ops"])
     findings = sorted([*gap_findings, *token_findings, *bw_findings, *memory_findings, *compile_findings,
-                       *stall_findings, *on_loop_findings, *wait_findings, *setup_findings], key=lambda f: (SEVERITY_ORDER[f.severity], f.cost_ms), reverse=True)
+                       *stall_findings, *on_loop_findings, *wait_findings, *after_findings, *setup_findings], key=lambda f: (SEVERITY_ORDER[f.severity], f.cost_ms), reverse=True)
     sampled = sampled_request_ids(trace, requests)
     _attribute_to_session(findings, requests, trace)
     for finding in findings:
@@ -89,6 +91,7 @@ def _analyse(trace: Trace, requests: list[dict[str, Any]] | None, device: str | 
         "compile": compile_summary,
         "loop_stalls": stall_summary,
         "queue_wait": wait_summary,
+        "after_last_step": after_summary,
         "shape_setup": setup_summary,
         "requests_given": len(requests or []),
         "sampled_request_ids": sorted(sampled),

@@ -37,6 +37,7 @@ WARNING_MS = 20.0
 CRITICAL_MS = 100.0
 MAX_FRAMES_SHOWN = 12
 MIN_RANGE_COVER = 0.5  # a trace range names a frameless stall when it covers this share of it
+ENCLOSING = 4.0  # ... and lasts at most this many times the stall
 WAITING = "(waiting to run: another thread held the GIL or the CPUs were busy)"
 UNSAMPLED = "(no sample: a C call held the GIL, or the watchdog got no CPU)"
 _SEP = re.escape(os.sep)
@@ -165,6 +166,9 @@ def detect_loop_stalls(trace: Trace, findings: list[Finding] | None = None) -> t
             function, path, line, named_by = UNSAMPLED, "", None, "no sample could be taken"
             if rows.size:
                 cover = np.minimum(ends, end_us) - np.maximum(starts, start_us)
+                # A range that began long before the stall or lasted much longer is one the loop
+                # runs inside (its thread's entry, asyncio.run, with_stack's outer frames): no cause.
+                cover[(ends - starts) > ENCLOSING * (end_us - start_us)] = 0.0
                 best = int(np.argmax(cover))
                 if cover[best] >= MIN_RANGE_COVER * (end_us - start_us):
                     function = _range_label(trace.name(int(rows[best])))

@@ -34,10 +34,10 @@ from typing import Any
 import numpy as np
 
 from servprof.detect.finding import WARNING_SHARE, Finding, severity_for_share
-from servprof.detect.host_stacks import BUSY_CLASSES, CLASSES, DETOKENIZE, TOKENIZE, HostStacks
-from servprof.detect.intervals import covered, covered_within, merge, outside
+from servprof.detect.intervals import covered, covered_within, merge
 from servprof.detect.request_times import RequestTimes
 from servprof.detect.steps import Step
+from servprof.detect.thread_work import thread_work
 from servprof.trace.model import Trace, median
 from servprof.trace.phases import phase_events
 
@@ -55,8 +55,6 @@ FIX_QUEUED = (
     "thread with a blocking queue `get()` or a condition instead of polling with `sleep`; keep a batching window only "
     "while there is nothing to run (take what has arrived and go); hold the model's lock around the model call only."
 )
-# Recorded work on the thread (ops, Python, runtime calls), not the request's own tokenize phases.
-HANDLER_BUSY = tuple(c for c in BUSY_CLASSES if c not in (TOKENIZE, DETOKENIZE))
 FIX_HANDLER_COMPUTE = (
     "Each of these requests called the model from its own handler, and before the call its thread was computing "
     "(the ops and functions named: the handler's own preprocessing, such as audio feature extraction or image "
@@ -154,37 +152,10 @@ def detect_queue_wait(trace: Trace, steps: list[Step], times: dict[str, RequestT
         prefix = "" if cause == QUEUED else "before_model_call_"
         summary.update({f"{prefix}idle_ms": round(idle_ms, 3), f"{prefix}share_of_time_to_first_byte": round(share, 4)})
         if share >= WARNING_SHARE:  # (a few ms of hand-off in a long answer: in the summary only)
-            work = _handler_work(trace, group, busy_start, busy_end) if cause == BEFORE_CALL else None
+            work = thread_work(trace, [(int(w["rank"]), int(w["thread"]), w["from_us"], w["first_step_us"])
+                                       for w in group], busy_start, busy_end) if cause == BEFORE_CALL else None
             findings.append(_finding(cause, group, len(waits), idle_ms, share, work))
     return findings, summary
-
-
-def _handler_work(trace: Trace, group: list[dict[str, Any]], steps_start: np.ndarray, steps_end: np.ndarray
-                  ) -> dict[str, Any] | None:
-    """What the threads of these requests' first steps recorded between arrival and that step while
-    no model step ran (on any thread), when recorded work (ops, Python) covers most of that time:
-    its time by class and top frames. None where the trace records none there (a light trace records
-    no ops) or the threads mostly recorded nothing (they waited: I/O, a lock, another thread)."""
-    stacks: dict[int, HostStacks] = {}
-    window_us, by_class, frames = 0.0, np.zeros(len(CLASSES)), {}
-    for wait in group:
-        a, b = outside(float(wait["from_us"]), float(wait["first_step_us"]), steps_start, steps_end)
-        rank = int(wait["rank"])
-        stack = stacks.setdefault(rank, HostStacks(trace, rank)).thread(int(wait["thread"]))
-        window_us += float((b - a).sum())
-        by_class += stack.class_times(a, b).sum(axis=0)
-        _window, keys, spent = stack.top_keys(a, b, limit=8)
-        for key, us in zip(keys.tolist(), spent.tolist(), strict=True):
-            frames[key] = frames.get(key, 0.0) + us
-    busy_us = float(by_class[list(HANDLER_BUSY)].sum())
-    if window_us <= 0 or busy_us < 0.5 * window_us:
-        return None
-    ranked = sorted((kv for kv in frames.items() if kv[0] % len(CLASSES) in HANDLER_BUSY), key=lambda kv: -kv[1])
-    top = [{"name": trace.names[key // len(CLASSES)], "class": CLASSES[key % len(CLASSES)], "self_ms": round(us / 1e3, 3)}
-           for key, us in ranked[:5]]
-    return {"busy_ms": round(busy_us / 1e3, 3), "window_ms": round(window_us / 1e3, 3),
-            "self_ms": {CLASSES[c]: round(float(v) / 1e3, 3) for c, v in enumerate(by_class) if v >= 50.0},
-            "top_frames": top}
 
 
 def _finding(cause: str, group: list[dict[str, Any]], requests: int, idle_ms: float, share: float,

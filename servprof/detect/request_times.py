@@ -1,5 +1,6 @@
 """When each sampled request arrived, sent its first byte and ended, in the trace's µs, from the
-session's request records (docs/CONTRACTS.md): wall-clock arrival, the rest on the perf clock."""
+session's request records (docs/CONTRACTS.md): wall-clock arrival, the rest on the perf clock.
+(``end``: the app's call returned, after any background task; ``last_byte``: the response sent.)"""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ class RequestTimes(NamedTuple):
     arrival_us: float
     first_byte_us: float | None  # None: no byte sent (yet)
     end_us: float  # inf while it still streamed
+    last_byte_us: float | None = None  # its response's last byte (before any background task runs); None: not sent
 
 
 def request_times(trace: Trace, requests: list[dict[str, Any]] | None) -> dict[str, RequestTimes]:
@@ -25,9 +27,10 @@ def request_times(trace: Trace, requests: list[dict[str, Any]] | None) -> dict[s
         if arrival is None or arrival_perf is None:
             continue
         # The perf-clock times, moved onto the wall clock by the arrival's pair of readings.
-        first_byte, end = (whole_int(record.get(k)) for k in ("first_byte_ns", "end_ns"))
+        first_byte, end, last_byte = (whole_int(record.get(k)) for k in ("first_byte_ns", "end_ns", "last_byte_ns"))
         shift = arrival - arrival_perf - base
         out[str(record["request_id"])] = RequestTimes(
             (arrival - base) / 1e3, None if first_byte is None else (first_byte + shift) / 1e3,
-            float("inf") if end is None else (end + shift) / 1e3)
+            float("inf") if end is None else (end + shift) / 1e3,
+            None if last_byte is None else (last_byte + shift) / 1e3)
     return out

@@ -1,0 +1,40 @@
+"""A server whose handler works on each answer after the model is done (tests/servers/post_filter.py:
+a slow safety filter over the text): the ``after_last_step`` finding names the time between each
+request's last model step and its response, on a light session; the same server with the filter
+off gets no such finding. Real parts: uvicorn on loopback, the real profiler, the analysis child."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from _server_session import PROMPT, session_on
+
+REQUESTS = 2
+MAX_TOKENS = 12
+
+
+def _findings(tmp_path: Path, filtered: bool) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "filter": filtered}
+    out = session_on("servers.post_filter", tmp_path, ["/v1/completions"] * REQUESTS, MAX_TOKENS, spaced_s=0.05,
+                     body=body)
+    assert [status for _path, status, _rid in out["responses"]] == [200] * REQUESTS
+    return out, [f for f in out["result"]["findings"] if f["kind"] == "after_last_step"]
+
+
+def test_work_after_the_last_step_is_named_and_its_absence_is_quiet(tmp_path: Path) -> None:
+    out, (finding,) = _findings(tmp_path / "filtered", True)
+    request_ids = sorted(rid for _path, _status, rid in out["responses"])
+    assert sorted(finding["request_ids"]) == request_ids
+    tails = finding["evidence"]["tails"]
+    assert len(tails) == REQUESTS
+    for tail in tails:
+        # The tail lies inside the request, after its own last step, and holds the filter's time.
+        assert 10.0 <= tail["tail_ms"] < tail["request_ms"], tail
+        assert tail["last_step_end_us"] < tail["last_byte_us"]
+    summary = out["result"]["summary"]["detect"]["after_last_step"]
+    assert {t["request_id"] for t in summary["tails"]} == set(request_ids)
+    assert "light" in finding["fix"] or "deep window" in finding["fix"]  # what a light trace cannot show
+
+    _out, quiet = _findings(tmp_path / "unfiltered", False)
+    assert quiet == []
