@@ -6,7 +6,8 @@ classifier over the text, a format conversion, a second pass), then building and
 response. The request's own tokenize / detokenize phases there have their own finding and are not
 counted, nor is anything after its last byte (a background task runs after the response: the
 client already has its answer). A request's tail counts from AFTER_MIN_US; the finding is made
-when the tails are a twentieth of the requests' time. Where the trace records ops (a deep window),
+when the tails are a twentieth of the requests' time. A request answered after servprof stopped
+recording (its collection cut, its stop) is not judged: its last steps may not be in the trace. Where the trace records ops (a deep window),
 the thread of each request's last step is read over its tail, outside every model step: ops or
 Python (with SERVPROF_WITH_STACK=1) most of it are named. Needs the session's request records and
 steps that name their requests (servprof's sessions); an offline trace gets no finding.
@@ -20,6 +21,7 @@ import numpy as np
 
 from servprof.detect.finding import WARNING_SHARE, Finding, severity_for_share
 from servprof.detect.intervals import covered, covered_within, merge
+from servprof.detect.overhead import stop_cutoffs
 from servprof.detect.request_times import RequestTimes
 from servprof.detect.steps import Step
 from servprof.detect.thread_work import thread_work
@@ -57,9 +59,16 @@ def detect_after_last_step(trace: Trace, steps: list[Step], times: dict[str, Req
             for rid in event.request_ids:
                 own.setdefault(rid, []).append((event.start_us, event.end_us))
     steps_start, steps_end = merge(np.array([s.start_us for s in steps]), np.array([s.end_us for s in steps]))
+    # Steps are recorded until servprof stopped recording (its collection cut, or its stop()): a
+    # request answered after that may have had steps the trace does not show.
+    recorded_until = min(stop_cutoffs(trace).values(), default=float(trace.end.max()))
     tails: list[dict[str, Any]] = []
+    unmeasured: list[dict[str, str]] = []
     for rid, t in sorted(times.items()):
         if t.last_byte_us is None:
+            continue
+        if t.last_byte_us > recorded_until:
+            unmeasured.append({"request_id": rid, "why": "answered after the trace stopped recording its steps"})
             continue
         last = max((s for s in steps if rid in s.request_ids and s.end_us <= t.last_byte_us),
                    key=lambda s: s.end_us, default=None)
@@ -73,7 +82,7 @@ def detect_after_last_step(trace: Trace, steps: list[Step], times: dict[str, Req
                       "rank": last.rank, "tail_ms": round(max(0.0, b - a - own_us) / 1e3, 3),
                       "own_phases_ms": round(own_us / 1e3, 3), "other_steps_ms": round(other_us / 1e3, 3),
                       "request_ms": round((b - t.arrival_us) / 1e3, 3), "last_step": last.label})
-    summary["tails"] = tails
+    summary["tails"], summary["unmeasured"] = tails, unmeasured
     long = [x for x in tails if x["tail_ms"] * 1e3 >= AFTER_MIN_US]
     judged = sum(x["request_ms"] for x in tails)
     if not long or judged <= 0:
