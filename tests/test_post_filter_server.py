@@ -38,3 +38,42 @@ def test_work_after_the_last_step_is_named_and_its_absence_is_quiet(tmp_path: Pa
 
     _out, quiet = _findings(tmp_path / "unfiltered", False)
     assert quiet == []
+
+
+def test_a_deep_window_with_stacks_names_the_handlers_work(tmp_path: Path) -> None:
+    """With Python stacks on a deep window, the work after the model is named by its frames: the
+    filter's function and the regex calls inside it. (The pool's threads are warmed by a first
+    session: torch's Python tracer follows the threads alive when it starts.)"""
+    import importlib
+    import threading
+
+    import httpx
+    from _middleware_helpers import serve, wait_idle, wait_sessions, wait_warm
+    from _server_session import servprof_middleware
+
+    from servprof.middleware import ServprofMiddleware
+
+    app = importlib.import_module("servers.post_filter").create_app()
+    app.add_middleware(ServprofMiddleware, out_dir=tmp_path, telemetry=False, sample_every=1,
+                       requests_per_session=REQUESTS, max_session_events=10**9, tier="deep", with_stack=True)
+    wait_idle()
+    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS}
+    with serve(app) as (url, _server):
+        middleware = servprof_middleware(app)
+        wait_warm()
+        for sessions in (1, 2):
+            clients = [threading.Thread(target=httpx.post, args=(url + "/v1/completions",),
+                                        kwargs={"json": body, "timeout": 120}) for _ in range(REQUESTS)]
+            for client in clients:
+                client.start()
+            for client in clients:
+                client.join(120)
+            wait_sessions(middleware, sessions, timeout_s=120)
+            wait_idle()
+        result = middleware.runtime.last_result
+    (finding,) = [f for f in result["findings"] if f["kind"] == "after_last_step"]
+    work = finding["evidence"]["handler_threads"]
+    names = [frame["name"] for frame in work["top_frames"]]
+    assert any("safety_filter" in name for name in names) and any("re.Pattern" in name for name in names), names
+    assert work["busy_ms"] <= work["window_ms"]
+    assert "safety_filter" in finding["title"] or "re.Pattern" in finding["title"]
