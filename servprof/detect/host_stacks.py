@@ -326,7 +326,9 @@ class HostStacks:
         self._stacks: dict[int, ThreadStack] = {}
         # torch's Python tracer records the frames on every thread's stack when it starts, thread
         # after thread (tens of µs apart): where that burst of threads' first frames ends.
-        self.tracer_started_by_us = _tracer_start_burst(trace.ts[rows[python]], tids[python]) if python.any() else None
+        framed_rows = rows[python]
+        self.tracer_started_by_us = _tracer_start_burst(
+            [float(trace.ts[framed_rows[tids[python] == tid]].min()) for tid in framed]) if framed else None
 
     def thread(self, tid: int) -> ThreadStack:
         if tid not in self._stacks:
@@ -439,11 +441,9 @@ def _device_to_host_launches(trace: Trace) -> np.ndarray:
     return launches[launches >= 0]
 
 
-def _tracer_start_burst(ts: np.ndarray, tids: np.ndarray) -> float:
-    """When torch's Python tracer had recorded every thread's stack at its start: the threads'
-    first frames in time order, as long as each follows the one before within TRACER_THREAD_GAP_US."""
-    order = np.argsort(ts, kind="stable")
-    _ids, first = np.unique(tids[order], return_index=True)
-    firsts = np.sort(ts[order][first])
-    apart = np.flatnonzero(np.diff(firsts) > TRACER_THREAD_GAP_US)
-    return float(firsts[apart[0]] if apart.size else firsts[-1])
+def _tracer_start_burst(firsts: list[float]) -> float:
+    """When torch's Python tracer had recorded every thread's stack at its start: the threads' first
+    frames (``firsts``) in time order, as long as each follows the one before within TRACER_THREAD_GAP_US."""
+    ordered = np.sort(np.array(firsts))
+    apart = np.flatnonzero(np.diff(ordered) > TRACER_THREAD_GAP_US)
+    return float(ordered[apart[0]] if apart.size else ordered[-1])
