@@ -11,7 +11,8 @@ import pytest
 
 from servprof.detect import host_stacks
 from servprof.detect.causes import Explained, GapExplainer
-from servprof.detect.host_stacks import CLASSES, HostStacks, ThreadStack
+from servprof.detect.host_classes import CLASSES
+from servprof.detect.host_stacks import HostStacks, ThreadStack
 from servprof.detect.nesting import depths, levels, nearest, parents, start_order
 from servprof.trace import load_trace
 

@@ -44,7 +44,7 @@ def test_host_name_text_is_each_traces_own() -> None:
     import gc
     from pathlib import Path
 
-    from servprof.detect.host_stacks import SYNC_NAMES
+    from servprof.detect.host_classes import SYNC_NAMES
     from servprof.detect.name_scan import _HOST_TEXTS, host_ids_matching, host_name_text
     from servprof.trace import load_trace
 
@@ -69,7 +69,7 @@ def test_name_classes_as_name_by_name() -> None:
     rules give: its class (_class_of_name), and whether it is an annotation."""
     from pathlib import Path
 
-    from servprof.detect.host_stacks import NameClasses, _class_of_name
+    from servprof.detect.host_classes import NameClasses, _class_of_name
     from servprof.detect.step_forms import is_step_annotation
     from servprof.trace import load_trace
     from servprof.trace.phases import PHASE_PREFIX

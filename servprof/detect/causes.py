@@ -23,7 +23,7 @@ import numpy as np
 
 from servprof.detect.cause_texts import CAUSES, cause_fix, cause_label
 from servprof.detect.data_loading import loader_rows, loading_range, loading_us
-from servprof.detect.host_stacks import (
+from servprof.detect.host_classes import (
     BUSY_CLASSES,
     CLASSES,
     COLLECTIVE,
@@ -39,8 +39,8 @@ from servprof.detect.host_stacks import (
     TOKENIZER_NAMES,
     UNTRACED,
     WAIT,
-    HostStacks,
 )
+from servprof.detect.host_stacks import HostStacks
 from servprof.detect.tier import NEEDS_DEEP, NEEDS_DEEP_CAUSE
 from servprof.trace.model import distinct
 from servprof.trace.phases import parse_phase_event_name

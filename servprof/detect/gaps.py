@@ -31,7 +31,8 @@ from servprof.detect.graph_capture import (
     inside_captures,
     launches_inside,
 )
-from servprof.detect.host_stacks import CLASSES, GRAPH_LAUNCH, HostStacks, NameClasses
+from servprof.detect.host_classes import CLASSES, GRAPH_LAUNCH, NameClasses
+from servprof.detect.host_stacks import HostStacks
 from servprof.detect.intervals import merge
 from servprof.detect.name_guard import Guarded
 from servprof.detect.name_scan import host_ids_matching

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from servprof.detect.host_stacks import LAUNCH_NAMES
+from servprof.detect.host_classes import LAUNCH_NAMES
 from servprof.detect.intervals import covered, merge
 from servprof.detect.name_guard import Guarded
 from servprof.detect.name_scan import host_ids_matching

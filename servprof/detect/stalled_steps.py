@@ -15,7 +15,8 @@ import numpy as np
 
 from servprof.detect.causes import GapExplainer
 from servprof.detect.gap import CPU_MIN_GAP_US, RELATIVE_MIN_GAP, Gap
-from servprof.detect.host_stacks import BUSY_CLASSES, TOKENIZE, HostStacks
+from servprof.detect.host_classes import BUSY_CLASSES, TOKENIZE
+from servprof.detect.host_stacks import HostStacks
 from servprof.detect.steps import Step
 from servprof.trace.model import median
 

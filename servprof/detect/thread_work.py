@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from servprof.detect.host_stacks import BUSY_CLASSES, CLASSES, DETOKENIZE, TOKENIZE, HostStacks
+from servprof.detect.host_classes import BUSY_CLASSES, CLASSES, DETOKENIZE, TOKENIZE
+from servprof.detect.host_stacks import HostStacks
 from servprof.detect.intervals import outside
 from servprof.trace.model import Trace
 

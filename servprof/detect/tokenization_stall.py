@@ -18,7 +18,7 @@ import numpy as np
 from servprof.detect.concurrency import other_steps_during
 from servprof.detect.finding import Finding
 from servprof.detect.gaps import Gap
-from servprof.detect.host_stacks import TOKENIZER_NAMES
+from servprof.detect.host_classes import TOKENIZER_NAMES
 from servprof.detect.name_scan import host_ids_matching
 from servprof.detect.overhead import stop_cutoffs
 from servprof.detect.step_forms import outermost

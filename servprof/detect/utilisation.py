@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from servprof.detect.gaps import device_rows, zones
-from servprof.detect.host_stacks import BUSY_CLASSES, HostStacks, NameClasses
+from servprof.detect.host_classes import BUSY_CLASSES, NameClasses
+from servprof.detect.host_stacks import HostStacks
 from servprof.detect.intervals import covered, merge
 from servprof.detect.overhead import stop_cutoffs
 from servprof.detect.step_forms import SOURCE_LABELS, Step
