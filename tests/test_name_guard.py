@@ -10,6 +10,7 @@ import pytest
 from servprof.detect import (
     compile_ranges,
     gaps,
+    host_classes,
     host_reads,
     host_stacks,
     step_compiled,
@@ -20,7 +21,7 @@ from servprof.detect.name_guard import Guarded
 from servprof.trace import load_trace
 
 FIXTURES = Path(__file__).parent / "fixtures"
-GUARDED = {f"{module.__name__}.{name}": value for module in (compile_ranges, gaps, host_reads, host_stacks,
+GUARDED = {f"{module.__name__}.{name}": value for module in (compile_ranges, gaps, host_classes, host_reads, host_stacks,
                                                                            step_compiled, step_forms, step_landmarks)
            for name, value in vars(module).items() if isinstance(value, Guarded)}
 CRAFTED = [
