@@ -48,14 +48,14 @@ def test_both_models_at_once(tmp_path: Path) -> None:
 
 
 def _judged_transcriptions(out: Path, **settings: object) -> dict:
-    """Two 8 s clips transcribed one after the other, in one session. (The first request's wait is
+    """Two 75 s recordings (three 30 s chunks each) transcribed one after the other, in one session. (The first request's wait is
     not judged: a step then running would not be in the trace.) The second's is judged only when its
     pool thread also ran the first one's steps: a thread that ran one request's steps alone counts
     its whole wait as that request's own way there (queue_wait). Which worker the pool hands it is
     the pool's choice, so a session where it was a new one is taken again (up to 3 times)."""
     for attempt in range(3):
         observed = session_on("servers.speech_and_text", out / str(attempt), ["/transcribe"] * 2, 4, spaced_s=0.1,
-                              body={"seconds": 8.0, "max_tokens": 4}, **settings)
+                              body={"seconds": 75.0, "max_tokens": 4}, **settings)
         if any(w["idle_ms"] > 0 for w in observed["result"]["summary"]["detect"]["queue_wait"]["waits"]):
             break
     return observed
