@@ -36,11 +36,10 @@ ENGINE_HINTS = {
               "its profiler (`POST /start_profile`, SGLANG_TORCH_PROFILER_DIR) and read the traces with "
               "`servprof analyze`.",
 }
-COMPILED_GUIDE = ("A deep window reads its steps from the compiled regions torch records, without prefill or decode "
-                  "and without request ids; a light session records no region. For both, mark each step with "
-                  "`with servprof.phase('decode_step'):` (or 'prefill')")
 COMPILED = ("a torch.compile'd model runs in this process: servprof registers no module hooks (adding or "
-            "removing them could make it recompile). " + COMPILED_GUIDE)
+            "removing them could make it recompile). A deep window reads its steps from the compiled regions "
+            "torch records, without prefill or decode and without request ids; a light session records no "
+            "region. For both, mark each step with `with servprof.phase('decode_step'):` (or 'prefill')")
 
 DIRECT_FORWARD = ("{model} runs the model without Module.__call__ ({where}): a model run so (`model.forward(x)`, "
                   "or a `__call__` of its own) runs no module hook, so servprof cannot mark its steps, and does not "

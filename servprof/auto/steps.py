@@ -232,11 +232,13 @@ class StepHooks:
         if _compiling():
             return
         try:
-            state = self._thread_state()
             if not self.discovering:  # kept on only for models that take no hooks of their own
-                if id(module) in self._unhookable and state.handle is None and self.active:
-                    self._open(state, module, args, frame_kwargs())
+                if id(module) in self._unhookable and self.active:  # (every other module call: one set lookup)
+                    state = self._thread_state()
+                    if state.handle is None:
+                        self._open(state, module, args, frame_kwargs())
                 return
+            state = self._thread_state()
             if self._counting:
                 calls = self.module_calls = self.module_calls + 1
                 # Steps running now will make their remaining calls before a stop lands: count them whole.
@@ -265,11 +267,13 @@ class StepHooks:
         if _compiling():
             return
         try:
-            state = self._thread_state()
             if not self.discovering:
-                if state.owner is module and id(module) in self._unhookable:
-                    self._close(state)
+                if id(module) in self._unhookable:
+                    state = self._thread_state()
+                    if state.owner is module:
+                        self._close(state)
                 return
+            state = self._thread_state()
             if state.depth > 0:
                 state.depth -= 1
             if state.depth == 0 and state.owner is module:

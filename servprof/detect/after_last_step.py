@@ -22,17 +22,15 @@ import numpy as np
 from servprof.detect.finding import WARNING_SHARE, Finding, severity_for_share
 from servprof.detect.intervals import covered, covered_within, merge
 from servprof.detect.overhead import stop_cutoffs
-from servprof.detect.request_times import RequestTimes
+from servprof.detect.request_times import RequestTimes, own_phase_spans
 from servprof.detect.steps import Step
 from servprof.detect.thread_work import thread_work
 from servprof.trace.model import Trace, median
-from servprof.trace.phases import phase_events
 
 KIND = "after_last_step"
 # A request's own way out after its last step under this is ordinary (sending the last chunks,
 # the framework's response): a per-request filter or conversion is tens of ms.
 AFTER_MIN_US = 10_000.0
-OWN_PHASES = ("tokenize", "detokenize")
 FIX = (
     "After their last model step these requests' handlers kept them for the time named before the answer went out: "
     "work done per request after the model (a filter or classifier over the text, a format conversion, building a "
@@ -53,11 +51,7 @@ def detect_after_last_step(trace: Trace, steps: list[Step], times: dict[str, Req
     summary: dict[str, Any] = {"tails": []}
     if not times or not steps:
         return [], summary
-    own: dict[str, list[tuple[float, float]]] = {}
-    for event in phase_events(trace):
-        if event.phase in OWN_PHASES:
-            for rid in event.request_ids:
-                own.setdefault(rid, []).append((event.start_us, event.end_us))
+    own = own_phase_spans(trace)
     steps_start, steps_end = merge(np.array([s.start_us for s in steps]), np.array([s.end_us for s in steps]))
     # Steps are recorded until servprof stopped recording (its collection cut, or its stop()): a
     # request answered after that may have had steps the trace does not show.
@@ -76,7 +70,7 @@ def detect_after_last_step(trace: Trace, steps: list[Step], times: dict[str, Req
             continue
         a, b = last.end_us, t.last_byte_us
         spans = own.get(rid, [])
-        own_us = covered_within(np.array([s for s, _ in spans]), np.array([e for _, e in spans]), a, b)
+        own_us = covered_within(np.array([s for s, _e, _t in spans]), np.array([e for _s, e, _t in spans]), a, b)
         other_us = float(covered(steps_start, steps_end, np.array([a]), np.array([b]))[0])
         tails.append({"request_id": rid, "last_step_end_us": a, "last_byte_us": b, "thread": last.tid,
                       "rank": last.rank, "tail_ms": round(max(0.0, b - a - own_us) / 1e3, 3),

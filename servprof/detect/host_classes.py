@@ -149,16 +149,22 @@ def _per_name(size: int, ids: np.ndarray, values: list[Any] | np.ndarray, defaul
     return out
 
 
-def base_classes(trace: Trace, rows: np.ndarray, name_ids: np.ndarray, nc: NameClasses) -> np.ndarray:
-    """Class of an event by its own kind: a Python frame, an op, a launch or other runtime call;
-    annotations (step ranges, servprof phases) record no work of their own: untraced."""
+def in_categories(trace: Trace, rows: np.ndarray, *categories: str) -> np.ndarray:
+    """Which of ``rows`` are of one of ``categories`` (a lookup per row: never a pass over the whole trace)."""
+    return trace.has_id(trace.cat_id[rows], [trace.string_id(c) for c in categories])
+
+
+def base_classes(trace: Trace, rows: np.ndarray, name_ids: np.ndarray, nc: NameClasses,
+                 python: np.ndarray) -> np.ndarray:
+    """Class of an event by its own kind: a Python frame (``python``: which rows are), an op, a
+    launch or other runtime call; annotations (step ranges, servprof phases) record no work of
+    their own: untraced."""
     out = np.full(rows.shape, OP, dtype=np.int8)
-    python = trace.mask_category("python_function")[rows]
     out[python] = PYTHON
     out[python & nc.loop_idle[name_ids]] = WAIT  # an event loop's C core between its callbacks
-    runtime = trace.mask_category(*RUNTIME_CATEGORIES)[rows]
+    runtime = in_categories(trace, rows, *RUNTIME_CATEGORIES)
     launch = nc.launch[name_ids]
     out[runtime & launch] = LAUNCH
     out[runtime & ~launch] = RUNTIME
-    out[trace.mask_category("user_annotation")[rows] | nc.annotation[name_ids]] = UNTRACED
+    out[in_categories(trace, rows, "user_annotation") | nc.annotation[name_ids]] = UNTRACED
     return out

@@ -28,6 +28,7 @@ from servprof.detect.host_classes import (
     UNTRACED,
     NameClasses,
     base_classes,
+    in_categories,
 )
 from servprof.detect.name_scan import host_ids_matching
 from servprof.detect.nesting import depths, extend_ends, levels, nearest, parents, segments, start_order
@@ -202,9 +203,9 @@ class HostStacks:
         self._stacks: dict[int, ThreadStack] = {}
         # torch's Python tracer records the frames on every thread's stack when it starts, thread
         # after thread (tens of µs apart): where that burst of threads' first frames ends.
-        framed_rows = rows[python]
+        framed_ts, framed_tids = trace.ts[rows[python]], tids[python]
         self.tracer_started_by_us = _tracer_start_burst(
-            [float(trace.ts[framed_rows[tids[python] == tid]].min()) for tid in framed]) if framed else None
+            [float(framed_ts[framed_tids == tid].min()) for tid in framed]) if framed else None
 
     def thread(self, tid: int) -> ThreadStack:
         if tid not in self._stacks:
@@ -248,12 +249,13 @@ class HostStacks:
             named = name_ids[nearest(parent, ~nc.generic[name_ids], by_depth)]
             region = region[nearest(parent, region, by_depth)]
         del by_depth
-        cls = base_classes(trace, rows, name_ids, nc)
+        python = in_categories(trace, rows, "python_function")
+        cls = base_classes(trace, rows, name_ids, nc, python)
         cls[(nc.compile[name_ids] | nc.compile[named]) & ((cls == PYTHON) | (cls == OP))] = COMPILE
         inherited = specific >= 0
         cls[inherited] = specific[inherited]
-        at_start = self._call_at_start(rows, parent)
-        del rows, name_ids, specific, inherited, parent
+        at_start = self._call_at_start(rows, parent, python)
+        del rows, name_ids, specific, inherited, parent, python
         cls, named, region = cls[seg_event], named[seg_event], region[seg_event]
         if at_start >= 0:  # the time until its first recorded call: in a call the tracer never saw begin
             first = np.flatnonzero((seg_event == at_start) & ~hole)[:1]
@@ -268,14 +270,13 @@ class HostStacks:
         return stack
 
 
-    def _call_at_start(self, rows: np.ndarray, parent: np.ndarray) -> int:
+    def _call_at_start(self, rows: np.ndarray, parent: np.ndarray, python: np.ndarray) -> int:
         """The innermost frame of the stack the thread had when torch's Python tracer started (its
         row, -1 for none): the time from its start to the first call recorded inside it was a C
         call in progress then (a socket read, an accept, a wait), which the tracer never saw
         begin. That time is the thread's, unrecorded: not Python that held the GIL (a client
         thread blocked in a read is not another thread's GIL). That stack is the thread's first
         rows (in start order), each begun right after its parent."""
-        python = self.trace.mask_category("python_function")[rows]
         if self.tracer_started_by_us is None or not python.any():
             return -1
         start = self.trace.ts[rows]

@@ -35,11 +35,10 @@ import numpy as np
 
 from servprof.detect.finding import WARNING_SHARE, Finding, severity_for_share
 from servprof.detect.intervals import covered, covered_within, merge
-from servprof.detect.request_times import RequestTimes
+from servprof.detect.request_times import RequestTimes, own_phase_spans
 from servprof.detect.steps import Step
 from servprof.detect.thread_work import thread_work
 from servprof.trace.model import Trace, median
-from servprof.trace.phases import phase_events
 
 KIND = "queue_wait"
 MIN_IDLE_US = 1000.0  # a request's wait under this with no step is the ordinary hand-off
@@ -48,7 +47,6 @@ MIN_IDLE_US = 1000.0  # a request's wait under this with no step is the ordinary
 # under load on 2 cores). Awaited work before the call (a retrieval) is tens of ms.
 BEFORE_CALL_MIN_US = 10_000.0
 FIRST_STEP_KINDS = ("prefill", "mixed")
-OWN_PHASES = ("tokenize", "detokenize")
 QUEUED, BEFORE_CALL = "model_idle_while_waiting", "before_model_call"
 FIX_QUEUED = (
     "The model was free while these requests waited: start the next step as soon as one is waiting. Wake the model "
@@ -82,11 +80,7 @@ def detect_queue_wait(trace: Trace, steps: list[Step], times: dict[str, RequestT
     # recorded step, whichever comes first. Waits count from there.
     longest = max(s.end_us - s.start_us for s in steps)
     recorded_from = min(float(busy_start[0]), float(trace.ts.min()) + longest)
-    own: dict[str, list[tuple[float, float, int]]] = {}
-    for event in phase_events(trace):
-        if event.phase in OWN_PHASES:
-            for rid in event.request_ids:
-                own.setdefault(rid, []).append((event.start_us, event.end_us, event.tid))
+    own = own_phase_spans(trace)
     ordered = sorted(steps, key=lambda s: s.start_us)
     busy_spans = list(zip(busy_start.tolist(), busy_end.tolist(), strict=True))
     served: dict[tuple[int, int], set[str]] = {}  # the requests each thread's steps name

@@ -8,6 +8,9 @@ from typing import Any, NamedTuple
 
 from servprof.trace.meta import base_time_ns, whole_int
 from servprof.trace.model import Trace
+from servprof.trace.phases import phase_events
+
+OWN_PHASES = ("tokenize", "detokenize")  # a request's own phases (they have their own finding)
 
 
 class RequestTimes(NamedTuple):
@@ -34,3 +37,13 @@ def request_times(trace: Trace, requests: list[dict[str, Any]] | None) -> dict[s
             float("inf") if end is None else (end + shift) / 1e3,
             None if last_byte is None else (last_byte + shift) / 1e3)
     return out
+
+
+def own_phase_spans(trace: Trace) -> dict[str, list[tuple[float, float, int]]]:
+    """Per request id: its own tokenize / detokenize phases, as (start µs, end µs, thread)."""
+    own: dict[str, list[tuple[float, float, int]]] = {}
+    for event in phase_events(trace):
+        if event.phase in OWN_PHASES:
+            for rid in event.request_ids:
+                own.setdefault(rid, []).append((event.start_us, event.end_us, event.tid))
+    return own

@@ -18,7 +18,7 @@ import orjson
 
 from servprof.trace.errors import TraceError
 from servprof.trace.model import Trace
-from servprof.trace.source import SOURCE_FILE_KEY, max_trace_bytes, read_whole, trace_files
+from servprof.trace.source import SOURCE_FILE_KEY, UTF8_BOM, max_trace_bytes, read_whole, trace_files
 from servprof.trace.values import (
     NO_ARGS,
     Interner,
@@ -34,8 +34,8 @@ from servprof.trace.values import (
 
 def parse_document(path: Path, data: bytes | bytearray) -> tuple[dict[str, Any], list[Any]]:
     """Top-level keys (without the events) and the event list."""
-    if data[:3] == b"\xef\xbb\xbf":  # a UTF-8 byte order mark (a trace re-saved by a Windows editor)
-        data = memoryview(data)[3:]
+    if data[:len(UTF8_BOM)] == UTF8_BOM:
+        data = memoryview(data)[len(UTF8_BOM):]
     try:
         document = orjson.loads(data)
     except orjson.JSONDecodeError as exc:

@@ -102,8 +102,11 @@ def read_chunks(path: Path, limit: int, chunk_bytes: int | None = None) -> Itera
         yield chunk
 
 
+UTF8_BOM = b"\xef\xbb\xbf"  # (a trace re-saved by a Windows editor: read past)
+
+
 def _refuse_foreign(path: Path, head: bytes) -> None:
-    if head.lstrip(b"\xef\xbb\xbf \t\r\n")[:1] in (b"{", b"["):
+    if head.lstrip(UTF8_BOM + b" \t\r\n")[:1] in (b"{", b"["):
         return
     if head.startswith((b"\xff\xfe", b"\xfe\xff")):
         raise TraceError(f"{path}: UTF-16 text (a trace re-saved by an editor or PowerShell?); torch writes its traces "

@@ -28,6 +28,7 @@ import msgspec
 import orjson
 
 from servprof.trace.errors import TraceError
+from servprof.trace.source import UTF8_BOM
 
 BATCH_BYTES = 1024**2  # (with 1 MiB reads: batches of 1-2 MiB, which stay in cache while decoded)
 HEADER_SCAN_BYTES = 64 * 1024**2  # traceEvents further in than this: parse the file whole
@@ -111,8 +112,8 @@ class EventBatches:
     def _events_start(self) -> int:
         """Position just after the events array's ``[``, with the keys before it parsed."""
         self._fill(64 * 1024)
-        if self._buf.startswith(_UTF8_BOM):  # (a trace re-saved by a Windows editor)
-            self._drop(len(_UTF8_BOM))
+        if self._buf.startswith(UTF8_BOM):  # (a trace re-saved by a Windows editor)
+            self._drop(len(UTF8_BOM))
         first = _NOT_SPACE.search(self._buf)
         self._array_format = first is not None and self._buf[first.start()] == ord("[")
         if self._array_format:  # the chrome-trace "JSON Array Format": no keys, events only
@@ -281,7 +282,6 @@ class EventBatches:
         return TraceError(f"{self.path}: not valid JSON ({reason}{where})")
 
 
-_UTF8_BOM = b"\xef\xbb\xbf"
 _TRUNCATED = ("unexpected end of data", "Input data was truncated")
 
 
