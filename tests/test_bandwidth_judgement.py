@@ -247,3 +247,27 @@ def test_a_small_cost_is_never_critical_whatever_its_share(tmp_path: Path, kerne
     else:  # most of the span either way: the cost alone tells warning from critical
         assert finding.evidence["left_on_table_share"] > 0.2
         assert finding.cost_ms == pytest.approx((kernel_us - BIG_BYTES / 3350e9 * 1e6) / 1000, rel=1e-3)
+
+
+def test_shapes_however_written_are_modelled_alike_and_unreadable_args_are_not_guessed(tmp_path: Path):
+    """The detector reads each op's shape args as text (one decode per distinct text): the same
+    shapes written with spaces, in another key order, or with other args around them give the same
+    cost; an op whose shape args are not UTF-8 is not modelled (its args do not decode), and the
+    others still are."""
+    synth = SynthTrace([H100])
+    for i in range(4):
+        synth.op(*ADD[:1], 100.0 * i, 20.0, *ADD[1:], kernel_us=10.0)
+    text = orjson.dumps({**synth.top, "traceEvents": synth.events})
+    dims = orjson.dumps(ADD[1])
+    compact = b'"Input Dims":' + dims
+    assert text.count(compact) == 4
+    second = text.index(compact, text.index(compact) + 1)
+    text = text[:second] + b'"Input Dims" :  ' + dims.replace(b",", b", ") + text[second + len(compact):]
+    third = text.index(compact, second + 1)
+    text = text[:third] + b'"Input Strides": ["\xff"], ' + text[third:]
+    path = tmp_path / "t.json"
+    path.write_bytes(text)
+    analysis = analyse(load_trace(path))
+    assert analysis.summary["bandwidth"]["ops_modelled"] == 3
+    assert [p["bytes"] for p in analysis.kernels] == [ADD_BYTES] * 3
+    assert all(p["shapes"] == ADD[1] for p in analysis.kernels)

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import orjson
 import pytest
@@ -281,6 +282,27 @@ def test_raw_args_segments() -> None:
     assert args[-1] is None
     with pytest.raises(IndexError):
         args[5]
+
+
+class _Picked(msgspec.Struct):
+    a: msgspec.Raw = msgspec.Raw(b"null")
+
+
+def test_raw_args_fields_of_many_rows() -> None:
+    """read_fields: the named fields of each row as text, across segments and in the rows' order;
+    None for rows held as values and for a segment whose text is not all objects (the caller
+    reads those rows in full), never an exception."""
+    args = RawArgs()
+    args.add_text(b'{"a":[1, 2],"b":0},{},{"b":{"a":1}}', np.array([0, 19, 22]), np.array([18, 21, 35]))
+    args.add_values([{"a": 5}])
+    args.add_text(b'{"a":"x"},[2]', np.array([0, 10]), np.array([9, 13]))  # a list: that segment is refused
+    args.add_text(b'{"a":"\xff"}', np.array([0]), np.array([9]))  # not UTF-8: the text is returned as it is
+    decoder = msgspec.json.Decoder(list[_Picked])
+    fields = args.read_fields(np.array([3, 2, 0, 1, 4, 5, 6, -1]), decoder)
+    texts = [None if f is None else bytes(f.a) for f in fields]
+    assert texts == [None, b"null", b"[1, 2]", b"null", None, None, b'"\xff"', b'"\xff"']
+    assert bytes(args.read_fields(np.array([4]), decoder)[0].a) == b'"x"'  # its own rows are objects
+    assert [args.read(r) for r in (0, 2)] == [{"a": [1, 2], "b": 0}, {"b": {"a": 1}}]  # the same rows in full
 
 
 def test_directory_of_ranks_with_small_batches(tmp_path: Path, small_batches: None) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import msgspec
 import numpy as np
 import orjson
 
@@ -100,38 +101,71 @@ class OpCost(NamedTuple):
     types: Any
 
 
+class _ShapeArgs(msgspec.Struct, gc=False):
+    """The args an op's cost is modelled from, as their JSON text (which keys the shapes' cache)."""
+
+    dims: msgspec.Raw = msgspec.field(default=msgspec.Raw(b"null"), name="Input Dims")
+    types: msgspec.Raw = msgspec.field(default=msgspec.Raw(b"null"), name="Input type")
+    concrete: msgspec.Raw = msgspec.field(default=msgspec.Raw(b"null"), name="Concrete Inputs")
+    strides: msgspec.Raw = msgspec.field(default=msgspec.Raw(b"null"), name="Input Strides")
+
+
+_SHAPE_ARGS = msgspec.json.Decoder(list[_ShapeArgs])
+ShapeValues = tuple[Any, Any, Any, Any]  # Input Dims, Input type, Concrete Inputs, Input Strides
+
+
 def _outermost_modelled(trace: Trace, rows: np.ndarray) -> tuple[np.ndarray, list[OpCost]]:
     """The modelled ops to count, each once: per thread, an op inside one already counted is part of
     it (addmm's bias copy_, to -> _to_copy -> copy_); an op that cannot be modelled leaves its
     children to be counted instead."""
     order = np.lexsort((-trace.dur[rows], trace.ts[rows], trace.tid[rows], trace.pid[rows], trace.rank[rows]))
     rows = rows[order]
-    cache: dict[bytes, OpCost | None] = {}
+    cache: dict[Any, OpCost | None] = {}
     taken: list[int] = []
     costs: list[OpCost] = []
     ends = (trace.ts[rows] + trace.dur[rows]).tolist()
     keys = zip(trace.rank[rows].tolist(), trace.pid[rows].tolist(), trace.tid[rows].tolist(), strict=True)
     names = trace.name_id[rows].tolist()
     covered: dict[tuple[int, int, int], float] = {}
-    for row, name_id, start, end, thread in zip(rows.tolist(), names, trace.ts[rows].tolist(), ends, keys,
-                                                strict=True):
+    # The four shape args of every op, as text: decode repeats a few shapes thousands of times, so
+    # each distinct text is decoded once (an op's whole args, decoded, took most of this pass).
+    fields_of = trace.arg_fields_each(rows, _SHAPE_ARGS)
+    for row, name_id, start, end, thread, fields in zip(rows.tolist(), names, trace.ts[rows].tolist(), ends, keys,
+                                                        fields_of, strict=True):
         if start < covered.get(thread, -np.inf):
             continue
-        args = trace.args_once(row)  # (read once per op: kept, every op's args would stay in memory)
-        name = trace.names[name_id]
-        shape_key = orjson.dumps([name, args.get("Input Dims"), args.get("Input type"), args.get("Concrete Inputs"),
-                                  args.get("Input Strides")], default=str)
-        if shape_key not in cache:
-            modelled = op_cost(name, args.get("Input Dims"), args.get("Input type"), args.get("Concrete Inputs"),
-                               args.get("Input Strides"))
-            cache[shape_key] = None if modelled is None else OpCost(*modelled, args.get("Input Dims"),
-                                                                    args.get("Input type"))
+        if fields is not None:
+            shape_key: Any = (name_id, b"\0".join((fields.dims, fields.types, fields.concrete, fields.strides)))
+            if shape_key not in cache:
+                cache[shape_key] = _op_cost(trace.names[name_id], _shape_values(fields))
+        else:  # args held as values, or not objects: read in full
+            args = trace.args_once(row)  # (read once per op: kept, every op's args would stay in memory)
+            values = (args.get("Input Dims"), args.get("Input type"), args.get("Concrete Inputs"),
+                      args.get("Input Strides"))
+            shape_key = orjson.dumps([trace.names[name_id], *values], default=str)
+            if shape_key not in cache:
+                cache[shape_key] = _op_cost(trace.names[name_id], values)
         cost = cache[shape_key]
         if cost is not None:
             taken.append(row)
             costs.append(cost)
             covered[thread] = end
     return np.array(taken, dtype=np.int64), costs
+
+
+def _shape_values(fields: _ShapeArgs) -> ShapeValues:
+    """The four args decoded; all None when one is not JSON orjson reads (as a row whose args do
+    not decode has none)."""
+    try:
+        return tuple(orjson.loads(memoryview(text))  # type: ignore[return-value]  # (orjson reads no Raw)
+                     for text in (fields.dims, fields.types, fields.concrete, fields.strides))
+    except orjson.JSONDecodeError:
+        return (None, None, None, None)
+
+
+def _op_cost(name: str, values: ShapeValues) -> OpCost | None:
+    modelled = op_cost(name, *values)
+    return None if modelled is None else OpCost(*modelled, values[0], values[1])
 
 
 def launched_by(trace: Trace, ops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -127,31 +127,56 @@ class RawArgs(Sequence[Any]):
 
     def read_many(self, rows: np.ndarray) -> list[Any]:
         """read() of each row, the text of one segment decoded in one call."""
+        out: list[Any] = [None] * len(rows)
+        for members, rows_here, segment, offsets in self._by_segment(rows):
+            if isinstance(segment, list):
+                values = [segment[o] for o in offsets.tolist()]
+            else:
+                values = self._decode_many(segment, offsets)
+            for i, row, value in zip(members.tolist(), rows_here.tolist(), values, strict=True):
+                out[i] = self._decoded.get(row, value)
+        return out
+
+    def read_fields(self, rows: np.ndarray, decoder: msgspec.json.Decoder) -> list[Any]:
+        """Some fields of each row's args, by ``decoder`` (of a list of Structs naming them, read
+        as msgspec.Raw to stay text): much faster than decoding whole args where a pass needs a
+        few of them. None for a row held as a value (not text), or of a segment's rows whose
+        text the decoder refuses (args that are not objects): the caller reads those in full."""
+        out: list[Any] = [None] * len(rows)
+        for members, _, segment, offsets in self._by_segment(rows):
+            if isinstance(segment, list):
+                continue
+            try:
+                values = decoder.decode(_joined(segment, offsets))
+            except (msgspec.DecodeError, RecursionError):
+                continue
+            for i, value in zip(members.tolist(), values, strict=True):
+                out[i] = value
+        return out
+
+    def _by_segment(self, rows: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray, Segment | list[Any], np.ndarray]]:
+        """The rows grouped by the segment holding them: (their indices in ``rows``, the rows, the
+        segment (its text found), their offsets in it)."""
         rows = np.asarray(rows, dtype=np.int64) % max(self._rows, 1)
-        out: list[Any] = [None] * rows.size
         segment_of = np.searchsorted(np.asarray(self._first_rows, dtype=np.int64), rows, side="right") - 1
         order = np.argsort(segment_of, kind="stable")
         bounds = np.flatnonzero(np.diff(segment_of[order])) + 1
         for members in np.split(order, bounds) if rows.size else []:
             index = int(segment_of[members[0]])
-            segment, offsets = self._segments[index], rows[members] - self._first_rows[index]
-            if isinstance(segment, list):
-                values = [segment[o] for o in offsets.tolist()]
-            else:
-                values = self._decode_many(segment.segment() if isinstance(segment, BatchText) else segment, offsets)
-            for i, row, value in zip(members.tolist(), rows[members].tolist(), values, strict=True):
-                out[i] = self._decoded.get(row, value)
-        return out
+            segment = self._segments[index]
+            if isinstance(segment, BatchText):
+                segment = segment.segment()
+            yield members, rows[members], segment, rows[members] - self._first_rows[index]
 
     @staticmethod
     def _decode_many(segment: Segment, offsets: np.ndarray) -> list[Any]:
-        text, starts, ends = segment
-        view = memoryview(text)
-        pieces = [view[a:b] for a, b in zip(starts[offsets].tolist(), ends[offsets].tolist(), strict=True)]
         try:
-            return orjson.loads(b"".join((b"[", b",".join(pieces), b"]")))  # type: ignore[no-any-return]
+            return orjson.loads(_joined(segment, offsets))  # type: ignore[no-any-return]
         except orjson.JSONDecodeError:  # one row's text is not JSON (not UTF-8, too deep): each on its own
-            return [_loads_or_none(piece) for piece in pieces]
+            text, starts, ends = segment
+            view = memoryview(text)
+            return [_loads_or_none(view[a:b]) for a, b in zip(starts[offsets].tolist(), ends[offsets].tolist(),
+                                                                 strict=True)]
 
     def _value(self, row: int) -> tuple[Any, bool]:
         """(the row's args, whether they were decoded from text)."""
@@ -172,6 +197,14 @@ class RawArgs(Sequence[Any]):
 
     def __iter__(self) -> Iterator[Any]:
         return (self[row] for row in range(self._rows))
+
+
+def _joined(segment: Segment, offsets: np.ndarray) -> bytes:
+    """The args of some rows of a segment as one JSON array."""
+    text, starts, ends = segment
+    view = memoryview(text)
+    pieces = [view[a:b] for a, b in zip(starts[offsets].tolist(), ends[offsets].tolist(), strict=True)]
+    return b"".join((b"[", b",".join(pieces), b"]"))
 
 
 def _loads_or_none(text: Any) -> Any:

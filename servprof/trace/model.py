@@ -142,6 +142,14 @@ class Trace:
             values = read_many(part) if read_many is not None else [self.raw_args[int(r)] for r in part]
             yield from (v if isinstance(v, dict) and v else {} for v in values)
 
+    def arg_fields_each(self, rows: np.ndarray, decoder: Any, chunk: int = 4096) -> Iterator[Any]:
+        """Some fields of each row's args in turn (RawArgs.read_fields: a Struct, or None where
+        the caller must read the row's args in full), a chunk of rows at a time."""
+        read_fields = getattr(self.raw_args, "read_fields", None)
+        for first in range(0, len(rows), chunk):
+            part = rows[first:first + chunk]
+            yield from read_fields(part, decoder) if read_fields is not None else [None] * len(part)
+
     def string_id(self, text: str) -> int:
         """The interned id of ``text``, or -1 when no event uses it."""
         return self._name_lookup.get(text, -1)
