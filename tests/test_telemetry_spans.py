@@ -357,3 +357,102 @@ def test_a_downstream_server_span_nests_under_the_request_span(tmp_path: Path) -
     assert downstream.context.trace_id == request_span.context.trace_id
     assert downstream.parent.span_id == request_span.context.span_id
     built.observer.shutdown()
+
+
+def _nesting_app(app_tracer: Any, seen: list[dict[str, str]]) -> Any:
+    """An app that starts its own spans as users do (the current span as parent), in an async
+    endpoint and in a plain def one (run on a worker thread), and records the headers it got."""
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    async def generate(request: Any) -> PlainTextResponse:
+        seen.append(dict(request.headers))
+        with app_tracer.start_as_current_span("app.generate"):
+            return PlainTextResponse("ok")
+
+    def tokenize(request: Any) -> PlainTextResponse:
+        with app_tracer.start_as_current_span("app.tokenize"):
+            return PlainTextResponse("ok")
+
+    return Starlette(routes=[Route("/generate", generate), Route("/tokenize", tokenize)])
+
+
+@pytest.mark.parametrize("provider", ["servprof", "host"])
+@pytest.mark.parametrize("incoming", [None, "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"],
+                         ids=["new_trace", "incoming_traceparent"])
+def test_an_outer_instrumentations_server_span_is_the_parent(tmp_path: Path, provider: str,
+                                                             incoming: str | None) -> None:
+    """opentelemetry-instrument or FastAPIInstrumentor puts OpenTelemetry's ASGI middleware outside
+    servprof's: its SERVER span is current when servprof sees the request. servprof's span is then
+    its INTERNAL child (one SERVER span a request), with or without an incoming traceparent (before:
+    a second SERVER span, a sibling under the client's parent); the app's own spans nest under
+    servprof's, and the trace state the app is given is the outer span's."""
+    from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    from servprof.telemetry.observer import TelemetryObserver
+    from servprof.telemetry.setup import Pipeline
+
+    host_exporter = InMemorySpanExporter()
+    host = TracerProvider()
+    host.add_span_processor(SimpleSpanProcessor(host_exporter))
+    if provider == "host":  # servprof on the host's provider (SERVPROF_TELEMETRY_EXPORTER=auto under it)
+        observer: Any = TelemetryObserver(Pipeline(host, MeterProvider(), "host"))
+        servprof_exporter = host_exporter
+    else:
+        servprof_exporter = InMemorySpanExporter()
+        observer = create_observer(Settings(out_dir=tmp_path), environ={}, span_exporter=servprof_exporter)
+    seen: list[dict[str, str]] = []
+    inner, keeper = behind_middleware(_nesting_app(host.get_tracer("app"), seen), observer, tmp_path)
+    app = OpenTelemetryMiddleware(inner, tracer_provider=host, exclude_spans=["receive", "send"])
+    headers = {"traceparent": incoming, "tracestate": "vendor=abc"} if incoming else {}
+    with serve(app) as url, httpx.Client() as client:
+        assert client.get(url + "/generate", headers=headers).status_code == 200
+        assert client.get(url + "/tokenize", headers=headers).status_code == 200
+    keeper.wait_records(2)
+    observer.force_flush()
+    spans = list(host_exporter.get_finished_spans())
+    ours = [s for s in servprof_exporter.get_finished_spans() if s.instrumentation_scope.name == "servprof"]
+    outer = [s for s in spans if s.kind == SpanKind.SERVER and s.instrumentation_scope.name != "servprof"]
+    assert len(ours) == len(outer) == 2
+    for mine, theirs, app_span in zip(ours, outer, (s for s in spans if s.name.startswith("app.")), strict=True):
+        assert mine.kind == SpanKind.INTERNAL
+        assert mine.context.trace_id == theirs.context.trace_id == app_span.context.trace_id
+        assert mine.parent.span_id == theirs.context.span_id
+        assert app_span.parent.span_id == mine.context.span_id
+        if incoming:
+            assert f"{theirs.context.trace_id:032x}" == incoming.split("-")[1]
+    (headers_seen,) = seen
+    assert headers_seen["traceparent"].split("-")[2] == f"{ours[0].context.span_id:016x}"
+    assert headers_seen.get("tracestate") == ("vendor=abc" if incoming else None)
+    observer.shutdown()
+
+
+def test_the_apps_own_spans_nest_under_the_request_span(tmp_path: Path) -> None:
+    """With servprof alone, the request span is the current span while the app runs (as an
+    OpenTelemetry server instrumentation's is): the app's spans, on the loop or on a worker thread,
+    are its children, not roots of traces of their own; and the context is restored after."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    app_exporter = InMemorySpanExporter()
+    app_provider = TracerProvider()
+    app_provider.add_span_processor(SimpleSpanProcessor(app_exporter))
+    built = Stack(tmp_path)
+    app, built.keeper = behind_middleware(_nesting_app(app_provider.get_tracer("app"), []), built.observer, tmp_path)
+    with serve(app) as url, httpx.Client() as client:
+        assert client.get(url + "/generate").status_code == 200
+        assert client.get(url + "/tokenize").status_code == 200
+    request_spans = built.spans()
+    app_spans = list(app_exporter.get_finished_spans())
+    assert [s.kind for s in request_spans] == [SpanKind.SERVER] * 2
+    assert [s.name for s in app_spans] == ["app.generate", "app.tokenize"]
+    for request_span, app_span in zip(request_spans, app_spans, strict=True):
+        assert app_span.context.trace_id == request_span.context.trace_id
+        assert app_span.parent.span_id == request_span.context.span_id
+    assert not trace.get_current_span().get_span_context().is_valid
+    built.observer.shutdown()

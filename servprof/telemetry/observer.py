@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from opentelemetry import context as context_api
 from opentelemetry import metrics, propagate, trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
@@ -22,7 +23,7 @@ from servprof import __version__
 from servprof.observers import RequestRecord
 from servprof.telemetry import attributes as attrs
 from servprof.telemetry.analysis_spans import AnalysisSpanEmitter, SampledParent, SampledParents
-from servprof.telemetry.request_span import DirectServerSpans
+from servprof.telemetry.request_span import CurrentRequestSpan, DirectServerSpans
 from servprof.telemetry.setup import Pipeline
 
 # Recommended explicit bucket boundaries from the GenAI metrics semantic conventions.
@@ -85,14 +86,23 @@ class TelemetryObserver:
     def on_request_start(self, record: RequestRecord, scope: dict[str, Any]) -> tuple[Any, ...]:
         self.requests_started += 1
         headers = scope.get("headers") or []
+        # An instrumentation outside servprof (opentelemetry-instrument, FastAPIInstrumentor) has
+        # made this request's SERVER span and made it current: servprof's span is its INTERNAL
+        # child, as nested OpenTelemetry instrumentations do (one SERVER span a request), whatever
+        # the headers say (that span has read them).
+        current_context = context_api.get_current()
+        outer = trace.get_current_span(current_context).get_span_context()
+        nested = outer.is_valid
         if self._w3c_only:
             # The default propagators: only traceparent changes (the span continues any
             # incoming tracestate and baggage unchanged), so it is formatted directly.
             kept = [header for header in headers if header[0] != b"traceparent" and header[0] != b"tracestate"]
             parent_context = None
-            if len(kept) != len(headers):
+            if nested:
+                parent_context = current_context
+            elif len(kept) != len(headers):
                 parent_context = self._propagator.extract(self._carrier(headers))
-            state = self._start(record, parent_context)
+            state = self._start(record, parent_context, nested)
             if self._direct is not None:
                 trace_id, span_id, flags = state[0], state[1], 1 if state[2] else 0
                 continued = state[4] is not None
@@ -101,28 +111,39 @@ class TelemetryObserver:
                 trace_id, span_id, flags = context.trace_id, context.span_id, context.trace_flags
                 continued = parent_context is not None and trace.get_current_span(
                     parent_context).get_span_context().is_valid
-            if continued:  # W3C: tracestate belongs to the incoming trace; a new root drops it
+            if nested:  # the trace state is the outer span's (it may have started a new trace)
+                if outer.trace_state:
+                    kept.append((b"tracestate", outer.trace_state.to_header().encode("latin-1")))
+            elif continued:  # W3C: tracestate belongs to the incoming trace; a new root drops it
                 kept.extend(header for header in headers if header[0] == b"tracestate")
             kept.append((b"traceparent", b"00-%032x-%016x-%02x" % (trace_id, span_id, flags)))
         else:
             kept = [header for header in headers if header[0] not in self._propagation_headers]
-            parent_context = (
-                self._propagator.extract(self._carrier(headers)) if len(kept) != len(headers) else None
-            )
-            state = self._start(record, parent_context)
+            if nested:
+                parent_context = current_context
+            else:
+                parent_context = (
+                    self._propagator.extract(self._carrier(headers)) if len(kept) != len(headers) else None
+                )
+            state = self._start(record, parent_context, nested)
             span = trace.NonRecordingSpan(self._context_of(state))
             outgoing: dict[str, str] = {}
             self._propagator.inject(outgoing, context=trace.set_span_in_context(span, parent_context))
             kept.extend((name.encode("latin-1"), value.encode("latin-1")) for name, value in outgoing.items())
-        # The app (and a server under it, like vLLM) sees this span as its parent.
+        # The app (and a server under it, like vLLM) sees this span as its parent in the headers;
+        # the app's own spans see it as the current span while the request runs (detached at its end,
+        # in the same task: the middleware calls both ends from its request coroutine).
         scope["headers"] = kept
         if record.sampled:
-            # Kept from the start: the session's analysis can arrive before a long stream ends.
             context = self._context_of(state)
             if context.trace_flags.sampled:
+                # Kept from the start: the session's analysis can arrive before a long stream ends.
                 start_ns = record.arrival_ns or time.time_ns()
                 self._parents.put(record.request_id, SampledParent(context, start_ns))
-        return (*state, scope.get("http_version"))
+        current = state[1] if self._direct is None else CurrentRequestSpan(state)
+        token = context_api.attach(
+            trace.set_span_in_context(current, current_context if parent_context is None else parent_context))
+        return (*state, scope.get("http_version"), token)
 
     def _carrier(self, headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
         return {
@@ -131,14 +152,15 @@ class TelemetryObserver:
             if name in self._propagation_headers
         }
 
-    def _start(self, record: RequestRecord, parent_context: Any) -> tuple[Any, ...]:
+    def _start(self, record: RequestRecord, parent_context: Any, nested: bool) -> tuple[Any, ...]:
         """What the end needs: a deferred span's ids on servprof's own provider (see
         DirectServerSpans.start), or (span context, API span) on a host's provider, whose
         attributes are all set at the end (cheaper than twice)."""
+        kind = SpanKind.INTERNAL if nested else SpanKind.SERVER
         if self._direct is not None:
-            return self._direct.start(record.method, parent_context)
+            return self._direct.start(record.method, parent_context, kind)
         span = self._tracer.start_span(
-            record.method, context=parent_context, kind=SpanKind.SERVER, start_time=record.arrival_ns or None
+            record.method, context=parent_context, kind=kind, start_time=record.arrival_ns or None
         )
         return span.get_span_context(), span
 
@@ -148,6 +170,7 @@ class TelemetryObserver:
     def on_request_end(self, record: RequestRecord, state: Any) -> None:
         if state is None:
             return
+        context_api.detach(state[-1])
         self.requests_ended += 1
         end_perf_ns = record.end_ns or record.last_byte_ns
         if end_perf_ns is not None and record.arrival_ns:
@@ -177,7 +200,7 @@ class TelemetryObserver:
             self._direct.end(record, state, start_ns, end_ns, genai, app)
         else:
             span = state[1]
-            attributes = attrs.server_span_attributes(record, state[-1], genai, app)
+            attributes = attrs.server_span_attributes(record, state[2], genai, app)
             span.update_name(attrs.span_name(record))
             span.set_attributes(attributes)
             if attrs.ERROR_TYPE in attributes:

@@ -58,9 +58,9 @@ class DirectServerSpans:
         self._follows_parent = sampler_type is ParentBased and description == _PARENT_BASED_DEFAULT
         self._always_on = sampler_type is StaticSampler and description == _ALWAYS_ON
 
-    def start(self, name: str, parent_context: Context | None) -> tuple[Any, ...]:
-        """(trace id, span id, sampled, trace state, parent span context, sampler attributes):
-        the SpanContext itself (~0.7 us) is only built for spans that are exported."""
+    def start(self, name: str, parent_context: Context | None, kind: SpanKind = SpanKind.SERVER) -> tuple[Any, ...]:
+        """(trace id, span id, sampled, trace state, parent span context, sampler attributes,
+        kind): the SpanContext itself (~0.7 us) is only built for spans that are exported."""
         parent: SpanContext | None = None
         if parent_context is not None:
             parent = trace.get_current_span(parent_context).get_span_context()
@@ -71,11 +71,11 @@ class DirectServerSpans:
         if self._follows_parent or self._always_on:
             sampled = self._always_on or parent is None or parent.trace_flags.sampled
             trace_state = parent.trace_state if parent is not None else None
-            return trace_id, ids.generate_span_id(), sampled, trace_state, parent, None
-        result = self._sampler.should_sample(parent_context, trace_id, name, SpanKind.SERVER)
+            return trace_id, ids.generate_span_id(), sampled, trace_state, parent, None, kind
+        result = self._sampler.should_sample(parent_context, trace_id, name, kind)
         return (
             trace_id, ids.generate_span_id(), result.decision.is_sampled(), result.trace_state, parent,
-            result.attributes,
+            result.attributes, kind,
         )  # fmt: skip
 
     @staticmethod
@@ -101,6 +101,22 @@ class DirectServerSpans:
         self._processor.on_end(pending)
 
 
+class CurrentRequestSpan(trace.NonRecordingSpan):
+    """The request span as the app's current span while it runs, on servprof's own provider (which
+    builds the real span at export): its SpanContext is built only when something reads it, as
+    most requests' apps never do (~0.5 us a request)."""
+
+    def __init__(self, state: tuple[Any, ...]) -> None:  # (DirectServerSpans.start's tuple)
+        self._state = state
+        self._built: SpanContext | None = None
+
+    @property
+    def _context(self) -> SpanContext:  # what NonRecordingSpan reads
+        if self._built is None:
+            self._built = DirectServerSpans.context_of(self._state)
+        return self._built
+
+
 class _SampledMark:
     """What the batch processor reads from a queued span: `.trace_flags.sampled`. Only
     sampled spans are queued; the real SpanContext is built with the span on export."""
@@ -117,7 +133,7 @@ class PendingServerSpan:
     context: ClassVar[_SampledMark] = _SampledMark()
     owner: DirectServerSpans
     record: RequestRecord
-    state: tuple[Any, ...]  # DirectServerSpans.start's tuple, then the HTTP version
+    state: tuple[Any, ...]  # DirectServerSpans.start's tuple, then the HTTP version and a context token
     start_ns: int
     end_ns: int
     genai: dict[str, Any] | None  # None: read from the body head when built
@@ -131,7 +147,7 @@ class PendingServerSpan:
                 record.method, record.path, record.request_body_head, owner.capture_content
             )
         app = attrs.app_attributes(self.app, owner.capture_content) if self.app else None
-        attributes = attrs.server_span_attributes(record, state[6], genai, app)
+        attributes = attrs.server_span_attributes(record, state[7], genai, app)
         if state[5]:  # the sampler's attributes
             attributes.update(state[5])
         return ReadableSpan(
@@ -141,7 +157,7 @@ class PendingServerSpan:
             resource=owner.resource,
             attributes=BoundedAttributes(owner.limits.max_span_attributes, attributes, immutable=True,
                                          max_value_len=owner.limits.max_span_attribute_length),
-            kind=SpanKind.SERVER,
+            kind=state[6],
             status=attrs.span_status(attributes),
             start_time=self.start_ns,
             end_time=self.end_ns,
