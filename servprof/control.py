@@ -22,7 +22,7 @@ from starlette.types import Receive, Scope, Send
 
 from servprof.probes.snapshot import SnapshotTooSoon, SnapshotUnavailable
 from servprof.runtime import ServprofRuntime
-from servprof.sampling import Sampler, bearer_token
+from servprof.sampling import Sampler, bearer_token, route_path
 from servprof.tiers import TIERS
 
 _JSON_HEADERS = [(b"content-type", b"application/json"), (b"cache-control", b"no-store")]
@@ -75,7 +75,7 @@ async def handle(runtime: ServprofRuntime, scope: Scope, receive: Receive, send:
         await respond(send, 401, {"error": "missing or wrong bearer token for servprof control"},
                       [(b"www-authenticate", b'Bearer realm="servprof"')])
         return
-    endpoint = scope["path"][len(settings.control_prefix):]
+    endpoint = route_path(scope)[len(settings.control_prefix):]
     method = scope["method"]
     if endpoint == "/status":
         if method != "GET":

@@ -24,7 +24,7 @@ from servprof.capture import SHUTDOWN_FLUSH_S, CaptureController, Session
 from servprof.observers import RequestRecord
 from servprof.request_context import accept_request_id, request_id_var, request_record_var
 from servprof.runtime import ServprofRuntime, create_observers
-from servprof.sampling import bearer_token
+from servprof.sampling import bearer_token, route_path
 from servprof.settings import Settings
 
 _perf_ns = time.perf_counter_ns
@@ -66,7 +66,7 @@ class ServprofMiddleware:
             await self.app(scope, receive, send)
             return
         if self._control_prefix is not None:
-            path = scope["path"]
+            path = route_path(scope)
             if path.startswith(self._control_prefix_slash) or path == self._control_prefix:
                 # Served even when servprof is disabled, so status can say so.
                 await control.handle(self.runtime, scope, receive, send)
@@ -186,7 +186,7 @@ class _RequestResponder:
         runtime.counters["requests"] += 1
 
         session: Session | None = None
-        reason = runtime.sampler.decide(sample_asked, presented_token, method, scope["path"])
+        reason = runtime.sampler.decide(sample_asked, presented_token, method, route_path(scope))
         if reason is not None:
             session = await runtime.join_session(record, reason)
 

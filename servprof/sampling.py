@@ -28,6 +28,7 @@ import hmac
 import random
 import re
 import threading
+from typing import Any
 
 from servprof.settings import Settings
 
@@ -64,6 +65,20 @@ class RouteFilter:
         if self._sample is not None:
             return self._sample.match(path) is not None
         return method not in _NON_MODEL_METHODS
+
+
+def route_path(scope: dict[str, Any]) -> str:
+    """The path the app routes on: ``path`` without ``root_path``, the prefix a proxy strips
+    (``uvicorn --root-path /api``, ``FastAPI(root_path=...)``), which ASGI servers put in
+    ``path``. Sampling globs and servprof's own endpoints match it, as the app's routes do."""
+    path: str = scope["path"]
+    root = scope.get("root_path")
+    if root and path.startswith(root):
+        if len(path) == len(root):
+            return "/"
+        if path[len(root)] == "/":
+            return path[len(root):]
+    return path
 
 
 def bearer_token(authorization: bytes | None) -> bytes | None:

@@ -116,15 +116,16 @@ def make_app(engine: TinyEngine, seen: dict[str, Any] | None = None) -> Starlett
 
 
 @contextlib.contextmanager
-def serve(app: Any) -> Iterator[tuple[str, uvicorn.Server]]:
-    """Run ``app`` under uvicorn on an ephemeral loopback port in a thread; yields (base_url, server)."""
+def serve(app: Any, root_path: str = "") -> Iterator[tuple[str, uvicorn.Server]]:
+    """Run ``app`` under uvicorn on an ephemeral loopback port in a thread; yields (base_url, server).
+    ``root_path``: uvicorn's --root-path, as behind a proxy that strips that prefix."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     # SERVPROF_TEST_LOOP: uvicorn's --loop (auto: uvloop where installed, as here; asyncio: the standard loop).
     config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5,
-                            loop=os.environ.get("SERVPROF_TEST_LOOP", "auto"))
+                            loop=os.environ.get("SERVPROF_TEST_LOOP", "auto"), root_path=root_path)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -142,7 +143,7 @@ def serve(app: Any) -> Iterator[tuple[str, uvicorn.Server]]:
 
 
 @contextlib.contextmanager
-def tiny_server(tmp_path: Any, seen: dict[str, Any] | None = None,
+def tiny_server(tmp_path: Any, seen: dict[str, Any] | None = None, root_path: str = "",
                 **settings: Any) -> Iterator[tuple[str, ServprofMiddleware, TinyEngine]]:
     """The tiny app behind ServprofMiddleware (telemetry off), served on loopback."""
     settings.setdefault("out_dir", tmp_path / "out")
@@ -154,7 +155,7 @@ def tiny_server(tmp_path: Any, seen: dict[str, Any] | None = None,
     middleware = ServprofMiddleware(make_app(engine, seen), **settings)
     wait_warm()
     try:
-        with serve(middleware) as (url, _server):
+        with serve(middleware, root_path) as (url, _server):
             yield url, middleware, engine
     finally:
         engine.stop()

@@ -214,3 +214,21 @@ def test_complete_stream_is_not_a_disconnect_but_a_client_leaving_is(tmp_path: P
     assert not complete.disconnected and complete.chunks == 5
     assert left.disconnected and left.last_byte_ns is None
     assert mw.runtime.counters["disconnects"] == 1
+
+
+def test_behind_a_proxy_prefix_routes_and_endpoints_match_as_the_apps_do(tmp_path: Path) -> None:
+    """uvicorn --root-path /api (a proxy strips /api before the server): ASGI servers put the prefix in
+    ``path`` and the app routes on the rest. servprof matched the whole path: its endpoints answered
+    the app's 404, sample_routes "/v1/*" sampled nothing and skip_routes skipped nothing."""
+    wait_idle()
+    with tiny_server(tmp_path, root_path="/api", control_token=TOKEN, sample_every=1, requests_per_session=1,
+                     sample_routes="/v1/*,/hello", skip_routes="/hello", analysis=False) as (url, mw, _e), \
+            httpx.Client(timeout=30) as client:
+        status = client.get(url + "/servprof/status", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert status.status_code == 200 and status.json()["settings"]["control_prefix"] == "/servprof"
+        assert client.get(url + "/hello").status_code == 200  # skipped: never counted
+        response = client.post(url + "/v1/generate", json={"max_tokens": 2, "stream": False})
+        assert response.status_code == 200
+        wait_idle()
+    assert mw.runtime.counters["sampled"] == 1, mw.runtime.counters
+    assert mw.runtime.counters["control_requests"] == 1

@@ -13,7 +13,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from servprof.sampling import REASON_ON_DEMAND, RouteFilter, Sampler
+from servprof.sampling import REASON_ON_DEMAND, RouteFilter, Sampler, route_path
 from servprof.settings import Settings, SettingsError
 from servprof.store import TRACE_SUFFIX, StoreError, TraceStore, linked_prefix
 
@@ -267,3 +267,14 @@ def test_retention_ignores_a_trace_removed_meanwhile(tmp_path: Path, monkeypatch
     (store.traces_dir / f"a{TRACE_SUFFIX}").unlink()  # another worker's retention
     monkeypatch.setattr(store, "traces", lambda: listed)
     assert store.enforce_retention() == [store.traces_dir / f"a{TRACE_SUFFIX}"]
+
+
+@pytest.mark.parametrize(("path", "root_path", "routed"), [
+    ("/v1/chat", "", "/v1/chat"),
+    ("/api/v1/chat", "/api", "/v1/chat"),
+    ("/api", "/api", "/"),
+    ("/apiv1/chat", "/api", "/apiv1/chat"),  # a prefix of a segment is not the root
+    ("/v1/chat", "/api", "/v1/chat"),  # a server that leaves the root out of path
+])
+def test_routes_match_the_path_without_the_root_path(path: str, root_path: str, routed: str) -> None:
+    assert route_path({"path": path, "root_path": root_path}) == routed
