@@ -207,6 +207,7 @@ class _RequestResponder:
             controller.first_model_request_ns = record.arrival_ns
         id_token = request_id_var.set(request_id)
         record_token = request_record_var.set(record)
+        root_path = scope.get("root_path", "")
         try:
             await middleware.app(scope, self.receive, self.send)
         except BaseException as exc:
@@ -221,7 +222,7 @@ class _RequestResponder:
                 controller.model_requests_done += 1
             route = scope.get("route")
             if route is not None:
-                record.route = getattr(route, "path", None)
+                record.route = _route_template(route, root_path, scope)
             if record.disconnected:
                 runtime.counters["disconnects"] += 1
             if states is not None:
@@ -273,6 +274,23 @@ class _RequestResponder:
                 message = dict(message)
                 message["headers"] = [*headers, (b"x-request-id", self.request_id_bytes)]
         return self._send(message)
+
+
+def _route_template(route: Any, root_path: str, scope: Scope) -> str | None:
+    """The matched route's template from the app's root: Starlette's mounts (``app.mount("/v1", sub)``)
+    put their prefix in the scope's root_path on the way in, and the route names only the rest. A
+    mount's own path parameters (``/tenant/{tid}``) are named back from ``path_params``: a template,
+    never the values, goes into span names."""
+    template = getattr(route, "path", None)
+    mounted: str = scope.get("root_path", "")
+    if not isinstance(template, str) or len(mounted) <= len(root_path) or not mounted.startswith(root_path):
+        return template
+    prefix = mounted[len(root_path):]
+    params = scope.get("path_params")
+    if params:
+        names = {str(value): name for name, value in params.items()}
+        prefix = "/".join(f"{{{names[part]}}}" if part in names else part for part in prefix.split("/"))
+    return prefix + template
 
 
 def _new_request_id() -> str:

@@ -232,3 +232,45 @@ def test_behind_a_proxy_prefix_routes_and_endpoints_match_as_the_apps_do(tmp_pat
         wait_idle()
     assert mw.runtime.counters["sampled"] == 1, mw.runtime.counters
     assert mw.runtime.counters["control_requests"] == 1
+
+
+@pytest.mark.parametrize("root_path", ["", "/api"], ids=["no_root", "proxy_root"])
+def test_routes_of_mounted_apps_are_named_from_the_apps_root(tmp_path: Path, root_path: str) -> None:
+    """A FastAPI app mounted under another (``app.mount("/v1", api)``): the route the record and the
+    span name carry is the template from the app's root, mount prefix included (it was the mounted
+    app's part alone: "/chat/completions"), with a mount's own parameters as names, never values."""
+    from fastapi import FastAPI
+
+    api, tenant, app = FastAPI(), FastAPI(), FastAPI()
+
+    @api.post("/chat/completions")
+    def chat() -> dict[str, Any]:
+        return {}
+
+    @api.get("/models/{name}")
+    def model(name: str) -> dict[str, Any]:
+        return {"name": name}
+
+    @tenant.post("/chat/{model_name}")
+    def tenant_chat(model_name: str) -> dict[str, Any]:
+        return {}
+
+    @app.get("/health")
+    def health() -> dict[str, Any]:
+        return {}
+
+    app.mount("/v1", api)
+    app.mount("/tenant/{tid}", tenant)
+    observer = RecordingObserver()
+    middleware = ServprofMiddleware(app, out_dir=tmp_path, telemetry=False, warmup=False)
+    middleware.runtime.observers.append(observer)
+    with serve(middleware, root_path) as (url, _server), httpx.Client(timeout=10) as client:
+        assert client.post(url + "/v1/chat/completions").status_code == 200
+        assert client.get(url + "/v1/models/llama").json() == {"name": "llama"}
+        assert client.post(url + "/tenant/42/chat/llama").status_code == 200
+        assert client.get(url + "/health").status_code == 200
+    records = _wait_for(observer, 4)
+    assert [r.route for r in records] == ["/v1/chat/completions", "/v1/models/{name}", "/tenant/{tid}/chat/{model_name}",
+                                          "/health"]
+    assert [r.path for r in records] == [root_path + p for p in ("/v1/chat/completions", "/v1/models/llama",
+                                                                 "/tenant/42/chat/llama", "/health")]
