@@ -202,14 +202,21 @@ class CaptureController:
         session.records = [r for r in session.records if r is not record]
         session.open_requests -= 1
 
-    def request_finished(self, session: Session) -> None:
+    def request_finished(self, session: Session, record: RequestRecord | None = None) -> bool:
+        """A sampled request ended. Returns whether it left its place to another request: the app
+        refused it (RequestRecord.refused_by_app) while the session still captures, which then waits for one
+        more (bounded by its time and event budget), so that it is not spent on no model work."""
         with self._lock:
             session.open_requests -= 1
+            refunded = record is not None and record.refused_by_app() and session.still_capturing()
+            if refunded:
+                session.refused += 1
             if session.finished_state() and session.open_requests <= 0:
                 # The session was handed off while this request still streamed: its files get the
                 # final records (route, chunks, last byte) now.
                 self._final_writes.append(session)
         self._wake.set()
+        return refunded
 
     # --- blocking: shutdown / exit ---------------------------------------------------------------
 
@@ -379,7 +386,7 @@ class CaptureController:
             session.busy_ns += now - session.last_poll_ns
         session.last_poll_ns = now
         steps = session.steps()
-        if len(session.records) >= session.target_requests and session.open_requests <= 0:
+        if session.counted_requests() >= session.target_requests and session.open_requests <= 0:
             return "requests_done"
         if elapsed >= settings.max_session_s:
             return "max_session_s"

@@ -232,7 +232,7 @@ class _RequestResponder:
                     except Exception:  # noqa: BLE001
                         runtime.counters["observer_errors"] += 1
             if session is not None:  # after the observers: the session may end with this request
-                runtime.controller.request_finished(session)
+                runtime.request_finished(session, record)
             request_record_var.reset(record_token)
             request_id_var.reset(id_token)
 

@@ -41,6 +41,11 @@ class RequestRecord:
     # {"gen_ai.usage.input_tokens": 12, "gen_ai.usage.output_tokens": 40}.
     attributes: dict[str, Any] = field(default_factory=dict)
 
+    def refused_by_app(self) -> bool:
+        """The app answered a client error (4xx: unauthorised, invalid, not found, rate-limited):
+        it refused the request, as a rule before any model work."""
+        return self.status is not None and 400 <= self.status < 500
+
     def elapsed_ms(self, end_perf_ns: int | None) -> float | None:
         if end_perf_ns is None:
             return None

@@ -63,7 +63,8 @@ class ServprofRuntime:
         self.observers = observers or []
         self.observer_problem = observer_problem
         self.counters = {"requests": 0, "websocket_connections": 0, "sampled": 0, "skipped": 0, "observer_errors": 0,
-                         "disconnects": 0, "sessions_done": 0, "sessions_failed": 0, "control_requests": 0}
+                         "disconnects": 0, "sessions_done": 0, "sessions_failed": 0, "control_requests": 0,
+                         "refused": 0}  # sampled requests the app refused (a 4xx): their places went to others
         self.skipped_by_reason: dict[str, int] = {}
         self.paused_reason: str | None = None
         self._paused_until = 0.0
@@ -98,6 +99,14 @@ class ServprofRuntime:
         self.sampler.order(n)
         self.order_tier = tier
         self.last_order_at = time.monotonic()
+
+    def request_finished(self, session: Session, record: RequestRecord) -> None:
+        """A sampled request ended; one the app refused leaves its place in the session to another,
+        and an on-demand order's slot stays owed to the next request."""
+        if self.controller.request_finished(session, record):
+            self.counters["refused"] += 1
+            if session.reason == REASON_ON_DEMAND:
+                self.sampler.give_back(REASON_ON_DEMAND)
 
     def _skip(self, kind: str, reason: str) -> None:
         self.sampler.give_back(reason)

@@ -42,6 +42,9 @@ class Session:
         self.max_steps = max_steps or settings.max_session_steps  # the tier's bound on decode steps
         self.on_finished = on_finished
         self.records: list[RequestRecord] = []
+        # Sampled requests the app refused (a 4xx: unauthorised, invalid, rate-limited) before any
+        # model work: they stay in the session's records but leave their place to other requests.
+        self.refused = 0
         self.open_requests = 0
         self.state = STARTING
         self.stop_requested: str | None = None
@@ -69,8 +72,14 @@ class Session:
         self.finished = threading.Event()
 
     def has_room(self) -> bool:
-        return (self.state in (STARTING, CAPTURING) and self.stop_requested is None
-                and len(self.records) < self.target_requests)
+        return self.still_capturing() and self.counted_requests() < self.target_requests
+
+    def still_capturing(self) -> bool:
+        return self.state in (STARTING, CAPTURING) and self.stop_requested is None
+
+    def counted_requests(self) -> int:
+        """The sampled requests that count towards the session's target (those the app did not refuse)."""
+        return len(self.records) - self.refused
 
     def request_joined(self, request_id: str) -> None:
         """Called on the serving loop by each sampled request: the watchdog attaches to the loop

@@ -15,6 +15,7 @@ from servprof.detect.model_on_loop import detect_model_on_loop
 from servprof.detect.overhead import overhead_summary
 from servprof.detect.queue_wait import detect_queue_wait
 from servprof.detect.recompilation import detect_recompilation
+from servprof.detect.refused import refused_missing
 from servprof.detect.request_times import request_times
 from servprof.detect.shape_setup import detect_shape_setup, explain_slow_host_ops
 from servprof.detect.steps import Step, find_steps
@@ -65,7 +66,7 @@ def _analyse(trace: Trace, requests: list[dict[str, Any]] | None, device: str | 
         finding.sampled_request_ids = [r for r in finding.request_ids if r in sampled]
     parts = (gap_summary, token_summary, bw_summary, memory_summary, compile_summary, stall_summary)
     # What the trace could not show, once, at the top (the detectors' own summaries keep no copy).
-    missing = [*steps.missing(), *(m for part in parts for m in part.pop("missing", [])),
+    missing = [*refused_missing(requests), *steps.missing(), *(m for part in parts for m in part.pop("missing", [])),
                *light_missing(trace, sum(g.count for g in gaps if g.cause == NEEDS_DEEP_CAUSE)),
                *budget_missing(trace, steps)]
     summary = {
