@@ -226,6 +226,23 @@ def test_otlp_protocols_and_bad_values(tmp_path: Path) -> None:
     assert not (tmp_path / "spans").exists()
 
 
+@pytest.mark.parametrize("value", ["true", "TRUE", " True "])
+def test_otel_sdk_disabled_turns_servprofs_own_telemetry_off(tmp_path: Path, value: str) -> None:
+    """OpenTelemetry's switch for every SDK signal (OTEL_SDK_DISABLED=true) holds for servprof's own
+    providers too (before: servprof built its own and wrote spans); status says why. An exporter named
+    for servprof alone (SERVPROF_TELEMETRY_EXPORTER) is a deliberate choice and still runs."""
+    settings = Settings(out_dir=tmp_path)
+    assert telemetry.create_observer(settings, environ={"OTEL_SDK_DISABLED": value}) is None
+    assert telemetry.status() == {"exporter": "none", "why": "OTEL_SDK_DISABLED=true turns OpenTelemetry's SDK off"}
+    assert not (tmp_path / "spans").exists()
+    assert telemetry.create_observer(settings, environ={"OTEL_SDK_DISABLED": "false"}) is not None
+    assert telemetry.status()["exporter"] == "file"
+    chosen = telemetry.create_observer(settings, environ={"OTEL_SDK_DISABLED": "true",
+                                                          "SERVPROF_TELEMETRY_EXPORTER": "file"})
+    assert chosen is not None and telemetry.status()["exporter"] == "file"
+    telemetry.shutdown()
+
+
 def _run_python(code: str, tmp_path: Path, **env: str) -> str:
     """Global providers can be set once per process, so these run in a fresh interpreter."""
     result = subprocess.run(

@@ -25,6 +25,7 @@ __all__ = ["create_observer", "status", "shutdown", "TelemetryObserver", "EXPORT
 # The observer created last: what status() reports on. A server makes one.
 _current: TelemetryObserver | None = None
 _current_exporter: str | None = None
+_current_details: dict[str, Any] = {}  # why there is no observer, where a setting says so
 
 
 def create_observer(
@@ -36,13 +37,15 @@ def create_observer(
     """The telemetry observer for these settings, or None when telemetry is off
     (settings.telemetry false, or SERVPROF_TELEMETRY_EXPORTER=none). Raises
     servprof.settings.SettingsError naming the variable when an OTEL_* / SERVPROF_* value is bad."""
-    global _current, _current_exporter
+    global _current, _current_exporter, _current_details
+    _current_details = {}
     if not settings.telemetry:
         _current, _current_exporter = None, "disabled"
         return None
     pipeline = build_pipeline(settings, environ, span_exporter=span_exporter, metric_reader=metric_reader)
     if pipeline.exporter == "none":
         _current, _current_exporter = None, "none"
+        _current_details = dict(pipeline.details)
         return None
     observer = TelemetryObserver(pipeline, capture_content=settings.capture_content)
     _current, _current_exporter = observer, pipeline.exporter
@@ -52,7 +55,7 @@ def create_observer(
 def status() -> dict[str, Any]:
     """Telemetry's part of /servprof/status: exporter, span counts (dropped included)."""
     if _current is None:
-        return {"exporter": _current_exporter or "not started"}
+        return {"exporter": _current_exporter or "not started", **_current_details}
     return _current.status()
 
 

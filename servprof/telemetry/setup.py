@@ -218,11 +218,18 @@ def choose_exporter(environ: Mapping[str, str]) -> str:
         raise SettingsError(f"{EXPORTER_ENV}={choice!r} is not one of {', '.join(EXPORTER_CHOICES)}")
     if choice != "auto":
         return choice
+    if sdk_disabled(environ):  # OpenTelemetry's own switch for every SDK signal: servprof's too
+        return "none"
     if _host_tracer_provider() is not None:
         return "host"
     if _env(environ, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
         return "otlp"
     return "file"
+
+
+def sdk_disabled(environ: Mapping[str, str]) -> bool:
+    """OTEL_SDK_DISABLED=true, as the SDK reads it (case-insensitive "true"; anything else is false)."""
+    return (environ.get("OTEL_SDK_DISABLED") or "").strip().lower() == "true"
 
 
 def _protocol(environ: Mapping[str, str], signal: str) -> str:
@@ -305,7 +312,8 @@ def build_pipeline(
     environ = os.environ if environ is None else environ
     choice = "custom" if span_exporter is not None else choose_exporter(environ)
     if choice == "none":
-        return Pipeline(trace.NoOpTracerProvider(), metrics.NoOpMeterProvider(), "none")
+        why = {"why": "OTEL_SDK_DISABLED=true turns OpenTelemetry's SDK off"} if sdk_disabled(environ) else {}
+        return Pipeline(trace.NoOpTracerProvider(), metrics.NoOpMeterProvider(), "none", why)
     if choice == "host":
         meter_provider = _host_meter_provider() or metrics.NoOpMeterProvider()
         return Pipeline(trace.get_tracer_provider(), meter_provider, "host")
