@@ -174,10 +174,21 @@ def test_file_rotates_and_both_halves_parse(tmp_path: Path) -> None:
         ),
         ({"SERVPROF_TELEMETRY_EXPORTER": " OTLP "}, "otlp"),
         ({"SERVPROF_TELEMETRY_EXPORTER": "none"}, "none"),
+        # OpenTelemetry's own choice (its first entry) where servprof's is auto
+        ({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}, "none"),
+        ({"OTEL_TRACES_EXPORTER": "console,otlp"}, "console"),
+        ({"OTEL_TRACES_EXPORTER": " OTLP "}, "otlp"),
+        ({"OTEL_TRACES_EXPORTER": "none", "SERVPROF_TELEMETRY_EXPORTER": "file"}, "file"),
+        ({"OTEL_TRACES_EXPORTER": "zipkin", "SERVPROF_TELEMETRY_EXPORTER": "otlp"}, "otlp"),
     ],
 )
 def test_exporter_choice(environ: dict[str, str], expected: str) -> None:
     assert choose_exporter(environ) == expected
+
+
+def test_an_otel_traces_exporter_servprof_lacks_is_named() -> None:
+    with pytest.raises(SettingsError, match="OTEL_TRACES_EXPORTER='zipkin': servprof's own spans go to otlp, console"):
+        choose_exporter({"OTEL_TRACES_EXPORTER": "zipkin"})
 
 
 def test_otlp_protocols_and_bad_values(tmp_path: Path) -> None:

@@ -222,9 +222,30 @@ def choose_exporter(environ: Mapping[str, str]) -> str:
         return "none"
     if _host_tracer_provider() is not None:
         return "host"
+    named = _traces_exporter(environ)
+    if named is not None:
+        return named
     if _env(environ, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
         return "otlp"
     return "file"
+
+
+_OTEL_TRACES_EXPORTERS = {"otlp": "otlp", "console": "console", "none": "none"}
+
+
+def _traces_exporter(environ: Mapping[str, str]) -> str | None:
+    """OTEL_TRACES_EXPORTER, OpenTelemetry's own choice of span exporter (its first entry), where
+    servprof has that exporter; None when unset."""
+    value = _env(environ, "OTEL_TRACES_EXPORTER")
+    if value is None:
+        return None
+    first = value.split(",")[0].strip().lower()
+    if first not in _OTEL_TRACES_EXPORTERS:
+        raise SettingsError(
+            f"OTEL_TRACES_EXPORTER={value!r}: servprof's own spans go to {', '.join(_OTEL_TRACES_EXPORTERS)} "
+            f"(or a host's tracer provider, which takes any); set {EXPORTER_ENV} to choose another for servprof"
+        )
+    return _OTEL_TRACES_EXPORTERS[first]
 
 
 def sdk_disabled(environ: Mapping[str, str]) -> bool:
