@@ -8,7 +8,9 @@ and never allocate more than the record and the responder.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import inspect
 import logging
 import os
 import random
@@ -134,6 +136,18 @@ async def _flush(runtime: ServprofRuntime) -> None:
                 report.get("session_stop_ms", 0.0), report.get("flush_ms", 0.0))
 
 
+def _marked_async(function: Any) -> Any:
+    """Mark a plain function that returns an awaitable as a coroutine function for introspection
+    (inspect.markcoroutinefunction, 3.12+; asyncio's marker before): adapters that check how the
+    ASGI ``send`` they are given is defined (asgiref's WsgiToAsgi under a Flask app) would otherwise
+    warn "async_to_sync was passed a non-async-marked callable" about servprof's."""
+    mark = getattr(inspect, "markcoroutinefunction", None)
+    if mark is not None:
+        return mark(function)
+    function._is_coroutine = asyncio.coroutines._is_coroutine  # type: ignore[attr-defined]
+    return function
+
+
 class _RequestResponder:
     __slots__ = ("middleware", "scope", "_receive", "_send", "record", "request_id_bytes", "body_head_left")
 
@@ -250,6 +264,7 @@ class _RequestResponder:
             self.record.disconnected = True
         return message
 
+    @_marked_async
     def send(self, message: Message) -> Awaitable[None]:
         # A plain function handing back the server's own awaitable: no extra coroutine per
         # chunk. A failed send (uvicorn's ClientDisconnected is an OSError) surfaces in run().

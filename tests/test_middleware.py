@@ -274,3 +274,27 @@ def test_routes_of_mounted_apps_are_named_from_the_apps_root(tmp_path: Path, roo
                                           "/health"]
     assert [r.path for r in records] == [root_path + p for p in ("/v1/chat/completions", "/v1/models/llama",
                                                                  "/tenant/42/chat/llama", "/health")]
+
+
+def test_a_wsgi_app_under_asgiref_takes_servprofs_send_for_async(tmp_path: Path) -> None:
+    """A Flask app under asgiref's WsgiToAsgi (how WSGI apps are served by uvicorn): asgiref checks how
+    the ``send`` it is given is defined, and warned "async_to_sync was passed a non-async-marked
+    callable" about servprof's (a plain function handing back the server's awaitable, which saves a
+    coroutine per body chunk); it is now marked as the coroutine function it acts as."""
+    import warnings
+
+    flask = pytest.importorskip("flask")
+    wsgi = pytest.importorskip("asgiref.wsgi")
+    app = flask.Flask("wsgi_app")
+
+    @app.post("/v1/generate")
+    def generate() -> dict[str, str]:
+        return {"text": "ok"}
+
+    middleware = ServprofMiddleware(wsgi.WsgiToAsgi(app), out_dir=tmp_path, telemetry=False, warmup=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with serve(middleware) as (url, _server), httpx.Client(timeout=10) as client:
+            assert client.post(url + "/v1/generate").json() == {"text": "ok"}
+    assert not [w for w in caught if "non-async-marked" in str(w.message)]
+    assert middleware.runtime.counters["requests"] == 1
