@@ -362,12 +362,14 @@ def test_a_downstream_server_span_nests_under_the_request_span(tmp_path: Path) -
 def _nesting_app(app_tracer: Any, seen: list[dict[str, str]]) -> Any:
     """An app that starts its own spans as users do (the current span as parent), in an async
     endpoint and in a plain def one (run on a worker thread), and records the headers it got."""
+    from opentelemetry import trace
     from starlette.applications import Starlette
     from starlette.responses import PlainTextResponse
     from starlette.routing import Route
 
     async def generate(request: Any) -> PlainTextResponse:
         seen.append(dict(request.headers))
+        trace.get_current_span().set_attribute("app.user", "u1")  # "the request's span", as apps annotate it
         with app_tracer.start_as_current_span("app.generate"):
             return PlainTextResponse("ok")
 
@@ -386,8 +388,9 @@ def test_an_outer_instrumentations_server_span_is_the_parent(tmp_path: Path, pro
     """opentelemetry-instrument or FastAPIInstrumentor puts OpenTelemetry's ASGI middleware outside
     servprof's: its SERVER span is current when servprof sees the request. servprof's span is then
     its INTERNAL child (one SERVER span a request), with or without an incoming traceparent (before:
-    a second SERVER span, a sibling under the client's parent); the app's own spans nest under
-    servprof's, and the trace state the app is given is the outer span's."""
+    a second SERVER span, a sibling under the client's parent), and the trace state the app is given
+    is the outer span's. The outer span stays the current one: the app's own spans nest under it, and
+    what the app sets on "the current span" lands on that recording server span, as without servprof."""
     from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.trace import TracerProvider
@@ -422,9 +425,10 @@ def test_an_outer_instrumentations_server_span_is_the_parent(tmp_path: Path, pro
         assert mine.kind == SpanKind.INTERNAL
         assert mine.context.trace_id == theirs.context.trace_id == app_span.context.trace_id
         assert mine.parent.span_id == theirs.context.span_id
-        assert app_span.parent.span_id == mine.context.span_id
+        assert app_span.parent.span_id == theirs.context.span_id
         if incoming:
             assert f"{theirs.context.trace_id:032x}" == incoming.split("-")[1]
+    assert outer[0].attributes["app.user"] == "u1"
     (headers_seen,) = seen
     assert headers_seen["traceparent"].split("-")[2] == f"{ours[0].context.span_id:016x}"
     assert headers_seen.get("tracestate") == ("vendor=abc" if incoming else None)

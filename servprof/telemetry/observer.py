@@ -130,9 +130,12 @@ class TelemetryObserver:
             outgoing: dict[str, str] = {}
             self._propagator.inject(outgoing, context=trace.set_span_in_context(span, parent_context))
             kept.extend((name.encode("latin-1"), value.encode("latin-1")) for name, value in outgoing.items())
-        # The app (and a server under it, like vLLM) sees this span as its parent in the headers;
-        # the app's own spans see it as the current span while the request runs (detached at its end,
-        # in the same task: the middleware calls both ends from its request coroutine).
+        # The app (and a server under it, like vLLM) sees this span as its parent in the headers.
+        # Without an outer server span, it is also the current span while the request runs (made
+        # current here and restored at its end, in the same task: the middleware calls both ends
+        # from its request coroutine), so that the app's own spans nest under it. Under an outer
+        # instrumentation, that one's recording span stays current: an app that annotates "the
+        # current span" (trace.get_current_span().set_attribute) keeps annotating the server span.
         scope["headers"] = kept
         if record.sampled:
             context = self._context_of(state)
@@ -140,9 +143,11 @@ class TelemetryObserver:
                 # Kept from the start: the session's analysis can arrive before a long stream ends.
                 start_ns = record.arrival_ns or time.time_ns()
                 self._parents.put(record.request_id, SampledParent(context, start_ns))
-        current = state[1] if self._direct is None else CurrentRequestSpan(state)
-        token = context_api.attach(
-            trace.set_span_in_context(current, current_context if parent_context is None else parent_context))
+        token = None
+        if not nested:  # an outer instrumentation's server span stays current: the app annotates that one
+            current = state[1] if self._direct is None else CurrentRequestSpan(state)
+            token = context_api.attach(
+                trace.set_span_in_context(current, current_context if parent_context is None else parent_context))
         return (*state, scope.get("http_version"), token)
 
     def _carrier(self, headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
@@ -170,7 +175,8 @@ class TelemetryObserver:
     def on_request_end(self, record: RequestRecord, state: Any) -> None:
         if state is None:
             return
-        context_api.detach(state[-1])
+        if state[-1] is not None:
+            context_api.detach(state[-1])
         self.requests_ended += 1
         end_perf_ns = record.end_ns or record.last_byte_ns
         if end_perf_ns is not None and record.arrival_ns:
