@@ -136,10 +136,10 @@ def merged_missing(*lists: Any) -> list[dict[str, str]]:
     # how-to standing).
     if any(entry["message"].startswith(SERVING_STEP_LEADS) for entry in out):
         out = [entry for entry in out if entry["what"] != "model steps"]
-    # Sampled requests the app refused explain the other entries (no model work ran): first.
-    from servprof.detect.refused import REFUSED_WHAT
+    # Sampled requests the app refused or failed explain the other entries (no model work ran): first.
+    from servprof.detect.refused import FAILED_WHAT, REFUSED_WHAT
 
-    return sorted(out, key=lambda entry: entry["what"] != REFUSED_WHAT)
+    return sorted(out, key=lambda entry: entry["what"] not in (REFUSED_WHAT, FAILED_WHAT))
 
 
 def analyse(trace_path: Path, session: dict[str, Any]) -> dict[str, Any]:

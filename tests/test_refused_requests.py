@@ -85,15 +85,18 @@ def test_a_session_of_refused_requests_says_so_first(tmp_path: Path) -> None:
     assert result["summary"]["detect"]["steps"]["count"] == 0 and not result["findings"]
     first = result["summary"]["missing"][0]
     assert first["what"] == REFUSED_WHAT and first["message"].startswith("2 of the 2 sampled request(s)")
-    assert "no model step and no tokenization here is a finding about the server" in first["message"]
+    assert "its lack of model steps and tokenization says nothing about the server" in first["message"]
 
 
-@pytest.mark.parametrize(("statuses", "start"), [
-    ([200, 500], None),  # a server error is model work gone wrong: not a refusal
-    ([401, 422, 422], "3 of the 3 sampled request(s) were answered 401 (1), 422 (2) by the app"),
-    ([429, 200, None], "1 of the 3 sampled request(s) were answered 429 by the app"),
+@pytest.mark.parametrize(("statuses", "starts"), [
+    ([200, 500], []),  # a server error is model work gone wrong: not a refusal, and not all failed
+    ([401, 422, 422], ["3 of the 3 sampled request(s) were answered 401 (1), 422 (2) by the app"]),
+    ([429, 200, None], ["1 of the 3 sampled request(s) were answered 429 by the app"]),
+    ([500, 503], ["The 2 sampled request(s) failed: answered 500 (1), 503 (1) by the app (/v1/chat/completions)"]),
+    ([200, True], []),  # (a status that is not an integer is no status)
 ])
-def test_the_entry_names_the_refusals(statuses: list[Any], start: str | None) -> None:
+def test_the_entries_name_the_refusals_and_failures(statuses: list[Any], starts: list[str]) -> None:
     records = [{"status": s, "route": "/v1/chat/completions", "path": "/v1/chat/completions"} for s in statuses]
     entries = refused_missing(records)
-    assert [e["message"][:len(start)] for e in entries] == ([start] if start else [])
+    assert [e["message"][:len(start)] for e, start in zip(entries, starts, strict=False)] == starts
+    assert len(entries) == len(starts)

@@ -1,9 +1,11 @@
-"""Sampled requests the app refused: a session can show no model work of theirs, and says why.
+"""Sampled requests the app refused or failed: a session can show no (or little) model work of
+theirs, and says why before anything else.
 
 A request the app answers with a client error (4xx: no or a wrong API key, an invalid body, an
-unknown route, a rate limit) was refused before any model work. Without this entry, a session whose
-sampled requests were all refused said only what every trace without steps says (mark your steps,
-record stacks), which sends the user after markers the server does not need.
+unknown route, a rate limit) was refused before any model work; one answered with a server error
+(5xx, or an exception) failed, possibly before its first step. Without these entries, a session
+whose sampled requests were all refused said only what every trace without steps says (mark your
+steps, record stacks), which sends the user after markers the server does not need.
 """
 
 from __future__ import annotations
@@ -11,37 +13,51 @@ from __future__ import annotations
 from typing import Any
 
 REFUSED_WHAT = "sampled requests refused"
+FAILED_WHAT = "sampled requests failed"
 MAX_ROUTES_NAMED = 3
 
 
 def refused_missing(requests: list[dict[str, Any]] | None) -> list[dict[str, str]]:
-    """The ``summary["missing"]`` entry for the session's sampled requests the app refused (none when
-    it refused none). ``requests``: the session's request records (status, route, path)."""
+    """The ``summary["missing"]`` entries for the session's sampled requests the app refused, and
+    for a session whose sampled requests all failed (none otherwise). ``requests``: the session's
+    request records (status, route, path)."""
     records = [r for r in requests or [] if isinstance(r, dict)]
-    refused = [r for r in records if _refused(r.get("status"))]
-    if not refused:
-        return []
+    refused = [r for r in records if _status_in(r, 400, 500)]
+    failed = [r for r in records if _status_in(r, 500, 600)]
+    entries = []
+    if refused:
+        if len(refused) == len(records):
+            then = ("so this session shows no model work of theirs, and its lack of model steps and tokenization says "
+                    "nothing about the server. Check what the client sends (the API key the app expects, a valid "
+                    "body, the route), then sample again")
+        else:
+            then = f"so only the other {len(records) - len(refused)} sampled request(s) show model work in this session"
+        entries.append({"what": REFUSED_WHAT, "message": (
+            f"{len(refused)} of the {len(records)} sampled request(s) were answered {_answered(refused)}: a client "
+            "error, a refusal before any model work (no or a wrong API key, an invalid body, an unknown route, a "
+            "rate limit). servprof gave their places in the session to other requests while it captured (status: "
+            f"counters.refused), {then}.")})
+    if failed and len(failed) == len(records):
+        entries.append({"what": FAILED_WHAT, "message": (
+            f"The {len(failed)} sampled request(s) failed: answered {_answered(failed)}. The session shows the work "
+            "they did before failing (no model step, if they failed before one); the error itself is in the "
+            "server's log.")})
+    return entries
+
+
+def _answered(records: list[dict[str, Any]]) -> str:
+    """"401 by the app (/v1/completions)", "401 (1), 422 (2) by the app (/a, /b and 2 more)"."""
     codes: dict[int, int] = {}
-    for record in refused:
+    for record in records:
         codes[record["status"]] = codes.get(record["status"], 0) + 1
     answered = (str(next(iter(codes))) if len(codes) == 1
                 else ", ".join(f"{code} ({count})" for code, count in sorted(codes.items())))
-    routes = sorted({str(r.get("route") or r.get("path") or "?") for r in refused})
+    routes = sorted({str(r.get("route") or r.get("path") or "?") for r in records})
     named = ", ".join(routes[:MAX_ROUTES_NAMED]) + (f" and {len(routes) - MAX_ROUTES_NAMED} more"
                                                     if len(routes) > MAX_ROUTES_NAMED else "")
-    if len(refused) == len(records):
-        what_then = ("so this session shows no model work of theirs: no model step and no tokenization here is a "
-                     "finding about the server. Check what the client sends (the API key the app expects, a valid "
-                     "body, the route), then sample again")
-    else:
-        what_then = (f"so only the other {len(records) - len(refused)} sampled request(s) show model work in this "
-                     "session")
-    return [{"what": REFUSED_WHAT,
-             "message": f"{len(refused)} of the {len(records)} sampled request(s) were answered {answered} by the "
-                        f"app ({named}): a client error, a refusal before any model work (no or a wrong API key, an "
-                        f"invalid body, an unknown route, a rate limit). servprof gave their places in the session to "
-                        f"other requests while it captured (status: counters.refused), {what_then}."}]
+    return f"{answered} by the app ({named})"
 
 
-def _refused(status: Any) -> bool:
-    return isinstance(status, int) and not isinstance(status, bool) and 400 <= status < 500
+def _status_in(record: dict[str, Any], low: int, high: int) -> bool:
+    status = record.get("status")
+    return isinstance(status, int) and not isinstance(status, bool) and low <= status < high
