@@ -12,8 +12,10 @@ of its prefill ran no other request's steps: a thread started for it has no queu
 
 A request whose model call ran in its own context (an automatic step naming it alone, on a thread
 the session does not list among those without a request: ``asyncio.to_thread``, a pool job, a
-thread started for it) was held by no queue: its idle wait is reported apart (``before_model_call``),
-as what its handler did before that call (an awaited retrieval, a client built per request, a lock).
+thread started for it) was held by no queue: its wait, less its own tokenize / detokenize phases and
+other requests' steps, is reported apart (``before_model_call``), as what its handler did before
+that call (an awaited retrieval, a client built per request, a lock, a model loaded on first use),
+whichever thread ran its steps.
 
 Where the trace records ops (a deep window), the thread that then ran the request's first step
 is read over that time: ops or Python outside any model forward most of it (feature extraction,
@@ -62,9 +64,10 @@ FIX_HANDLER_COMPUTE = (
 FIX_BEFORE_CALL = (
     "Each of these requests called the model from its own handler, so no queue held it: the time is what its handler "
     "did first (awaited calls such as retrieval or another service, an HTTP client or other object built per request, "
-    "a lock or a pool slot it waited for). Overlap those calls with each other or cache them, build clients once for "
-    "the app's life, and hold locks around the model call only; the loop_stall findings name any part of it that "
-    "blocked the event loop."
+    "a lock or a pool slot it waited for, or its own compute: input preprocessing, a model or file loaded on first "
+    "use). Overlap those calls with each other or cache them, build clients and load models once for the app's life "
+    "(at start-up), and hold locks around the model call only; the loop_stall findings name any part of it that "
+    "blocked the event loop, and a deep window (`POST /servprof/sample?n=1&tier=deep`) names the functions it ran."
 )
 
 
@@ -103,7 +106,8 @@ def detect_queue_wait(trace: Trace, steps: list[Step], times: dict[str, RequestT
                                                               "ran (a step then running is not recorded)"})
             continue
         busy = float(covered(busy_start, busy_end, np.array([a]), np.array([b]))[0])
-        spans = [(start, end) for start, end, _ in own.get(rid, [])]
+        phases = [(start, end) for start, end, _ in own.get(rid, [])]
+        spans = list(phases)
         # Tokenized on the thread that then ran its prefill: that thread worked on the request from
         # then on (the model call's own set-up, unrecorded in a light trace), with no hand-off to wait in.
         on_its_thread = [start for start, _, tid in own.get(rid, []) if tid == first.tid and start < b]
@@ -116,9 +120,13 @@ def detect_queue_wait(trace: Trace, steps: list[Step], times: dict[str, RequestT
             spans.append((a, b))
         # Its model call was made in its own context (an automatic step on a thread the session did
         # not list as having no request of its own: to_thread, a pool, a thread started for it), so
-        # nothing queued it: the time before is its handler's way to that call.
+        # nothing queued it: the time before is its handler's way to that call, all of it but its own
+        # tokenize / detokenize phases, on whichever thread (a pool thread that served it alone as
+        # much as one that served others: which it was is the pool's chance, not the handler's).
         own_call = attributed and first.source == "servprof_auto" and first.tid not in shared \
             and list(first.request_ids) == [rid]
+        if own_call:
+            spans = phases
         own_us = _covered(spans, a, b)
         # The request's own work and other requests' steps: what is left is the model doing nothing.
         idle = max(0.0, (b - a) - _covered([*spans, *busy_spans], a, b))
