@@ -3,7 +3,8 @@ theirs, and says why before anything else.
 
 A request the app answers with a client error (4xx: no or a wrong API key, an invalid body, an
 unknown route, a rate limit) was refused before any model work; one answered with a server error
-(5xx, or an exception) failed, possibly before its first step. Without these entries, a session
+(5xx) failed, possibly before its first step. (An app that raised instead has no status in its
+record: the server below servprof answered for it.) Without these entries, a session
 whose sampled requests were all refused said only what every trace without steps says (mark your
 steps, record stacks), which sends the user after markers the server does not need.
 """
