@@ -22,7 +22,7 @@ from starlette.types import Receive, Scope, Send
 
 from servprof.probes.snapshot import SnapshotTooSoon, SnapshotUnavailable
 from servprof.runtime import ServprofRuntime
-from servprof.sampling import Sampler, bearer_token, route_path
+from servprof.sampling import Sampler, bearer_token
 from servprof.tiers import TIERS
 
 _JSON_HEADERS = [(b"content-type", b"application/json"), (b"cache-control", b"no-store")]
@@ -66,8 +66,9 @@ def parse_order(query_string: bytes, max_n: int) -> tuple[int | None, str | None
     return n, tiers[0] if tiers else None, None
 
 
-async def handle(runtime: ServprofRuntime, scope: Scope, receive: Receive, send: Send) -> None:
-    """Answer one request whose path is under the control prefix (the token is configured)."""
+async def handle(runtime: ServprofRuntime, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
+    """Answer one request whose path is under the control prefix (the token is configured);
+    ``endpoint``: its path after the prefix ("/status")."""
     settings = runtime.settings
     runtime.counters["control_requests"] += 1
     assert settings.control_token is not None
@@ -75,7 +76,6 @@ async def handle(runtime: ServprofRuntime, scope: Scope, receive: Receive, send:
         await respond(send, 401, {"error": "missing or wrong bearer token for servprof control"},
                       [(b"www-authenticate", b'Bearer realm="servprof"')])
         return
-    endpoint = route_path(scope)[len(settings.control_prefix):]
     method = scope["method"]
     if endpoint == "/status":
         if method != "GET":

@@ -68,15 +68,28 @@ class ServprofMiddleware:
             await self.app(scope, receive, send)
             return
         if self._control_prefix is not None:
-            path = route_path(scope)
-            if path.startswith(self._control_prefix_slash) or path == self._control_prefix:
+            endpoint = self._control_endpoint(scope)
+            if endpoint is not None:
                 # Served even when servprof is disabled, so status can say so.
-                await control.handle(self.runtime, scope, receive, send)
+                await control.handle(self.runtime, scope, receive, send, endpoint)
                 return
         if not self._enabled:
             await self.app(scope, receive, send)
             return
         await _RequestResponder(self, scope, receive, send).run()
+
+
+    def _control_endpoint(self, scope: Scope) -> str | None:
+        """The part of the path after the control prefix ("/status"; "" for the prefix alone), or None
+        when the request is not for servprof. The prefix sits under the app's root path like its own
+        routes; a prefix configured with the root path in it (as the path was matched before) still
+        works."""
+        prefix = self._control_prefix
+        assert prefix is not None
+        for path in (route_path(scope), scope["path"]):
+            if path.startswith(self._control_prefix_slash) or path == prefix:
+                return path[len(prefix):]
+        return None
 
 
 async def _lifespan(app: ASGIApp, runtime: ServprofRuntime, scope: Scope, receive: Receive, send: Send) -> None:

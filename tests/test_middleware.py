@@ -216,22 +216,26 @@ def test_complete_stream_is_not_a_disconnect_but_a_client_leaving_is(tmp_path: P
     assert mw.runtime.counters["disconnects"] == 1
 
 
-def test_behind_a_proxy_prefix_routes_and_endpoints_match_as_the_apps_do(tmp_path: Path) -> None:
+@pytest.mark.parametrize("prefix", ["/servprof", "/api/servprof"], ids=["prefix", "prefix_with_the_root_path"])
+def test_behind_a_proxy_prefix_routes_and_endpoints_match_as_the_apps_do(tmp_path: Path, prefix: str) -> None:
     """uvicorn --root-path /api (a proxy strips /api before the server): ASGI servers put the prefix in
     ``path`` and the app routes on the rest. servprof matched the whole path: its endpoints answered
-    the app's 404, sample_routes "/v1/*" sampled nothing and skip_routes skipped nothing."""
+    the app's 404, sample_routes "/v1/*" sampled nothing and skip_routes skipped nothing. (A control
+    prefix configured with the root path in it, which matched before, still does.)"""
     wait_idle()
-    with tiny_server(tmp_path, root_path="/api", control_token=TOKEN, sample_every=1, requests_per_session=1,
-                     sample_routes="/v1/*,/hello", skip_routes="/hello", analysis=False) as (url, mw, _e), \
-            httpx.Client(timeout=30) as client:
+    with tiny_server(tmp_path, root_path="/api", control_token=TOKEN, control_prefix=prefix, sample_every=1,
+                     requests_per_session=1, sample_routes="/v1/*,/hello", skip_routes="/hello",
+                     analysis=False) as (url, mw, _e), httpx.Client(timeout=30) as client:
         status = client.get(url + "/servprof/status", headers={"Authorization": f"Bearer {TOKEN}"})
-        assert status.status_code == 200 and status.json()["settings"]["control_prefix"] == "/servprof"
+        assert status.status_code == 200 and status.json()["settings"]["control_prefix"] == prefix
+        missing = client.get(url + "/servprof/nothing", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert missing.status_code == 404 and "no servprof endpoint" in missing.json()["error"]
         assert client.get(url + "/hello").status_code == 200  # skipped: never counted
         response = client.post(url + "/v1/generate", json={"max_tokens": 2, "stream": False})
         assert response.status_code == 200
         wait_idle()
     assert mw.runtime.counters["sampled"] == 1, mw.runtime.counters
-    assert mw.runtime.counters["control_requests"] == 1
+    assert mw.runtime.counters["control_requests"] == 2
 
 
 @pytest.mark.parametrize("root_path", ["", "/api"], ids=["no_root", "proxy_root"])
