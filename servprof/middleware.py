@@ -213,7 +213,7 @@ class _RequestResponder:
         runtime.counters["requests"] += 1
 
         session: Session | None = None
-        reason = runtime.sampler.decide(sample_asked, presented_token, method, route_path(scope))
+        reason = runtime.sampler.decide(sample_asked, presented_token, method, route_path(scope), scope["path"])
         if reason is not None:
             session = await runtime.join_session(record, reason)
 

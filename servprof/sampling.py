@@ -59,11 +59,14 @@ class RouteFilter:
         self._sample = _compile(route_patterns(sample_routes))
         self._skip = _compile(route_patterns(skip_routes))
 
-    def eligible(self, method: str, path: str) -> bool:
-        if self._skip is not None and self._skip.match(path):
+    def eligible(self, method: str, path: str, full_path: str | None = None) -> bool:
+        """``path``: the path the app routes on; ``full_path``: the whole path when it differs (a
+        root path before it), which globs written with the root path in them match."""
+        paths = (path,) if full_path is None or full_path == path else (path, full_path)
+        if self._skip is not None and any(self._skip.match(p) for p in paths):
             return False
         if self._sample is not None:
-            return self._sample.match(path) is not None
+            return any(self._sample.match(p) is not None for p in paths)
         return method not in _NON_MODEL_METHODS
 
 
@@ -139,8 +142,9 @@ class Sampler:
         return self._token is not None and presented is not None and hmac.compare_digest(presented, self._token)
 
     def decide(self, header_asked: bool = False, presented_token: bytes | None = None,
-               method: str = "POST", path: str = "/") -> str | None:
-        """The reason to sample this request, or None. Counts every call as one request."""
+               method: str = "POST", path: str = "/", full_path: str | None = None) -> str | None:
+        """The reason to sample this request, or None. Counts every call as one request. (``path``
+        and ``full_path``: RouteFilter.eligible.)"""
         self._seen += 1
         if header_asked:
             if self.token_matches(presented_token):
@@ -149,7 +153,7 @@ class Sampler:
             self.counts["header_rejected"] += 1
         if not (self._every or self._rate or self._on_demand):
             return None  # no policy could pick it: the route filter costs nothing then
-        if not self._routes.eligible(method, path):
+        if not self._routes.eligible(method, path, full_path):
             self._not_eligible += 1
             return None
         self._eligible += 1

@@ -278,3 +278,14 @@ def test_retention_ignores_a_trace_removed_meanwhile(tmp_path: Path, monkeypatch
 ])
 def test_routes_match_the_path_without_the_root_path(path: str, root_path: str, routed: str) -> None:
     assert route_path({"path": path, "root_path": root_path}) == routed
+
+
+def test_globs_match_the_routed_path_or_the_whole_one() -> None:
+    """Behind a root path, globs match the path the app routes on; globs written with the root path in
+    them (as they had to be before) match the whole path still."""
+    routes = RouteFilter(sample_routes="/v1/*,/api/v2/*", skip_routes="/api/v1/models")
+    assert routes.eligible("POST", "/v1/chat", "/api/v1/chat")
+    assert routes.eligible("POST", "/v2/chat", "/api/v2/chat")
+    assert not routes.eligible("GET", "/v1/models", "/api/v1/models")
+    assert not routes.eligible("POST", "/v3/chat", "/api/v3/chat")
+    assert routes.eligible("POST", "/v1/chat") and not routes.eligible("POST", "/v2/chat")
