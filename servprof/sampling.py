@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import fnmatch
 import hmac
+import os
 import random
 import re
 import threading
@@ -84,6 +85,14 @@ def route_path(scope: dict[str, Any]) -> str:
     return path
 
 
+# The rate policy's draws, re-seeded (from urandom) in each forked worker: workers that a pre-fork
+# server forked after building the middleware (gunicorn --preload) would otherwise all draw the same
+# sequence, and sample their n-th requests together (sessions in every worker at once).
+_RATE_RANDOM = random.Random()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_RATE_RANDOM.seed)
+
+
 def bearer_token(authorization: bytes | None) -> bytes | None:
     """The token of an `Authorization: Bearer <token>` header value, else None."""
     if authorization is None:
@@ -100,7 +109,7 @@ class Sampler:
         self._every = settings.sample_every
         self._rate = settings.sample_rate
         self._token = settings.control_token.encode() if settings.control_token else None
-        self._random = (rng or random.Random()).random
+        self._random = (rng or _RATE_RANDOM).random
         self._seen = 0
         self._eligible = 0  # requests the route filter let through (every k-th counts these)
         self._not_eligible = 0

@@ -289,3 +289,25 @@ def test_globs_match_the_routed_path_or_the_whole_one() -> None:
     assert not routes.eligible("GET", "/v1/models", "/api/v1/models")
     assert not routes.eligible("POST", "/v3/chat", "/api/v3/chat")
     assert routes.eligible("POST", "/v1/chat") and not routes.eligible("POST", "/v2/chat")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_forked_workers_draw_their_own_rate_decisions() -> None:
+    """A pre-fork server that built the middleware before forking (gunicorn --preload): each worker's
+    rate policy draws its own sequence, so the workers do not sample their n-th requests together."""
+    sampler = Sampler(Settings(sample_rate=0.5))
+    sampler.decide()
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the worker: its next decisions, to the parent
+        try:
+            os.write(write, bytes(int(sampler.decide() is not None) for _ in range(64)))
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        theirs = pipe.read()
+    os.waitpid(child, 0)
+    mine = bytes(int(sampler.decide() is not None) for _ in range(64))
+    assert len(theirs) == len(mine) == 64
+    assert theirs != mine  # (the same 64 draws by chance: 2^-64)
