@@ -78,7 +78,6 @@ class ServprofMiddleware:
             return
         await _RequestResponder(self, scope, receive, send).run()
 
-
     def _control_endpoint(self, scope: Scope) -> str | None:
         """The part of the path after the control prefix ("/status"; "" for the prefix alone), or None
         when the request is not for servprof. The prefix sits under the app's root path like its own
@@ -86,7 +85,10 @@ class ServprofMiddleware:
         works."""
         prefix = self._control_prefix
         assert prefix is not None
-        for path in (route_path(scope), scope["path"]):
+        full = scope["path"]
+        routed = route_path(scope)
+        # (Each distinct path once: without a root path, the one check every request pays.)
+        for path in (routed,) if routed is full else (routed, full):
             if path.startswith(self._control_prefix_slash) or path == prefix:
                 return path[len(prefix):]
         return None

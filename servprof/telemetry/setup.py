@@ -230,7 +230,7 @@ def choose_exporter(environ: Mapping[str, str]) -> str:
     return "file"
 
 
-_OTEL_TRACES_EXPORTERS = {"otlp": "otlp", "console": "console", "none": "none"}
+_OTEL_TRACES_EXPORTERS = ("otlp", "console", "none")  # (servprof's names for them are the same)
 
 
 def _traces_exporter(environ: Mapping[str, str]) -> str | None:
@@ -245,7 +245,7 @@ def _traces_exporter(environ: Mapping[str, str]) -> str | None:
             f"OTEL_TRACES_EXPORTER={value!r}: servprof's own spans go to {', '.join(_OTEL_TRACES_EXPORTERS)} "
             f"(or a host's tracer provider, which takes any); set {EXPORTER_ENV} to choose another for servprof"
         )
-    return _OTEL_TRACES_EXPORTERS[first]
+    return first
 
 
 def sdk_disabled(environ: Mapping[str, str]) -> bool:
