@@ -159,4 +159,4 @@ def _record_summary(record: RequestRecord) -> dict[str, Any]:
             "arrival_ns": record.arrival_ns, "arrival_perf_ns": record.arrival_perf_ns,
             "first_byte_ns": record.first_byte_ns, "last_byte_ns": record.last_byte_ns, "end_ns": record.end_ns,
             "status": record.status, "chunks": record.chunks, "bytes_sent": record.bytes_sent,
-            "disconnected": record.disconnected}
+            "disconnected": record.disconnected, "error": record.error_type}

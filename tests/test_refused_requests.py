@@ -16,9 +16,10 @@ import httpx
 import pytest
 from _middleware_helpers import serve, wait_idle, wait_sessions, wait_warm
 from _server_session import PROMPT, servprof_middleware
+from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from servprof.detect.refused import REFUSED_WHAT, refused_missing
+from servprof.detect.refused import FAILED_WHAT, REFUSED_WHAT, refused_missing
 from servprof.middleware import ServprofMiddleware
 
 KEY = "sk-test"
@@ -100,3 +101,44 @@ def test_the_entries_name_the_refusals_and_failures(statuses: list[Any], starts:
     entries = refused_missing(records)
     assert [e["message"][:len(start)] for e, start in zip(entries, starts, strict=False)] == starts
     assert len(entries) == len(starts)
+
+
+def test_a_session_of_requests_the_app_raised_on_says_they_failed(tmp_path: Path) -> None:
+    """A route that raises (a model error after the prompt's forward, as an out-of-memory does) is
+    answered 500 by the server below servprof's middleware (Starlette's ServerErrorMiddleware), so
+    servprof never sees a status: the record names the exception, and the session says its sampled
+    requests failed rather than only that no step was found."""
+    module = importlib.import_module("servers.handwritten_loop")
+    app = module.create_app()
+
+    @app.post("/v1/fail")
+    async def fail(request: Request) -> None:
+        ids = module.tokenize_prompt((await request.json())["prompt"])
+        with module.torch.inference_mode():
+            module.model(module.torch.tensor([ids], device=module.DEVICE))
+        raise RuntimeError("CUDA out of memory (a stand-in for the model's own failure)")
+
+    app.add_middleware(ServprofMiddleware, out_dir=tmp_path, telemetry=False, sample_every=1,
+                       requests_per_session=2, max_session_events=10**9)
+    wait_idle()
+    with serve(app) as (url, _server), httpx.Client(timeout=120) as client:
+        middleware = servprof_middleware(app)
+        wait_warm()
+        for _ in range(2):  # (uvicorn closes a connection whose request raised: one each)
+            assert client.post(url + "/v1/fail", json={"prompt": PROMPT}, headers={"Connection": "close"}).status_code == 500
+        (session,) = wait_sessions(middleware, 1, timeout_s=120)
+        wait_idle()
+        result, runtime = middleware.runtime.last_result, middleware.runtime
+    assert [(r["status"], r["error"]) for r in session["requests"]] == [(None, "RuntimeError")] * 2
+    assert runtime.counters["refused"] == 0  # it may have done model work: its place is not given back
+    first = result["summary"]["missing"][0]
+    assert first["what"] == FAILED_WHAT
+    assert first["message"].startswith("The 2 sampled request(s) failed: raised RuntimeError (/v1/fail)")
+
+
+def test_raised_and_answered_failures_are_named_together() -> None:
+    records = [{"status": 500, "route": "/v1/a"}, {"status": None, "error": "ValueError", "route": "/v1/b"},
+               {"status": None, "error": "OSError", "disconnected": True, "route": "/v1/a"}]
+    assert refused_missing(records[:2])[0]["message"].startswith(
+        "The 2 sampled request(s) failed: answered 500 by the app; raised ValueError (/v1/a, /v1/b)")
+    assert refused_missing(records) == []  # a client that hung up is no failure of the app's
