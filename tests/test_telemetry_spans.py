@@ -438,7 +438,8 @@ def test_an_outer_instrumentations_server_span_is_the_parent(tmp_path: Path, pro
 def test_the_apps_own_spans_nest_under_the_request_span(tmp_path: Path) -> None:
     """With servprof alone, the request span is the current span while the app runs (as an
     OpenTelemetry server instrumentation's is): the app's spans, on the loop or on a worker thread,
-    are its children, not roots of traces of their own; and the context is restored after."""
+    are its children, not roots of traces of their own, and what the app sets on it is recorded; and
+    the context is restored after."""
     from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -458,5 +459,23 @@ def test_the_apps_own_spans_nest_under_the_request_span(tmp_path: Path) -> None:
     for request_span, app_span in zip(request_spans, app_spans, strict=True):
         assert app_span.context.trace_id == request_span.context.trace_id
         assert app_span.parent.span_id == request_span.context.span_id
+    # What the app set on "the current span" is on the request span (built at export from the record).
+    assert [s.attributes.get("app.user") for s in request_spans] == ["u1", None]
     assert not trace.get_current_span().get_span_context().is_valid
     built.observer.shutdown()
+
+
+def test_the_current_request_span_records_attributes_only_when_sampled() -> None:
+    """Code that checks ``span.is_recording()`` before annotating (as instrumentations do) is told
+    the truth: an unsampled request span is never built, and what is set on it goes nowhere."""
+    from servprof.observers import RequestRecord
+    from servprof.telemetry.request_span import CurrentRequestSpan
+
+    for sampled in (True, False):
+        record = RequestRecord("r1", "POST", "/v1/chat/completions")
+        span = CurrentRequestSpan((1, 2, sampled, None, None, None, SpanKind.SERVER), record)
+        span.set_attribute("app.user", "u1")
+        span.set_attributes({"app.tier": "gold", "app.user": "u2"})
+        assert span.is_recording() is sampled
+        assert record.attributes == ({"app.user": "u2", "app.tier": "gold"} if sampled else {})
+        assert span.get_span_context().trace_flags.sampled is sampled

@@ -145,7 +145,7 @@ class TelemetryObserver:
                 self._parents.put(record.request_id, SampledParent(context, start_ns))
         token = None
         if not nested:  # an outer instrumentation's server span stays current: the app annotates that one
-            current = state[1] if self._direct is None else CurrentRequestSpan(state)
+            current = state[1] if self._direct is None else CurrentRequestSpan(state, record)
             token = context_api.attach(
                 trace.set_span_in_context(current, current_context if parent_context is None else parent_context))
         return (*state, scope.get("http_version"), token)

@@ -104,11 +104,26 @@ class DirectServerSpans:
 class CurrentRequestSpan(trace.NonRecordingSpan):
     """The request span as the app's current span while it runs, on servprof's own provider (which
     builds the real span at export): its SpanContext is built only when something reads it, as
-    most requests' apps never do (~0.5 us a request)."""
+    most requests' apps never do (~0.5 us a request). What the app sets on it as attributes
+    (``trace.get_current_span().set_attribute(...)``) goes into the request's record, as
+    servprof.annotate_request does, and onto the span at export; events, status and exceptions
+    set on it are not kept (servprof sets the status from the response)."""
 
-    def __init__(self, state: tuple[Any, ...]) -> None:  # (DirectServerSpans.start's tuple)
+    def __init__(self, state: tuple[Any, ...], record: RequestRecord) -> None:  # (DirectServerSpans.start's tuple)
         self._state = state
+        self._record = record
         self._built: SpanContext | None = None
+
+    def is_recording(self) -> bool:
+        return bool(self._state[2])  # (an unsampled span is never built: what is set on it goes nowhere)
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        if self._state[2]:
+            self._record.attributes[key] = value
+
+    def set_attributes(self, attributes: Any) -> None:
+        if self._state[2]:
+            self._record.attributes.update(attributes)
 
     @property
     def _context(self) -> SpanContext:  # what NonRecordingSpan reads
