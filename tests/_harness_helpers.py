@@ -42,6 +42,7 @@ class ServedRequest:
     completed: bool = False
     max_tokens: int = 0
     body: dict[str, Any] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -55,6 +56,8 @@ class TimedServer:
     in_flight: int = 0
     max_in_flight: int = 0
     url: str = ""
+    api_key: str | None = None  # when set, /v1 answers 401 without "Authorization: Bearer <key>" (vllm serve --api-key)
+    refused: int = 0
 
     def app(self) -> Starlette:
         return Starlette(
@@ -69,11 +72,21 @@ class TimedServer:
             ]
         )
 
+    def _unauthorized(self, request: Request) -> Response | None:
+        if self.api_key is None or request.headers.get("authorization") == f"Bearer {self.api_key}":
+            return None
+        self.refused += 1
+        return JSONResponse({"error": "Unauthorized"}, status_code=401)
+
     async def models(self, request: Request) -> Response:
+        if (refused := self._unauthorized(request)) is not None:
+            return refused
         return JSONResponse({"object": "list", "data": [{"id": "timed-test-model", "object": "model"}]})
 
     async def generate(self, request: Request) -> Response:
-        record = ServedRequest(request.headers.get(REQUEST_ID_HEADER), time.time())
+        if (refused := self._unauthorized(request)) is not None:
+            return refused
+        record = ServedRequest(request.headers.get(REQUEST_ID_HEADER), time.time(), headers=dict(request.headers))
         body = orjson.loads(await request.body())
         record.max_tokens = int(body.get("max_tokens", 16))
         record.body = body
@@ -185,9 +198,10 @@ def locust_command(host: str, *args: str, locustfile: Path = LOCUSTFILE) -> list
 
 
 def run_locust(
-    host: str, *args: str, timeout: float = 120, cwd: Path | None = None, locustfile: Path = LOCUSTFILE
+    host: str, *args: str, timeout: float = 120, cwd: Path | None = None, locustfile: Path = LOCUSTFILE,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**{k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}, "PYTHONUNBUFFERED": "1", **(env or {})}
     command = locust_command(host, *args, locustfile=locustfile)
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO_ROOT, env=env)
 

@@ -1,6 +1,7 @@
 """Ready-to-run locustfile: `locust -f servprof/harness/locustfile.py -H http://HOST:PORT`.
 
-Options: `locust -f servprof/harness/locustfile.py --help` (group "servprof harness").
+Options: `python -m servprof.harness --help` (locust's own `--help` is printed before a locustfile
+is imported, so it does not list them), and in the web UI.
 """
 
 from servprof.harness.users import OpenAIUser

@@ -2,13 +2,15 @@
 workers' samples on the master, and the summary at the end of a run.
 
 Imported by servprof.harness.users, so any locustfile that uses OpenAIUser gets the
-options (`locust -f FILE --help` lists them) and the summary.
+options (in the web UI too; locust's `--help` is printed before a locustfile is imported, so
+`python -m servprof.harness --help` lists them) and the summary.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +63,8 @@ class HarnessOptions:
     ignore_eos: bool = False
     summary_json: str | None = None
     requests_jsonl: str | None = None
+    api_key: str = ""  # sent as "Authorization: Bearer <key>"; default: $OPENAI_API_KEY
+    header: list[str] = field(default_factory=list)  # --header "Name: value", repeatable
 
     @classmethod
     def from_parsed(cls, parsed: Any) -> HarnessOptions:
@@ -68,10 +72,13 @@ class HarnessOptions:
         defaults = cls()
         values = {name: getattr(parsed, name, getattr(defaults, name)) for name in cls.__dataclass_fields__}
         values["slo"] = parse_slo(getattr(parsed, "slo", None))
+        values["header"] = list(values["header"] or [])
         return cls(**values)
 
     def public(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        """The options as the summary JSON keeps them: no secret (the key, header values) in a file."""
+        return {**self.__dict__, "api_key": "(given)" if self.api_key else "",
+                "header": [line.partition(":")[0].strip() + ": (given)" for line in self.header]}
 
 
 @dataclass
@@ -83,6 +90,8 @@ class HarnessState:
     model: str | None = None
     finished: bool = False
     template: Any = None  # custom: the parsed --body
+    headers: dict[str, str] = field(default_factory=dict)  # sent with every request (request_headers)
+    refusal_logged: bool = False
 
 
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -103,6 +112,24 @@ def check_endpoint(options: HarnessOptions) -> Any:
     return parse_template(options.body)
 
 
+def request_headers(options: HarnessOptions, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """What every request carries: ``Authorization: Bearer <--api-key>`` (else $OPENAI_API_KEY, as
+    `vllm bench serve` and OpenAI's clients read it; a server started with `vllm serve --api-key`
+    answers 401 without it), then each ``--header "Name: value"`` (which may replace it: a
+    gateway's ``x-api-key``, Azure's ``api-key``). TemplateError on a header without a name."""
+    key = options.api_key or (os.environ if environ is None else environ).get("OPENAI_API_KEY", "")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    for line in options.header:
+        name, colon, value = line.partition(":")
+        if not colon or not name.strip() or any(c.isspace() for c in name.strip()):
+            raise TemplateError(f"--header must be 'Name: value', got {line!r}")
+        given = name.strip()
+        for existing in [n for n in headers if n.lower() == given.lower()]:
+            del headers[existing]
+        headers[given] = value.strip()
+    return headers
+
+
 def load_specs(options: HarnessOptions) -> list[RequestSpec]:
     return load_dataset(
         options.dataset,
@@ -118,9 +145,10 @@ def build_state(environment: Environment) -> HarnessState:
     """Options, dataset and pacer for this process; raises DatasetError/ArrivalError/SLOError."""
     options = HarnessOptions.from_parsed(environment.parsed_options)
     template = check_endpoint(options)
+    headers = request_headers(options)
     runner = environment.runner
     if isinstance(runner, MasterRunner):
-        return HarnessState(options, [], None, template=template)
+        return HarnessState(options, [], None, template=template, headers=headers)
     specs = load_specs(options)
     worker_index, worker_count = 0, 1
     if isinstance(runner, WorkerRunner):
@@ -140,7 +168,7 @@ def build_state(environment: Environment) -> HarnessState:
         worker_index=worker_index,
         worker_count=worker_count,
     )
-    return HarnessState(options, specs, pacer, template=template)
+    return HarnessState(options, specs, pacer, template=template, headers=headers)
 
 
 def harness_state(environment: Environment) -> HarnessState:
@@ -184,28 +212,39 @@ def finish(environment: Environment, state: HarnessState | None = None) -> dict[
 def add_arguments(parser: Any) -> None:
     group = parser.add_argument_group("servprof harness", "LLM traffic for OpenAI-compatible servers, or any "
                                       "JSON API (--endpoint custom)")
-    group.add_argument("--dataset", choices=DATASET_NAMES, default="synthetic", help="traffic dataset")
-    group.add_argument("--dataset-path", default=None, help="file for --dataset sharegpt|custom|trace")
-    group.add_argument("--num-requests", type=int, default=1000, help="size of the synthetic mix")
-    group.add_argument("--seed", type=int, default=0, help="seed of the synthetic mix and the arrival schedule")
-    group.add_argument("--max-output-tokens", type=int, default=0, help="cap on output tokens per request (0: none)")
-    group.add_argument("--max-input-tokens", type=int, default=0, help="cut prompts to this many words (0: no cut)")
-    group.add_argument("--arrival", choices=ARRIVALS, default="closed", help="arrival process (open loop unless closed)")
-    group.add_argument("--rate", type=float, default=1.0, help="mean arrivals per second (poisson, gamma)")
-    group.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 Poisson, <1 burstier")
-    group.add_argument("--slo", default="", help="goodput SLOs in ms, e.g. ttft=500,tpot=50,e2e=5000")
-    group.add_argument("--endpoint", choices=(*ENDPOINT_PATHS, "custom"), default="completions",
-                       help="API to call: OpenAI's completions or chat, or custom (with --path and --body)")
-    group.add_argument("--path", default="", help="URL path to POST (default: the endpoint's; needed for custom)")
-    group.add_argument("--body", default="", help='custom: JSON body template, e.g. \'{"prompt": "{prompt}", '
-                       '"max_tokens": "{max_tokens}"}\' ("{stream}" too)')
-    group.add_argument("--tokens-field", default="", help="custom: dotted path of the output-token count in the "
-                       "answer, e.g. usage.completion_tokens (default: one per streamed chunk, else the words)")
-    group.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="stream tokens (SSE)")
-    group.add_argument("--model", default="", help="model name (default: first of GET /v1/models)")
-    group.add_argument("--ignore-eos", action="store_true", default=False, help="send ignore_eos (vLLM)")
-    group.add_argument("--summary-json", default=None, help="summary JSON path (default: next to --csv files)")
-    group.add_argument("--requests-jsonl", default=None, help="write one line per completed request here")
+
+    def option(*names: str, web_ui: bool = True, secret: bool = False, **kwargs: Any) -> None:
+        # An argument group's add_argument is argparse's own: the flags by which locust's web UI
+        # lists an option (LocustArgumentParser.add_argument sets them) are set here.
+        action = group.add_argument(*names, **kwargs)
+        action.include_in_web_ui, action.is_secret, action.is_required, action.is_multiple = web_ui, secret, False, False
+
+    option("--dataset", choices=DATASET_NAMES, default="synthetic", help="traffic dataset")
+    option("--dataset-path", default=None, help="file for --dataset sharegpt|custom|trace")
+    option("--num-requests", type=int, default=1000, help="size of the synthetic mix")
+    option("--seed", type=int, default=0, help="seed of the synthetic mix and the arrival schedule")
+    option("--max-output-tokens", type=int, default=0, help="cap on output tokens per request (0: none)")
+    option("--max-input-tokens", type=int, default=0, help="cut prompts to this many words (0: no cut)")
+    option("--arrival", choices=ARRIVALS, default="closed", help="arrival process (open loop unless closed)")
+    option("--rate", type=float, default=1.0, help="mean arrivals per second (poisson, gamma)")
+    option("--burstiness", type=float, default=1.0, help="gamma shape: 1 Poisson, <1 burstier")
+    option("--slo", default="", help="goodput SLOs in ms, e.g. ttft=500,tpot=50,e2e=5000")
+    option("--endpoint", choices=(*ENDPOINT_PATHS, "custom"), default="completions",
+           help="API to call: OpenAI's completions or chat, or custom (with --path and --body)")
+    option("--path", default="", help="URL path to POST (default: the endpoint's; needed for custom)")
+    option("--body", default="", help='custom: JSON body template, e.g. \'{"prompt": "{prompt}", '
+           '"max_tokens": "{max_tokens}"}\' ("{stream}" too)')
+    option("--tokens-field", default="", help="custom: dotted path of the output-token count in the "
+           "answer, e.g. usage.completion_tokens (default: one per streamed chunk, else the words)")
+    option("--stream", action=argparse.BooleanOptionalAction, default=True, help="stream tokens (SSE)")
+    option("--model", default="", help="model name (default: first of GET /v1/models)")
+    option("--ignore-eos", action="store_true", default=False, help="send ignore_eos (vLLM)")
+    option("--summary-json", default=None, help="summary JSON path (default: next to --csv files)")
+    option("--requests-jsonl", default=None, help="write one line per completed request here")
+    option("--api-key", default="", secret=True,
+           help="sent as 'Authorization: Bearer KEY' (vllm serve --api-key; default: $OPENAI_API_KEY)")
+    option("--header", action="append", default=None, metavar="'NAME: VALUE'", web_ui=False,
+           help="a header sent with every request, repeatable (e.g. 'x-api-key: KEY')")
 
 
 @events.init.add_listener
@@ -217,6 +256,7 @@ def _validate_options(environment: Environment, **_kwargs: Any) -> None:
     try:
         options = HarnessOptions.from_parsed(environment.parsed_options)
         check_endpoint(options)
+        request_headers(options)
         specs = load_specs(options)
         replay = replay_offsets(specs) if options.arrival == "replay" else None
         Pacer(options.arrival, rate=options.rate, burstiness=options.burstiness, replay=replay)

@@ -26,7 +26,7 @@ from locust.exception import StopUser
 
 from servprof.harness.custom import fill, read_custom_json, read_custom_stream
 from servprof.harness.datasets import RequestSpec
-from servprof.harness.plugin import ENDPOINT_PATHS, HarnessState, harness_state
+from servprof.harness.plugin import ENDPOINT_PATHS, HarnessState, harness_state, logger
 
 METRIC_REQUEST_TYPE = "LLM"
 # Each request carries an id `h-<process tag>-<slot index>`, so a server (and servprof's
@@ -127,7 +127,7 @@ class OpenAIUser(HttpUser):
             if state.model is None:
                 state.model = "default"
                 try:
-                    response = self.client.get("/v1/models", name="/v1/models")
+                    response = self.client.get("/v1/models", name="/v1/models", headers=state.headers)
                     state.model = response.json()["data"][0]["id"]
                 except Exception:
                     pass  # servers without /v1/models take any name
@@ -154,7 +154,7 @@ class OpenAIUser(HttpUser):
         payload = self.build_payload(spec)
         send_unix = time.time()
         start = time.perf_counter()
-        headers = {REQUEST_ID_HEADER: request_id}
+        headers = {**self.harness.headers, REQUEST_ID_HEADER: request_id}
         with self.client.post(
             path, json=payload, headers=headers, stream=options.stream, catch_response=True, name=path
         ) as response:
@@ -162,6 +162,7 @@ class OpenAIUser(HttpUser):
                 self.harness.collector.failures += 1
                 detail = (response.text or str(response.error or "")).strip()[:200]
                 response.failure(f"HTTP {response.status_code} {detail}".strip())
+                self._say_why_refused(response.status_code)
                 return
             try:
                 result = self._read(response, start)
@@ -176,6 +177,16 @@ class OpenAIUser(HttpUser):
                 return
             response.success()
         self.record(spec, result, send_unix, request_id)
+
+    def _say_why_refused(self, status: int) -> None:
+        """Once a run: a server that wants a key (vllm serve --api-key answers 401) fails every request."""
+        state = self.harness
+        if status in (401, 403) and not state.refusal_logged:
+            state.refusal_logged = True
+            sent = any(name.lower() == "authorization" for name in state.headers)
+            given = "the key given was refused" if sent else "no API key was sent"
+            logger.warning("servprof harness: the server answered HTTP %d (%s): give its key with --api-key KEY or "
+                           "OPENAI_API_KEY, or the header it expects with --header 'NAME: VALUE'", status, given)
 
     def _read(self, response: Any, start: float) -> StreamResult:
         options = self.harness.options
