@@ -152,7 +152,8 @@ class Demo:
                    "--max-input-tokens", str(self.max_input_words()),
                    "--summary-json", str(self.artifacts.paths["harness summary"]),
                    "--requests-jsonl", str(self.artifacts.paths["per-request timings"]), *arrival]
-        self.locust = self._spawn("locust", command, dict(os.environ))
+        # The demo server takes no key: a user's own OPENAI_API_KEY is not sent to it.
+        self.locust = self._spawn("locust", command, {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"})
 
     def order_sample(self) -> str | None:
         """None when the order was taken, else why not."""
