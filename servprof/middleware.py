@@ -76,6 +76,8 @@ class ServprofMiddleware:
         if not self._enabled:
             await self.app(scope, receive, send)
             return
+        if self.runtime.warmup_deferred:  # served with no lifespan startup before
+            self.runtime.start_deferred_warmup()
         await _RequestResponder(self, scope, receive, send).run()
 
     def _control_endpoint(self, scope: Scope) -> str | None:
@@ -110,7 +112,9 @@ async def _lifespan(app: ASGIApp, runtime: ServprofRuntime, scope: Scope, receiv
         return message
 
     async def lifespan_send(message: Message) -> None:
-        if message["type"] in ("lifespan.shutdown.complete", "lifespan.shutdown.failed"):
+        if message["type"] == "lifespan.startup.complete":
+            runtime.warm_up_at_startup()
+        elif message["type"] in ("lifespan.shutdown.complete", "lifespan.shutdown.failed"):
             await _flush(runtime)
         await send(message)
 
@@ -129,6 +133,7 @@ async def _answer_lifespan(runtime: ServprofRuntime, receive: Receive, send: Sen
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
+            runtime.warm_up_at_startup()
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
             await _stop_session(runtime)

@@ -7,6 +7,7 @@ sessions to the observers (on the capture thread, never on the event loop).
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import importlib.util
 import os
@@ -52,6 +53,16 @@ WEBSOCKETS_UNSAMPLED = (
 )
 
 
+def _on_main_thread_loop() -> bool:
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # built at import, before any loop runs
+        return False
+    return True
+
+
 class ServprofRuntime:
     def __init__(self, settings: Settings, observers: list[RequestObserver] | None = None,
                  observer_problem: str | None = None, controller: CaptureController | None = None):
@@ -79,14 +90,40 @@ class ServprofRuntime:
         self.order_tier: str | None = None  # the tier the last on-demand order asked for
         self.shutdown_report: dict[str, Any] | None = None  # what the last shutdown flush did
         self.memory_snapshots = memory_snapshots(settings, self.store.traces_dir)  # CUDA only; off by default
+        self.warmup_deferred = False
         if settings.enabled:
             self.controller.memory_history = self.controller.memory_history or settings.memory_samples
             can_sample = settings.sample_every > 0 or settings.sample_rate > 0 or bool(settings.control_token)
             self.controller.prestart_analysis |= settings.warmup and settings.analysis and can_sample
-            self.controller.ensure_running(settings.warmup)
+            # Kineto's one-time init wants the thread that imported torch (as a rule the main thread:
+            # on another it prints "ERROR: External init callback must run in same thread as
+            # registerClient"). A runtime built by the app's first call on the main thread's event
+            # loop (Starlette builds its middleware then: the lifespan startup, or with lifespan off
+            # the first request) warms up there at lifespan startup, before the server serves
+            # (warm_up_at_startup); built anywhere else, or with no lifespan, it warms up on the
+            # capture thread (at once, or at the first request).
+            self.warmup_deferred = settings.warmup and not self.controller.warm and _on_main_thread_loop()
+            self.controller.ensure_running(settings.warmup and not self.warmup_deferred)
             self.controller.add_shutdown_hook(self.flush_observers)
             if settings.auto_instrument:
                 install_thread_inheritance()  # threads started for a request carry its id into sessions
+
+    def warm_up_at_startup(self) -> None:
+        """At lifespan startup, the app's own done and nothing served yet: a deferred warm-up runs on
+        this thread when it is the main thread (~1 s, blocking it: the server waits for startup to
+        complete before it serves), else on the capture thread."""
+        if not self.warmup_deferred:
+            return
+        self.warmup_deferred = False
+        if threading.current_thread() is threading.main_thread():
+            self.controller.warm_up_now()
+        self.controller.ensure_running(True)
+
+    def start_deferred_warmup(self) -> None:
+        """A request came with no lifespan startup before it (lifespan off): the capture thread warms up."""
+        if self.warmup_deferred:
+            self.warmup_deferred = False
+            self.controller.ensure_running(True)
 
     @property
     def history(self) -> list[dict[str, Any]]:

@@ -3,6 +3,7 @@ library (Kineto), across the warm-up and a real sampled session."""
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -36,3 +37,30 @@ def test_demo_server_log_has_no_kineto_error_or_usdt_lines(tmp_path: Path) -> No
     assert list((out / "traces").glob("*.pt.trace.json.gz")), "the profiler never ran"
     assert "External init callback" not in text, text
     assert "USDT" not in text and "profiler_start" not in text, text
+
+
+@pytest.mark.parametrize("lifespan", ["auto", "off"])
+def test_a_users_server_warms_up_on_the_main_thread_at_startup(tmp_path: Path, lifespan: str) -> None:
+    """A server written without servprof, the one-line middleware added, run by uvicorn: Kineto's
+    one-time init runs on the thread that imported torch, at lifespan startup (before the server
+    serves), so its "External init callback" ERROR is not in the log and the first requests can be
+    sampled (before: warmed on the capture thread, the ERROR in every server's log). With lifespan
+    off there is no such moment: the capture thread warms up at the first request, as before."""
+    out, port, log = tmp_path / "out", free_port(), tmp_path / "server.log"
+    command = [sys.executable, str(Path(__file__).parent / "servers" / "run_with_servprof.py"),
+               "servers.handwritten_loop", str(port), lifespan]
+    with server_process(command, server_env(out, SERVPROF_SAMPLE_EVERY="0"), port, log) as process:
+        base = f"http://127.0.0.1:{port}"
+        warm_at_first_answer = httpx.get(base + "/servprof/status", headers=AUTH).json()["profiler"]["warm"]
+        order_when_ready(base, 1)
+        response = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60)
+        assert response.status_code == 200
+        deadline = time.monotonic() + 120
+        while not httpx.get(base + "/servprof/status", headers=AUTH).json()["last_sessions"]:
+            assert time.monotonic() < deadline, "no session finished"
+            time.sleep(0.2)
+        terminate(process, log)
+    text = log.read_text()
+    assert list((out / "traces").glob("*.pt.trace.json.gz")), "the profiler never ran"
+    assert warm_at_first_answer is (lifespan == "auto")
+    assert ("External init callback" in text) is (lifespan == "off"), text
