@@ -22,7 +22,21 @@ class SettingsError(ValueError):
 
 
 def _default_service_name() -> str:
-    return os.environ.get("OTEL_SERVICE_NAME", "servprof")
+    """OpenTelemetry's order: OTEL_SERVICE_NAME, then service.name in OTEL_RESOURCE_ATTRIBUTES (read
+    with the SDK's own detector, which decodes it), else servprof's own name."""
+    name = os.environ.get("OTEL_SERVICE_NAME")
+    if name:
+        return name
+    if "service.name" in os.environ.get("OTEL_RESOURCE_ATTRIBUTES", ""):
+        try:
+            from opentelemetry.sdk.resources import OTELResourceDetector
+
+            detected = OTELResourceDetector().detect().attributes.get("service.name")
+        except Exception:  # noqa: BLE001 - no SDK, or attributes it cannot read: servprof's name
+            detected = None
+        if isinstance(detected, str) and detected:
+            return detected
+    return "servprof"
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from _telemetry_helpers import ObserverProbe, chat_body, make_app, serve
 from google.protobuf import json_format
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from servprof import telemetry
 from servprof.settings import Settings, SettingsError
@@ -311,3 +312,34 @@ def test_console_exporter_prints_spans(tmp_path: Path) -> None:
         CONSOLE_CODE, tmp_path, SERVPROF_TELEMETRY_EXPORTER="console", OTEL_METRICS_EXPORTER="none"
     )
     assert '"name": "GET /x"' in out and '"servprof.request_id": "r1"' in out
+
+
+@pytest.mark.parametrize(("environ", "name"), [
+    ({"OTEL_RESOURCE_ATTRIBUTES": "service.name=llm%20gateway,deployment.environment=prod"}, "llm gateway"),
+    ({"OTEL_RESOURCE_ATTRIBUTES": "service.name=from-attributes", "OTEL_SERVICE_NAME": "from-name"}, "from-name"),
+    ({"OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=prod"}, "servprof"),
+    ({}, "servprof"),
+])
+def test_the_service_is_named_as_opentelemetry_orders_its_variables(
+        tmp_path: Path, monkeypatch: Any, environ: dict[str, str], name: str) -> None:
+    """OTEL_SERVICE_NAME, then service.name in OTEL_RESOURCE_ATTRIBUTES (before: servprof's own name
+    replaced the latter, so a service named only there showed in Jaeger as "servprof"), and the
+    resource's other attributes kept."""
+    for variable in ("OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES"):
+        monkeypatch.delenv(variable, raising=False)
+    for variable, value in environ.items():
+        monkeypatch.setenv(variable, value)
+    settings = Settings(out_dir=tmp_path)
+    assert settings.service_name == name
+    exporter = InMemorySpanExporter()
+    pipeline = build_pipeline(settings, {"SERVPROF_TELEMETRY_EXPORTER": "file"}, span_exporter=exporter)
+    try:
+        pipeline.tracer_provider.get_tracer("test").start_span("probe").end()
+        pipeline.tracer_provider.force_flush()
+    finally:
+        for provider in pipeline.owned:
+            provider.shutdown()
+    (span,) = exporter.get_finished_spans()
+    assert span.resource.attributes["service.name"] == name
+    if "deployment.environment" in environ.get("OTEL_RESOURCE_ATTRIBUTES", ""):
+        assert span.resource.attributes["deployment.environment"] == "prod"
