@@ -38,7 +38,8 @@ PROGRESS_MIN_BYTES = 20 * 1024**2  # show a progress display for inputs bigger t
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("path", help="a .json / .json.gz trace, or a directory of per-rank traces")
+    parser.add_argument("path", help="a .json / .json.gz trace (a file, a pipe, or '-': standard input), or a directory "
+                                     "of per-rank traces")
     parser.add_argument("--json", dest="json_out", metavar="OUT",
                         help="write the JSON report here ('-': to stdout, instead of the terminal report)")
     parser.add_argument("--html", dest="html_out", metavar="OUT", help="write the HTML report here")
@@ -52,7 +53,7 @@ def build_report(analysis: Analysis, requests: dict[str, Any]) -> dict[str, Any]
 
 def run(args: argparse.Namespace) -> int:
     try:
-        source = servprof_sessions_dir(Path(args.path))
+        source = servprof_sessions_dir(Path("/dev/stdin" if args.path == "-" else args.path))
         plan = plan_runs(source)
         runs = plan.runs
         files = plan.files

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import stat
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -103,10 +104,12 @@ def read_chunks(path: Path, limit: int, chunk_bytes: int | None = None) -> Itera
 
 
 UTF8_BOM = b"\xef\xbb\xbf"  # (a trace re-saved by a Windows editor: read past)
+_LEADING = UTF8_BOM + b" \t\r\n"  # what may come before a trace's first '{' or '['
 
 
 def _refuse_foreign(path: Path, head: bytes) -> None:
-    if head.lstrip(UTF8_BOM + b" \t\r\n")[:1] in (b"{", b"["):
+    first = head.lstrip(_LEADING)[:1]
+    if first in (b"{", b"[", b""):  # (b"": a first chunk all blank; the parser reads on)
         return
     if head.startswith((b"\xff\xfe", b"\xfe\xff")):
         raise TraceError(f"{path}: UTF-16 text (a trace re-saved by an editor or PowerShell?); torch writes its traces "
@@ -114,23 +117,34 @@ def _refuse_foreign(path: Path, head: bytes) -> None:
     what = next((text for test, text in FOREIGN_FORMATS if test(path.name.lower(), head)), None)
     if what is not None:
         raise TraceError(f"{path}: {what}, not a torch.profiler trace: {RECORD_HOW}")
+    # Refused at its first chunk, not after reading it all (a stream may never end: /dev/zero).
+    raise TraceError(f"{path}: not valid JSON for a trace (a trace's text begins with '{{' or '[', this one with "
+                     f"{head.lstrip(_LEADING)[:16]!r})")
 
 
 def _chunks(path: Path, limit: int, chunk_bytes: int) -> Iterator[bytes]:
+    """A regular file, or a stream read once as it comes (a pipe: ``servprof analyze /dev/stdin``,
+    ``<(zcat ...)``, a FIFO), whose size is known only at its end."""
     try:
-        size = path.stat().st_size
-        if size == 0:
+        info = path.stat()
+        regular = stat.S_ISREG(info.st_mode)
+        if regular and info.st_size == 0:
             raise TraceError(f"{path}: empty file")
         with open(path, "rb") as raw:
-            if raw.read(2) == b"\x1f\x8b":
-                raw.seek(0)
-                yield from _inflated(path, raw, limit, chunk_bytes)
+            if raw.peek(2)[:2] == b"\x1f\x8b":  # (peeked, not read: a pipe cannot seek back)
+                yield from _inflated(path, raw if regular else _Counted(raw), limit, chunk_bytes)
                 return
-            if size > limit:
-                raise TraceError(f"{path}: {size} bytes is larger than the {limit}-byte limit (SERVPROF_MAX_TRACE_BYTES)")
-            raw.seek(0)
+            if regular and info.st_size > limit:
+                raise TraceError(f"{path}: {info.st_size} bytes is larger than the {limit}-byte limit "
+                                 "(SERVPROF_MAX_TRACE_BYTES)")
+            total = 0
             while chunk := raw.read(chunk_bytes):
+                total += len(chunk)
+                if total > limit:  # (a stream's size is known only as it is read)
+                    raise TraceError(f"{path}: more than {limit} bytes (limit SERVPROF_MAX_TRACE_BYTES)")
                 yield chunk
+            if total == 0:
+                raise TraceError(f"{path}: empty (nothing was written to it)")
     except _GZIP_ERRORS as exc:
         raise TraceError(f"{path}: truncated or corrupt gzip ({exc})") from None
     except OSError as exc:
@@ -149,6 +163,28 @@ def _inflated(path: Path, raw: Any, limit: int, chunk_bytes: int) -> Iterator[by
                 raise TraceError(f"{path}: inflates more than {MAX_GZIP_RATIO}:1 (traces inflate ~15:1); "
                                  "refused as a gzip bomb")
             yield chunk
+
+
+class _Counted:
+    """A stream handed to the inflater, counting what it read (a pipe has no tell() for the
+    gzip-bomb check)."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+        self._read = 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._raw.read(size)
+        self._read += len(data)
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        count = self._raw.readinto(buffer)
+        self._read += count or 0
+        return count
+
+    def tell(self) -> int:
+        return self._read
 
 
 def read_whole(path: Path, limit: int) -> bytearray:
