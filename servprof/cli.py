@@ -21,6 +21,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     is imported for its arguments (`servprof analyze` must not pay for torch, which the demo's
     modules import)."""
     parser = argparse.ArgumentParser(prog="servprof", description="A profiler that lives inside LLM inference servers.")
+    from servprof import __version__
+
+    parser.add_argument("--version", action="version", version=f"servprof {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         command_parser = sub.add_parser(name, help=help_text, description=help_text)

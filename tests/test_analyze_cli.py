@@ -221,3 +221,16 @@ def test_a_damaged_session_sidecar_is_read_around(tmp_path: Path, sidecar: bytes
     assert main(["analyze", str(trace), "--json", str(tmp_path / "r.json")]) == 0
     report = orjson.loads((tmp_path / "r.json").read_bytes())
     assert report["summary"]["queue_wait"]["requests_timed"] <= 1
+
+
+@pytest.mark.parametrize("command", [["servprof"], [sys.executable, "-m", "servprof"]], ids=["script", "module"])
+def test_the_command_says_its_version_and_runs_as_a_module(command: list[str]) -> None:
+    from importlib.metadata import version
+
+    if command == ["servprof"]:
+        command = [str(Path(sys.executable).with_name("servprof"))]
+    done = subprocess.run([*command, "--version"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == f"servprof {version('servprof')}"
+    done = subprocess.run([*command, "analyze", str(PUBLIC_TRACES / "hta_cuda_event_sync_a100.json.gz"), "--json", "-"],
+                          capture_output=True, timeout=120)
+    assert done.returncode == 0 and orjson.loads(done.stdout)["summary"]["events"] > 0
