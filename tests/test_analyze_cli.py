@@ -234,3 +234,25 @@ def test_the_command_says_its_version_and_runs_as_a_module(command: list[str]) -
     done = subprocess.run([*command, "analyze", str(PUBLIC_TRACES / "hta_cuda_event_sync_a100.json.gz"), "--json", "-"],
                           capture_output=True, timeout=120)
     assert done.returncode == 0 and orjson.loads(done.stdout)["summary"]["events"] > 0
+
+
+def test_servprofs_own_files_are_named_with_the_trace_to_analyse(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """People point `servprof analyze` at the report, or a session's files beside its trace."""
+    trace = fixture("clean")
+    report = tmp_path / "report.json"
+    assert main(["analyze", str(trace), "--json", str(report)]) == 0
+    session = _write(tmp_path / "s1.session.json", orjson.dumps(
+        {"session_id": "s1", "state": "done", "trace_file": str(tmp_path / "s1.pt.trace.json.gz"), "requests": []}))
+    harness = _write(tmp_path / "harness-summary.json", orjson.dumps({"completed": 3, "failed": 0, "slo": {}}))
+    capsys.readouterr()
+    said = []
+    for path in (report, session, harness):
+        assert main(["analyze", str(path)]) == 2
+        said.append(capsys.readouterr().err.strip())
+    assert said == [
+        f"servprof analyze: {report}: servprof's analysis report, not a trace: it was made from {trace}",
+        f"servprof analyze: {session}: a servprof session's description, not a trace: its trace is "
+        f"{tmp_path / 's1.pt.trace.json.gz'}",
+        f"servprof analyze: {harness}: the locust harness's summary, not a trace: servprof analyze reads "
+        "torch.profiler traces"]

@@ -43,11 +43,31 @@ def parse_document(path: Path, data: bytes | bytearray) -> tuple[dict[str, Any],
     if isinstance(document, list):  # the chrome-trace "JSON Array Format"
         return {}, document
     if not isinstance(document, dict) or "traceEvents" not in document:
-        raise TraceError(f"{path}: no 'traceEvents' key; not a chrome trace")
+        own = _servprof_output(document) if isinstance(document, dict) else None
+        raise TraceError(f"{path}: {own}" if own else f"{path}: no 'traceEvents' key; not a chrome trace")
     events = document.pop("traceEvents")
     if not isinstance(events, list):
         raise TraceError(f"{path}: 'traceEvents' is not a list")
     return normalise_metadata(document), events
+
+
+def _servprof_output(document: dict[str, Any]) -> str | None:
+    """What a JSON file servprof itself writes is, and the trace to analyse instead (people point
+    `servprof analyze` at the report or a session's files beside the trace)."""
+    session = document.get("session")
+    trace_file = document.get("trace_file") or (session.get("trace_file") if isinstance(session, dict) else None)
+    summary = document.get("summary")
+    if "findings" in document:
+        if isinstance(trace_file, str):
+            return f"servprof's analysis of a session, not a trace: analyse its trace, {trace_file}"
+        if isinstance(summary, dict) and isinstance(summary.get("source"), str):
+            return f"servprof's analysis report, not a trace: it was made from {summary['source']}"
+        return "servprof's analysis, not a trace: analyse the .pt.trace.json.gz it was made from"
+    if isinstance(document.get("session_id"), str) and isinstance(trace_file, str):
+        return f"a servprof session's description, not a trace: its trace is {trace_file}"
+    if {"completed", "failed", "slo"} <= document.keys():
+        return "the locust harness's summary, not a trace: servprof analyze reads torch.profiler traces"
+    return None
 
 
 def load_trace_orjson(path: str | os.PathLike[str], max_bytes: int | None = None) -> Trace:
