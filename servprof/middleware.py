@@ -12,8 +12,6 @@ import asyncio
 import dataclasses
 import inspect
 import logging
-import os
-import random
 import time
 from collections.abc import Awaitable
 from typing import Any
@@ -26,7 +24,7 @@ from servprof.capture import SHUTDOWN_FLUSH_S, CaptureController, Session
 from servprof.observers import RequestRecord
 from servprof.request_context import accept_request_id, request_id_var, request_record_var
 from servprof.runtime import ServprofRuntime, create_observers
-from servprof.sampling import bearer_token, route_path
+from servprof.sampling import SERVPROF_RANDOM, bearer_token, route_path
 from servprof.settings import Settings
 
 _perf_ns = time.perf_counter_ns
@@ -67,8 +65,10 @@ class ServprofMiddleware:
                 self.runtime.counters["websocket_connections"] += 1
             await self.app(scope, receive, send)
             return
+        routed = None  # the path the app routes on (route_path), read once for both uses
         if self._control_prefix is not None:
-            endpoint = self._control_endpoint(scope)
+            routed = route_path(scope)
+            endpoint = self._control_endpoint(scope, routed)
             if endpoint is not None:
                 # Served even when servprof is disabled, so status can say so.
                 await control.handle(self.runtime, scope, receive, send, endpoint)
@@ -78,21 +78,20 @@ class ServprofMiddleware:
             return
         if self.runtime.warmup_deferred:  # served with no lifespan startup before
             self.runtime.start_deferred_warmup()
-        await _RequestResponder(self, scope, receive, send).run()
+        await _RequestResponder(self, scope, receive, send).run(routed)
 
-    def _control_endpoint(self, scope: Scope) -> str | None:
+    def _control_endpoint(self, scope: Scope, routed: str) -> str | None:
         """The part of the path after the control prefix ("/status"; "" for the prefix alone), or None
         when the request is not for servprof. The prefix sits under the app's root path like its own
         routes; a prefix configured with the root path in it (as the path was matched before) still
         works."""
-        prefix = self._control_prefix
+        prefix, slash = self._control_prefix, self._control_prefix_slash
         assert prefix is not None
-        full = scope["path"]
-        routed = route_path(scope)
-        # (Each distinct path once: without a root path, the one check every request pays.)
-        for path in (routed,) if routed is full else (routed, full):
-            if path.startswith(self._control_prefix_slash) or path == prefix:
-                return path[len(prefix):]
+        if routed.startswith(slash) or routed == prefix:
+            return routed[len(prefix):]
+        full = scope["path"]  # (the same object as routed without a root path: not tested twice)
+        if full is not routed and (full.startswith(slash) or full == prefix):
+            return full[len(prefix):]
         return None
 
 
@@ -177,7 +176,8 @@ class _RequestResponder:
         self._receive = receive
         self._send = send
 
-    async def run(self) -> None:
+    async def run(self, routed: str | None = None) -> None:
+        """``routed``: route_path(scope), when the caller has read it."""
         scope = self.scope
         middleware = self.middleware
         runtime = middleware.runtime
@@ -220,7 +220,8 @@ class _RequestResponder:
         runtime.counters["requests"] += 1
 
         session: Session | None = None
-        reason = runtime.sampler.decide(sample_asked, presented_token, method, route_path(scope), scope["path"])
+        reason = runtime.sampler.decide(sample_asked, presented_token, method,
+                                        route_path(scope) if routed is None else routed, scope["path"])
         if reason is not None:
             session = await runtime.join_session(record, reason)
 
@@ -334,11 +335,9 @@ def _new_request_id() -> str:
     GIL, so that a request arriving while another thread runs Python could wait for that thread's
     switch interval (5 ms) to get it back; and the app's global `random` (seeded for reproducible
     sampling) must not be drawn from. An id needs to be unique, not secret. ~140 ns."""
-    return (_request_ids.getrandbits(128) & _UUID4_MASK | _UUID4_BITS).to_bytes(16, "big").hex()
+    return (_random_bits(128) & _UUID4_MASK | _UUID4_BITS).to_bytes(16, "big").hex()
 
 
-_request_ids = random.Random()
+_random_bits = SERVPROF_RANDOM.getrandbits  # (re-seeded in each forked worker: its ids differ)
 _UUID4_BITS = 0x4 << 76 | 0x8 << 60  # version 4, RFC 4122 variant
 _UUID4_MASK = ~(0xF << 76 | 0xC << 60) & (1 << 128) - 1
-if hasattr(os, "register_at_fork"):  # a pre-fork server's workers draw different ids (seeded from urandom)
-    os.register_at_fork(after_in_child=_request_ids.seed)

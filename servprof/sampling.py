@@ -63,11 +63,12 @@ class RouteFilter:
     def eligible(self, method: str, path: str, full_path: str | None = None) -> bool:
         """``path``: the path the app routes on; ``full_path``: the whole path when it differs (a
         root path before it), which globs written with the root path in them match."""
-        paths = (path,) if full_path is None or full_path == path else (path, full_path)
-        if self._skip is not None and any(self._skip.match(p) for p in paths):
+        other = None if full_path is None or full_path is path or full_path == path else full_path
+        skip, sample = self._skip, self._sample
+        if skip is not None and (skip.match(path) or (other is not None and skip.match(other))):
             return False
-        if self._sample is not None:
-            return any(self._sample.match(p) is not None for p in paths)
+        if sample is not None:
+            return sample.match(path) is not None or (other is not None and sample.match(other) is not None)
         return method not in _NON_MODEL_METHODS
 
 
@@ -85,12 +86,13 @@ def route_path(scope: dict[str, Any]) -> str:
     return path
 
 
-# The rate policy's draws, re-seeded (from urandom) in each forked worker: workers that a pre-fork
-# server forked after building the middleware (gunicorn --preload) would otherwise all draw the same
-# sequence, and sample their n-th requests together (sessions in every worker at once).
-_RATE_RANDOM = random.Random()
+# servprof's own generator, for the rate policy's draws and the middleware's request ids (never the
+# app's global `random`, which an app may seed). Re-seeded (from urandom) in each forked worker: workers
+# that a pre-fork server forked after building the middleware (gunicorn --preload) would otherwise all
+# draw the same sequence, give the same ids and sample their n-th requests together.
+SERVPROF_RANDOM = random.Random()
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_RATE_RANDOM.seed)
+    os.register_at_fork(after_in_child=SERVPROF_RANDOM.seed)
 
 
 def bearer_token(authorization: bytes | None) -> bytes | None:
@@ -109,7 +111,7 @@ class Sampler:
         self._every = settings.sample_every
         self._rate = settings.sample_rate
         self._token = settings.control_token.encode() if settings.control_token else None
-        self._random = (rng or _RATE_RANDOM).random
+        self._random = (rng or SERVPROF_RANDOM).random
         self._seen = 0
         self._eligible = 0  # requests the route filter let through (every k-th counts these)
         self._not_eligible = 0

@@ -112,12 +112,12 @@ def check_endpoint(options: HarnessOptions) -> Any:
     return parse_template(options.body)
 
 
-def request_headers(options: HarnessOptions, environ: dict[str, str] | None = None) -> dict[str, str]:
+def request_headers(options: HarnessOptions) -> dict[str, str]:
     """What every request carries: ``Authorization: Bearer <--api-key>`` (else $OPENAI_API_KEY, as
     `vllm bench serve` and OpenAI's clients read it; a server started with `vllm serve --api-key`
     answers 401 without it), then each ``--header "Name: value"`` (which may replace it: a
     gateway's ``x-api-key``, Azure's ``api-key``). TemplateError on a header without a name."""
-    key = options.api_key or (os.environ if environ is None else environ).get("OPENAI_API_KEY", "")
+    key = options.api_key or os.environ.get("OPENAI_API_KEY", "")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     for line in options.header:
         name, colon, value = line.partition(":")

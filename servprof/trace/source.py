@@ -108,8 +108,8 @@ _LEADING = UTF8_BOM + b" \t\r\n"  # what may come before a trace's first '{' or 
 
 
 def _refuse_foreign(path: Path, head: bytes) -> None:
-    first = head.lstrip(_LEADING)[:1]
-    if first in (b"{", b"[", b""):  # (b"": a first chunk all blank; the parser reads on)
+    lead = head.lstrip(_LEADING)
+    if lead[:1] in (b"{", b"[", b""):  # (b"": a first chunk all blank; the parser reads on)
         return
     if head.startswith((b"\xff\xfe", b"\xfe\xff")):
         raise TraceError(f"{path}: UTF-16 text (a trace re-saved by an editor or PowerShell?); torch writes its traces "
@@ -119,7 +119,7 @@ def _refuse_foreign(path: Path, head: bytes) -> None:
         raise TraceError(f"{path}: {what}, not a torch.profiler trace: {RECORD_HOW}")
     # Refused at its first chunk, not after reading it all (a stream may never end: /dev/zero).
     raise TraceError(f"{path}: not valid JSON for a trace (a trace's text begins with '{{' or '[', this one with "
-                     f"{head.lstrip(_LEADING)[:16]!r})")
+                     f"{lead[:16]!r})")
 
 
 def _chunks(path: Path, limit: int, chunk_bytes: int) -> Iterator[bytes]:
