@@ -42,8 +42,11 @@ def test_work_after_the_last_step_is_named_and_its_absence_is_quiet(tmp_path: Pa
 
 def test_a_deep_window_with_stacks_names_the_handlers_work(tmp_path: Path) -> None:
     """With Python stacks on a deep window, the work after the model is named by its frames: the
-    filter's function and the regex calls inside it. (The pool's threads are warmed by a first
-    session: torch's Python tracer follows the threads alive when it starts.)"""
+    filter's function and the regex calls inside it. torch's Python tracer follows only the threads
+    alive when it starts: an ``async def`` endpoint's ``asyncio.to_thread`` starts the loop's executor
+    threads on first use, so the first session's handler threads have no frames, and the finding
+    says so (not "take a deep window with stacks", which it was); the executor keeps them, so the
+    second session's are recorded."""
     import importlib
     import threading
 
@@ -58,11 +61,12 @@ def test_a_deep_window_with_stacks_names_the_handlers_work(tmp_path: Path) -> No
                        requests_per_session=REQUESTS, max_session_events=10**9, tier="deep", with_stack=True)
     wait_idle()
     body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS}
+    findings = []
     with serve(app) as (url, _server):
         middleware = servprof_middleware(app)
         wait_warm()
         for sessions in (1, 2):
-            clients = [threading.Thread(target=httpx.post, args=(url + "/v1/completions",),
+            clients = [threading.Thread(target=httpx.post, args=(url + "/v1/async/completions",),
                                         kwargs={"json": body, "timeout": 120}) for _ in range(REQUESTS)]
             for client in clients:
                 client.start()
@@ -70,10 +74,14 @@ def test_a_deep_window_with_stacks_names_the_handlers_work(tmp_path: Path) -> No
                 client.join(120)
             wait_sessions(middleware, sessions, timeout_s=120)
             wait_idle()
-        result = middleware.runtime.last_result
-    (finding,) = [f for f in result["findings"] if f["kind"] == "after_last_step"]
-    work = finding["evidence"]["handler_threads"]
+            findings.append([f for f in middleware.runtime.last_result["findings"] if f["kind"] == "after_last_step"])
+    (first,), (second,) = findings
+    assert first["evidence"]["handler_threads"]["seen"] == "started_after_the_profiler", first["evidence"]
+    assert "began later" in first["fix"] and "SERVPROF_WITH_STACK=1 names" not in first["fix"]
+    assert "computing outside the model" not in first["title"]
+    work = second["evidence"]["handler_threads"]
+    assert work["seen"] == "computing", work
     names = [frame["name"] for frame in work["top_frames"]]
     assert any("safety_filter" in name for name in names) and any("re.Pattern" in name for name in names), names
     assert work["busy_ms"] <= work["window_ms"]
-    assert "safety_filter" in finding["title"] or "re.Pattern" in finding["title"]
+    assert "safety_filter" in second["title"] or "re.Pattern" in second["title"]

@@ -74,5 +74,6 @@ def test_a_deep_window_names_the_handlers_own_compute_before_the_model_call(tmp_
     measured = light["result"]["summary"]["detect"]["queue_wait"]["waits"]
     assert any(w["own_model_call"] and w["idle_ms"] > 0 for w in measured), measured  # the same wait, measured
     for finding in (f for f in light["result"]["findings"] if f["kind"] == "queue_wait"):  # what it measured
-        assert "handler_threads" not in finding["evidence"]
+        assert finding["evidence"]["handler_threads"] == {"seen": "not_recorded"}  # (no ops, no frames)
         assert finding["fix"].startswith("Each of these requests called the model from its own handler, so no queue")
+        assert finding["fix"].endswith("names the functions it ran.")  # how to get them

@@ -24,7 +24,7 @@ from servprof.detect.intervals import covered, covered_within, merge
 from servprof.detect.overhead import stop_cutoffs
 from servprof.detect.request_times import RequestTimes, own_phase_spans
 from servprof.detect.steps import Step
-from servprof.detect.thread_work import thread_work
+from servprof.detect.thread_work import ThreadWork, thread_work
 from servprof.trace.model import Trace, median
 
 KIND = "after_last_step"
@@ -91,17 +91,13 @@ def detect_after_last_step(trace: Trace, steps: list[Step], times: dict[str, Req
     return [_finding(long, len(tails), tail_ms, share, work)], summary
 
 
-def _finding(long: list[dict[str, Any]], requests: int, tail_ms: float, share: float,
-             work: dict[str, Any] | None) -> Finding:
+def _finding(long: list[dict[str, Any]], requests: int, tail_ms: float, share: float, work: ThreadWork) -> Finding:
     title = (f"{len(long)} of {requests} sampled requests' responses went out {tail_ms:.1f} ms in all after their last "
              f"model step (median {median([x['tail_ms'] for x in long]):.1f} ms each, {share:.0%} of their time)")
     other = sum(x["other_steps_ms"] for x in long)
     if other >= 0.05:
         title += f"; other requests' steps ran {other:.1f} ms of that time"
-    if work is not None:
-        names = ", ".join(f["name"][:60] for f in work["top_frames"][:3])
-        title += (f"; their threads were computing outside the model for {work['busy_ms']:.1f} of "
-                  f"{work['window_ms']:.1f} ms ({names})")
+    title += work.title_part()
     severity = severity_for_share(share, tail_ms)
     if severity == "critical":
         severity = "warning"  # the handler's own work (a safety filter may be the app's design), not capacity lost
@@ -112,6 +108,6 @@ def _finding(long: list[dict[str, Any]], requests: int, tail_ms: float, share: f
         evidence={"requests": requests, "late": len(long), "tail_ms": round(tail_ms, 3),
                   "share_of_request_time": round(share, 4), "other_steps_ms": round(other, 3),
                   "tails": sorted(long, key=lambda x: -x["tail_ms"])[:20],
-                  **({"handler_threads": work} if work is not None else {})},
-        fix=FIX if work is not None else FIX + FIX_UNSEEN,
+                  "handler_threads": work.evidence()},
+        fix=FIX + work.unseen_text(FIX_UNSEEN),
     )

@@ -39,7 +39,7 @@ from servprof.detect.finding import WARNING_SHARE, Finding, severity_for_share
 from servprof.detect.intervals import covered, covered_within, merge
 from servprof.detect.request_times import RequestTimes, own_phase_spans
 from servprof.detect.steps import Step
-from servprof.detect.thread_work import thread_work
+from servprof.detect.thread_work import COMPUTING, ThreadWork, thread_work
 from servprof.trace.model import Trace, median
 
 KIND = "queue_wait"
@@ -67,7 +67,10 @@ FIX_BEFORE_CALL = (
     "a lock or a pool slot it waited for, or its own compute: input preprocessing, a model or file loaded on first "
     "use). Overlap those calls with each other or cache them, build clients and load models once for the app's life "
     "(at start-up), and hold locks around the model call only; the loop_stall findings name any part of it that "
-    "blocked the event loop, and a deep window (`POST /servprof/sample?n=1&tier=deep`) names the functions it ran."
+    "blocked the event loop."
+)
+FIX_BEFORE_CALL_UNSEEN = (
+    " A deep window with SERVPROF_WITH_STACK=1 (`POST /servprof/sample?n=1&tier=deep`) names the functions it ran."
 )
 
 
@@ -161,7 +164,7 @@ def detect_queue_wait(trace: Trace, steps: list[Step], times: dict[str, RequestT
 
 
 def _finding(cause: str, group: list[dict[str, Any]], requests: int, idle_ms: float, share: float,
-             work: dict[str, Any] | None = None) -> Finding:
+             work: ThreadWork | None = None) -> Finding:
     busy_ms = sum(w["other_steps_ms"] for w in group)
     each = f"median {median([w['idle_ms'] for w in group]):.1f} ms each, {share:.0%} of their time to first byte"
     if cause == QUEUED:
@@ -171,10 +174,7 @@ def _finding(cause: str, group: list[dict[str, Any]], requests: int, idle_ms: fl
         title = (f"{len(group)} of {requests} sampled requests spent {idle_ms:.1f} ms ({each}) in their handlers "
                  "before calling the model, while no model step ran")
     title += f"; other requests' steps ran {busy_ms:.1f} ms of those waits" if busy_ms >= 0.05 else ""
-    if work is not None:
-        names = ", ".join(f["name"][:60] for f in work["top_frames"][:3])
-        title += (f"; their threads were computing outside the model for {work['busy_ms']:.1f} of "
-                  f"{work['window_ms']:.1f} ms ({names})")
+    title += work.title_part() if work is not None else ""
     severity = severity_for_share(share, idle_ms)
     if cause == BEFORE_CALL and severity == "critical":
         severity = "warning"  # the handler's own work (a retrieval may be the app's design), not capacity left idle
@@ -185,8 +185,9 @@ def _finding(cause: str, group: list[dict[str, Any]], requests: int, idle_ms: fl
         evidence={"cause": cause, "requests": requests, "waited": len(group), "idle_ms": round(idle_ms, 3),
                   "share_of_time_to_first_byte": round(share, 4), "other_steps_ms": round(busy_ms, 3),
                   "waits": sorted(group, key=lambda w: -w["idle_ms"])[:20],
-                  **({"handler_threads": work} if work is not None else {})},
-        fix=FIX_QUEUED if cause == QUEUED else FIX_HANDLER_COMPUTE if work is not None else FIX_BEFORE_CALL,
+                  **({"handler_threads": work.evidence()} if work is not None else {})},
+        fix=FIX_QUEUED if work is None else FIX_HANDLER_COMPUTE if work.seen == COMPUTING
+        else FIX_BEFORE_CALL + work.unseen_text(FIX_BEFORE_CALL_UNSEEN),
     )
 
 

@@ -1,45 +1,113 @@
 """What a request's thread recorded over some windows outside model steps (a deep trace): its
-time by class and its top frames, when recorded work covers most of those windows.
+time by class and its top frames, and, when recorded work does not cover most of those windows,
+why the trace cannot name it.
 
 queue_wait reads the handler's way to its model call with it, after_last_step the handler's work
 after the model."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from servprof.detect.host_classes import BUSY_CLASSES, CLASSES, DETOKENIZE, TOKENIZE
+from servprof.detect.host_classes import BUSY_CLASSES, CLASSES, DETOKENIZE, TOKENIZE, WAIT
 from servprof.detect.host_stacks import HostStacks
 from servprof.detect.intervals import outside
 from servprof.trace.model import Trace
 
 # Recorded work on the thread (ops, Python, runtime calls), not the request's own tokenize phases.
 HANDLER_BUSY = tuple(c for c in BUSY_CLASSES if c not in (TOKENIZE, DETOKENIZE))
+# What the windows show: the threads computing (named), waiting (their Python recorded, most of the
+# time in waits or nothing), no frames anywhere (a light window, or no SERVPROF_WITH_STACK), or
+# no frames on these threads though others have them (started after the profiler).
+COMPUTING, WAITED, NOT_RECORDED, STARTED_LATE = "computing", "waited", "not_recorded", "started_after_the_profiler"
+
+
+@dataclass
+class ThreadWork:
+    seen: str
+    busy_ms: float = 0.0
+    window_ms: float = 0.0
+    self_ms: dict[str, float] = field(default_factory=dict)
+    top_frames: list[dict[str, Any]] = field(default_factory=list)
+    waits: list[dict[str, Any]] = field(default_factory=list)
+    late_threads: int = 0  # threads left out: no frames of theirs where the trace has others'
+
+    def evidence(self) -> dict[str, Any]:
+        """The finding's ``handler_threads``: what the threads did (the frames named only when
+        they were computing; the wait frames when they waited)."""
+        out: dict[str, Any] = {"seen": self.seen}
+        if self.seen in (COMPUTING, WAITED):
+            out.update(busy_ms=self.busy_ms, window_ms=self.window_ms, self_ms=self.self_ms)
+        if self.seen == COMPUTING:
+            out["top_frames"] = self.top_frames
+        if self.seen == WAITED and self.waits:
+            out["wait_frames"] = self.waits
+        if self.late_threads:
+            out["threads_started_after_the_profiler"] = self.late_threads
+        return out
+
+    def title_part(self) -> str:
+        if self.seen != COMPUTING:
+            return ""
+        names = ", ".join(f["name"][:60] for f in self.top_frames[:3])
+        return (f"; their threads were computing outside the model for {self.busy_ms:.1f} of {self.window_ms:.1f} ms "
+                f"({names})")
+
+    def unseen_text(self, not_recorded: str) -> str:
+        """Why the trace names no work there (empty when it does); ``not_recorded``: the caller's
+        advice where the trace recorded no Python at all."""
+        if self.seen == STARTED_LATE:
+            return (" torch's Python tracer recorded other threads' Python but none of these requests' threads': it "
+                    "follows the threads alive when the profiler started, and these began later (a worker the "
+                    "server's thread pool started, as anyio's does for a worker idle 10 s, or a thread started per "
+                    "request). A deep window taken while the server is busy finds a pool's workers alive and names "
+                    "their functions; work on threads started per request is never recorded: run it on threads that "
+                    "outlive requests.")
+        if self.seen == WAITED:
+            where = ", ".join(f["name"][:60] for f in self.waits[:2])
+            return (f" Their threads' Python was recorded, and they computed for {self.busy_ms:.1f} of "
+                    f"{self.window_ms:.1f} ms of it: the rest they waited"
+                    + (f" ({where})" if where else "")
+                    + ", for another thread, process or service, a lock, or a CPU (too few cores for the server's "
+                      "threads); what the handler waited for there is where the time went.")
+        return not_recorded if self.seen == NOT_RECORDED else ""
 
 
 def thread_work(trace: Trace, windows: list[tuple[int, int, float, float]], steps_start: np.ndarray,
-                steps_end: np.ndarray) -> dict[str, Any] | None:
+                steps_end: np.ndarray) -> ThreadWork:
     """``windows``: (rank, thread, from µs, to µs), read where no model step ran (on any thread).
-    None where the trace records nothing there (a light trace records no ops) or the threads
-    mostly recorded nothing (they waited: I/O, a lock, another thread; or ran Python unrecorded)."""
+    COMPUTING where recorded work covers at least half of them. Where the rank's trace has Python
+    frames, a thread without any (started after the profiler) is left out: its unrecorded Python
+    would read as waiting."""
     stacks: dict[int, HostStacks] = {}
-    window_us, by_class, frames = 0.0, np.zeros(len(CLASSES)), {}
+    window_us, by_class, frames, late = 0.0, np.zeros(len(CLASSES)), {}, 0
+    framed = False
     for rank, tid, start_us, end_us in windows:
+        ranked = stacks.setdefault(rank, HostStacks(trace, rank))
+        if ranked.has_frames and tid in ranked.unframed:
+            late += 1
+            continue
+        framed = framed or ranked.has_frames
         a, b = outside(float(start_us), float(end_us), steps_start, steps_end)
-        stack = stacks.setdefault(rank, HostStacks(trace, rank)).thread(tid)
+        stack = ranked.thread(tid)
         window_us += float((b - a).sum())
         by_class += stack.class_times(a, b).sum(axis=0)
         _window, keys, spent = stack.top_keys(a, b, limit=8)
         for key, us in zip(keys.tolist(), spent.tolist(), strict=True):
             frames[key] = frames.get(key, 0.0) + us
+    if window_us <= 0:
+        return ThreadWork(STARTED_LATE if late else NOT_RECORDED, late_threads=late)
     busy_us = float(by_class[list(HANDLER_BUSY)].sum())
-    if window_us <= 0 or busy_us < 0.5 * window_us:
-        return None
-    ranked = sorted((kv for kv in frames.items() if kv[0] % len(CLASSES) in HANDLER_BUSY), key=lambda kv: -kv[1])
-    top = [{"name": trace.names[key // len(CLASSES)], "class": CLASSES[key % len(CLASSES)], "self_ms": round(us / 1e3, 3)}
-           for key, us in ranked[:5]]
-    return {"busy_ms": round(busy_us / 1e3, 3), "window_ms": round(window_us / 1e3, 3),
-            "self_ms": {CLASSES[c]: round(float(v) / 1e3, 3) for c, v in enumerate(by_class) if v >= 50.0},
-            "top_frames": top}
+    seen = COMPUTING if busy_us >= 0.5 * window_us else WAITED if framed else NOT_RECORDED
+    return ThreadWork(seen, round(busy_us / 1e3, 3), round(window_us / 1e3, 3),
+                      {CLASSES[c]: round(float(v) / 1e3, 3) for c, v in enumerate(by_class) if v >= 50.0},
+                      _top(trace, frames, HANDLER_BUSY), _top(trace, frames, (WAIT,)), late)
+
+
+def _top(trace: Trace, frames: dict[int, float], classes: tuple[int, ...]) -> list[dict[str, Any]]:
+    ranked = sorted((kv for kv in frames.items() if kv[0] % len(CLASSES) in classes), key=lambda kv: -kv[1])
+    return [{"name": trace.names[key // len(CLASSES)], "class": CLASSES[key % len(CLASSES)], "self_ms": round(us / 1e3, 3)}
+            for key, us in ranked[:5]]

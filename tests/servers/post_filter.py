@@ -4,13 +4,15 @@ Nothing in here knows about servprof. A plain ``def`` endpoint (FastAPI's thread
 hand-written server's tiny model and tokenizer (tests/servers/handwritten_loop.py) in a decode
 loop, then passes the text through a slow pure-Python safety filter (a list of patterns applied
 one after another, many times over) before answering with JSON. ``"filter": false`` in the body
-answers without it.
+answers without it. ``/v1/async/completions`` does the same from an ``async def`` endpoint through
+``asyncio.to_thread`` (the loop's default executor, whose threads start on first use).
 
     uvicorn tests.servers.post_filter:app
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from typing import Any
@@ -58,6 +60,10 @@ def create_app() -> FastAPI:
         if request.filter:
             text = safety_filter(text)
         return {"text": text[:200], "filter_ms": round((time.perf_counter() - started) * 1e3, 3)}
+
+    @app.post("/v1/async/completions")
+    async def complete_off_the_loop(request: FilteredRequest) -> dict[str, Any]:
+        return await asyncio.to_thread(complete, request)
 
     return app
 

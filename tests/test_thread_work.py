@@ -1,0 +1,105 @@
+"""What a handler's thread did in a window outside the model, read from a real torch.profiler trace
+of real threads: computing (named), waiting (its Python recorded, the waits named), started after
+the profiler (no frames of its own where others have them), and a trace without Python frames.
+These are the four answers queue_wait and after_last_step give about a request's own thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from servprof.detect.thread_work import COMPUTING, NOT_RECORDED, STARTED_LATE, WAITED, thread_work
+from servprof.trace import load_trace
+
+WINDOW_S = 0.06
+
+
+def _compute() -> None:
+    x, until = torch.ones(64), time.perf_counter() + WINDOW_S
+    while time.perf_counter() < until:
+        sum(i * i for i in range(300))
+        x = x + 1
+
+
+def _trace(tmp_path: Path, with_stack: bool) -> tuple[Path, dict[str, int], dict[str, tuple[float, float]]]:
+    """Three threads over one window each: one alive at the start computes, one alive at the start
+    waits on an event, one started during the capture computes."""
+    go, release, spans, tids = threading.Event(), threading.Event(), {}, {}
+
+    def run(name: str, body: object) -> None:
+        tids[name] = threading.get_native_id()
+        go.wait()
+        start = time.time_ns() / 1e3
+        body()  # type: ignore[operator]
+        spans[name] = (start, time.time_ns() / 1e3)
+
+    early = [threading.Thread(target=run, args=("computing", _compute)),
+             threading.Thread(target=run, args=("waiting", lambda: release.wait(WINDOW_S)))]
+    for thread in early:
+        thread.start()
+    with profile(activities=[ProfilerActivity.CPU]):
+        pass  # (Kineto's first start, out of the capture)
+    config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    with profile(activities=[ProfilerActivity.CPU], with_stack=with_stack, experimental_config=config) as prof:
+        late = threading.Thread(target=run, args=("late", _compute))
+        late.start()
+        go.set()
+        for thread in (*early, late):
+            thread.join()
+    path = tmp_path / f"threads_{with_stack}.json"
+    prof.export_chrome_trace(str(path))
+    return path, tids, spans
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, tuple]:
+    folder = tmp_path_factory.mktemp("thread_work")
+    return {stack: _trace(folder, stack) for stack in (True, False)}
+
+
+def _work(traces: dict[bool, tuple], with_stack: bool, *names: str):
+    path, tids, spans = traces[with_stack]
+    trace = load_trace(path)
+    # Window times are wall-clock µs; the trace's are the profiler's: shift by the trace's own offset.
+    shift = float(trace.ts.min()) - min(a for a, _b in spans.values())
+    windows = [(int(trace.rank.min()), tids[name], spans[name][0] + shift + 2e3, spans[name][1] + shift - 2e3)
+               for name in names]
+    return thread_work(trace, windows, np.zeros(0), np.zeros(0))
+
+
+def test_a_computing_thread_is_named_and_a_waiting_one_says_it_waited(traces: dict[bool, tuple]) -> None:
+    computing = _work(traces, True, "computing")
+    assert computing.seen == COMPUTING, computing
+    assert computing.busy_ms <= computing.window_ms and any("_compute" in f["name"] for f in computing.top_frames)
+    assert "computing outside the model" in computing.title_part() and computing.unseen_text("X") == ""
+    waiting = _work(traces, True, "waiting")
+    assert waiting.seen == WAITED, waiting
+    assert any("acquire" in f["name"] and f["class"] == "wait" for f in waiting.waits), waiting.waits  # Event.wait
+    assert waiting.title_part() == "" and "they waited" in waiting.unseen_text("X")
+    assert "top_frames" not in waiting.evidence() and waiting.evidence()["wait_frames"]
+
+
+def test_a_thread_started_after_the_profiler_is_named_so_not_read_as_waiting(traces: dict[bool, tuple]) -> None:
+    late = _work(traces, True, "late")
+    assert late.seen == STARTED_LATE and late.late_threads == 1, late
+    text = late.unseen_text("X")
+    assert "began later" in text and "SERVPROF_WITH_STACK" not in text
+    # Beside a thread with frames, the late one is left out of the figures, and counted.
+    both = _work(traces, True, "computing", "late")
+    assert both.seen == COMPUTING and both.late_threads == 1
+    assert both.window_ms == pytest.approx(_work(traces, True, "computing").window_ms)
+    assert both.evidence()["threads_started_after_the_profiler"] == 1
+
+
+def test_without_python_frames_the_callers_advice_is_given(traces: dict[bool, tuple]) -> None:
+    for name in ("waiting", "late"):
+        work = _work(traces, False, name)
+        assert work.seen == NOT_RECORDED, (name, work)
+        assert work.unseen_text("take a deep window") == "take a deep window"
+        assert work.evidence() == {"seen": NOT_RECORDED}
