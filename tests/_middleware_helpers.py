@@ -67,7 +67,10 @@ class TinyEngine:
             self.steps += 1
             for entry in active:
                 entry[1] -= 1
-                entry[3].call_soon_threadsafe(entry[2].put_nowait, entry[1] <= 0)
+                try:
+                    entry[3].call_soon_threadsafe(entry[2].put_nowait, entry[1] <= 0)
+                except RuntimeError:  # its loop is closed (the server stopped): nobody waits for the tokens
+                    entry[1] = 0
             active = [a for a in active if a[1] > 0]
             time.sleep(self.step_sleep_s)
 
