@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import gzip
+import io
 import os
+import pickle
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import orjson
@@ -78,6 +81,14 @@ def test_every_public_trace_and_fixture_analyses(tmp_path: Path):
         (lambda d: _write(d / "run.sqlite", b"SQLite format 3\x00\x10\x00"), "an SQLite database"),
         (lambda d: _write(d / "run.pftrace", b"\x0a\x02\x08\x01"), "a protobuf trace"),
         (lambda d: _write(d / "gz.xplane.pb", gzip.compress(b"\x0a\x0b/host:CPU")), "XPlane"),
+        (lambda d: _write(d / "kernels.ncu-rep", b"\x00NVIDIA"), "an Nsight Compute report"),
+        (lambda d: _write(d / "snapshot.pickle", pickle.dumps({"segments": []}, protocol=4)), "memory_viz"),
+        (lambda d: _write(d / "traces.zip", _zipped("t.json", b'{"traceEvents": []}')), "a zip archive"),
+        (lambda d: _write(d / "nsys.json", b'{"type": 1}\n{"type": 2}\n'), "one JSON document per line"),
+        (lambda d: _write(d / "pyspy.json", orjson.dumps({"$schema": "https://www.speedscope.app/file-format-schema.json",
+                                                          "profiles": []})), "a speedscope profile"),
+        (lambda d: _write(d / "snap.json", orjson.dumps({"segments": [], "device_traces": []})), "memory_viz"),
+        (lambda d: _write(d / "other.json", b'{"version": 2, "samples": []}'), "its keys: 'version', 'samples'"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], make, message):
@@ -85,8 +96,15 @@ def test_bad_input_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureF
     assert main(["analyze", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
-    if "protobuf" in err or "Nsight" in err or "SQLite" in err:
+    if any(word in err for word in ("protobuf", "Nsight", "SQLite", "speedscope", "per line", "its keys")):
         assert "export_chrome_trace" in err
+
+
+def _zipped(name: str, data: bytes) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr(name, data)
+    return buffer.getvalue()
 
 
 def test_a_log_dir_of_run_folders_names_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]):

@@ -18,7 +18,14 @@ import orjson
 
 from servprof.trace.errors import TraceError
 from servprof.trace.model import Trace
-from servprof.trace.source import SOURCE_FILE_KEY, UTF8_BOM, max_trace_bytes, read_whole, trace_files
+from servprof.trace.source import (
+    RECORD_HOW,
+    SOURCE_FILE_KEY,
+    UTF8_BOM,
+    max_trace_bytes,
+    read_whole,
+    trace_files,
+)
 from servprof.trace.values import (
     NO_ARGS,
     Interner,
@@ -39,16 +46,45 @@ def parse_document(path: Path, data: bytes | bytearray) -> tuple[dict[str, Any],
     try:
         document = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
-        raise TraceError(f"{path}: not valid JSON ({str(exc).splitlines()[0]})") from None
+        why = str(exc).splitlines()[0]
+        if why.startswith("unexpected content after document") and _json_lines(data):
+            why = "one JSON document per line, as `nsys export --type json` writes; not a chrome trace: " + RECORD_HOW
+        raise TraceError(f"{path}: not valid JSON ({why})") from None
     if isinstance(document, list):  # the chrome-trace "JSON Array Format"
         return {}, document
     if not isinstance(document, dict) or "traceEvents" not in document:
-        own = _servprof_output(document) if isinstance(document, dict) else None
-        raise TraceError(f"{path}: {own}" if own else f"{path}: no 'traceEvents' key; not a chrome trace")
+        raise TraceError(f"{path}: {_what_json(document)}")
     events = document.pop("traceEvents")
     if not isinstance(events, list):
         raise TraceError(f"{path}: 'traceEvents' is not a list")
     return normalise_metadata(document), events
+
+
+def _json_lines(data: bytes | bytearray | memoryview) -> bool:
+    """Does the text's first line hold a whole JSON document (JSON Lines)?"""
+    first = bytes(data[:1 << 20]).split(b"\n", 1)[0]
+    try:
+        orjson.loads(first)
+    except orjson.JSONDecodeError:
+        return False
+    return True
+
+
+def _what_json(document: Any) -> str:
+    """Why a JSON document is no chrome trace, naming the files people mistake for one."""
+    if not isinstance(document, dict):
+        return f"a JSON {type(document).__name__}, not a chrome trace (an object with 'traceEvents', or a list of events)"
+    own = _servprof_output(document)
+    if own:
+        return own
+    schema = document.get("$schema")
+    if isinstance(schema, str) and "speedscope" in schema:
+        return f"a speedscope profile (py-spy record --format speedscope?), not a torch.profiler trace: {RECORD_HOW}"
+    if {"segments", "device_traces"} <= document.keys():
+        return ("a CUDA memory snapshot (torch.cuda.memory._snapshot()), not a trace: it opens at "
+                "https://pytorch.org/memory_viz")
+    keys = ", ".join(repr(k) for k in list(document)[:6]) + (", ..." if len(document) > 6 else "")
+    return f"no 'traceEvents' key (its keys: {keys or 'none'}); not a chrome trace: {RECORD_HOW}"
 
 
 def _servprof_output(document: dict[str, Any]) -> str | None:

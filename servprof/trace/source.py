@@ -67,11 +67,15 @@ def trace_files(path: str | os.PathLike[str]) -> list[Path]:
 # Other profilers' files people point a trace analyser at: (is it, what it is). Said only of a
 # file whose text does not open as JSON does (a JSON file is read whatever its name).
 FOREIGN_FORMATS: tuple[tuple[Any, str], ...] = (
-
     (lambda name, head: head.startswith(b"SQLite format 3\x00"), "an SQLite database (an Nsight Systems export?)"),
     (lambda name, head: name.endswith((".nsys-rep", ".qdrep")), "an Nsight Systems report"),
     (lambda name, head: ".xplane.pb" in name, "a TensorBoard / JAX XPlane protobuf"),
     (lambda name, head: name.endswith((".pftrace", ".perfetto-trace", ".pb")), "a protobuf trace (Perfetto?)"),
+    (lambda name, head: name.endswith(".ncu-rep"), "an Nsight Compute report"),
+    # torch.cuda.memory._dump_snapshot writes a pickle; so does torch.save.
+    (lambda name, head: head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"),
+     "a Python pickle (a CUDA memory snapshot from torch.cuda.memory._dump_snapshot? It opens at "
+     "https://pytorch.org/memory_viz; servprof reads memory from a trace's allocator events, profile_memory=True)"),
 )
 RECORD_HOW = ("servprof reads the chrome-trace JSON torch.profiler writes: prof.export_chrome_trace('trace.json') "
               "or on_trace_ready=torch.profiler.tensorboard_trace_handler(dir)")
@@ -114,6 +118,9 @@ def _refuse_foreign(path: Path, head: bytes) -> None:
     if head.startswith((b"\xff\xfe", b"\xfe\xff")):
         raise TraceError(f"{path}: UTF-16 text (a trace re-saved by an editor or PowerShell?); torch writes its traces "
                          "in UTF-8, as JSON is: convert it back (iconv -f UTF-16 -t UTF-8 IN > OUT) and analyse that")
+    if head.startswith(b"PK\x03\x04"):
+        raise TraceError(f"{path}: a zip archive: extract the trace from it (unzip) and analyse the .json or "
+                         ".json.gz inside")
     what = next((text for test, text in FOREIGN_FORMATS if test(path.name.lower(), head)), None)
     if what is not None:
         raise TraceError(f"{path}: {what}, not a torch.profiler trace: {RECORD_HOW}")
