@@ -200,11 +200,17 @@ UNTRACED_IN_SESSION = (
     "Set SERVPROF_WITH_STACK=1 so that deep windows record the Python frames as well as the ops; look for sleeps, "
     "waits on other processes, or too few CPU cores for the server's threads (the thread was off the CPU)."
 )
+# Why a thread has no Python frames where others have them, and what to do (two detectors say it).
+THREAD_STARTED_LATE = (
+    "it follows the threads alive when the profiler started, and {which} began later, as a thread pool's new workers "
+    "do (anyio's pool, which runs FastAPI's `def` endpoints, retires workers idle for 10 s; `asyncio.to_thread`'s "
+    "executor starts its threads on first use) and threads started per request do. A window taken while the server is "
+    "busy finds a pool's workers alive and records their frames; a thread started per request is never recorded: run "
+    "that work on threads that outlive requests (a fixed pool, or an engine thread started with the server)."
+)
 UNTRACED_THREAD_UNFRAMED = (
-    "torch's Python tracer recorded other threads' Python but none of this thread's: it follows the threads alive "
-    "when the profiler started, and this one began later (a worker the server's thread pool started, a thread "
-    "started per request), so its time between steps may be its own Python. Run the model on threads that outlive "
-    "requests (a fixed pool or an engine thread started with the server): a later trace then records their frames."
+    "torch's Python tracer recorded other threads' Python but none of this thread's, so its time between steps may "
+    "be its own Python: " + THREAD_STARTED_LATE.format(which="this one")
 )
 
 

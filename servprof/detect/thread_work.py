@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from servprof.detect.cause_texts import THREAD_STARTED_LATE
 from servprof.detect.host_classes import BUSY_CLASSES, CLASSES, DETOKENIZE, TOKENIZE, WAIT
 from servprof.detect.host_stacks import HostStacks
 from servprof.detect.intervals import outside
@@ -60,12 +61,8 @@ class ThreadWork:
         """Why the trace names no work there (empty when it does); ``not_recorded``: the caller's
         advice where the trace recorded no Python at all."""
         if self.seen == STARTED_LATE:
-            return (" torch's Python tracer recorded other threads' Python but none of these requests' threads': it "
-                    "follows the threads alive when the profiler started, and these began later (a worker the "
-                    "server's thread pool started, as anyio's does for a worker idle 10 s, or a thread started per "
-                    "request). A deep window taken while the server is busy finds a pool's workers alive and names "
-                    "their functions; work on threads started per request is never recorded: run it on threads that "
-                    "outlive requests.")
+            return (" What they did is not in this trace: torch's Python tracer recorded other threads' Python but none of "
+                    "these requests' threads': " + THREAD_STARTED_LATE.format(which="these"))
         if self.seen == WAITED:
             where = ", ".join(f["name"][:60] for f in self.waits[:2])
             return (f" Their threads' Python was recorded, and they computed for {self.busy_ms:.1f} of "
