@@ -82,6 +82,10 @@ def test_one_server_span_per_request_named_by_route(stack: Stack) -> None:
     assert hello.attributes["http.response.status_code"] == 200
     assert hello.attributes["client.address"] == "127.0.0.1"
     assert hello.attributes["user_agent.original"] == "probe/1"
+    # The server as the client addressed it (its Host header), and no query where none was sent.
+    port = int(stack.url.rsplit(":", 1)[1])
+    assert hello.attributes["server.address"] == "127.0.0.1" and hello.attributes["server.port"] == port
+    assert "url.query" not in hello.attributes and hello.attributes["network.protocol.version"] == "1.1"
     assert hello.attributes["servprof.request_id"] == stack.keeper.records[0].request_id
     assert hello.attributes["servprof.sampled"] is False
     assert "gen_ai.operation.name" not in hello.attributes
@@ -94,6 +98,22 @@ def test_one_server_span_per_request_named_by_route(stack: Stack) -> None:
     record = stack.keeper.records[0]
     assert hello.start_time == record.arrival_ns
     assert hello.end_time - hello.start_time == record.end_ns - record.arrival_perf_ns
+
+
+def test_the_query_string_is_kept_with_its_secrets_redacted_and_the_host_as_addressed(stack: Stack) -> None:
+    """url.query (OpenTelemetry: required when the request has one), with the values of key-bearing
+    parameters (the conventions' list, and API keys and tokens, as Gemini's `?key=`) replaced;
+    server.address / server.port from the Host header the client sent (a proxy's public name)."""
+    with httpx.Client() as client:
+        query = "alt=sse&key=AIzaSECRET&access_token=tok&sig=abc&page=2"
+        assert client.get(stack.url + "/hello?" + query, headers={"host": "llm.example.com"}).status_code == 200
+        assert client.get(stack.url + "/hello", headers={"host": "[::1]:8443"}).status_code == 200
+    named, ipv6 = stack.spans()
+    assert named.attributes["url.query"] == "alt=sse&key=REDACTED&access_token=REDACTED&sig=REDACTED&page=2"
+    assert named.attributes["url.path"] == "/hello"
+    assert named.attributes["server.address"] == "llm.example.com" and "server.port" not in named.attributes
+    assert ipv6.attributes["server.address"] == "::1" and ipv6.attributes["server.port"] == 8443
+    assert not [key for key, value in named.attributes.items() if "AIzaSECRET" in str(value)], dict(named.attributes)
 
 
 def test_streamed_completion_is_one_span_with_genai_and_servprof_attributes(stack: Stack) -> None:

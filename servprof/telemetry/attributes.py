@@ -7,7 +7,9 @@ deprecated-but-unchanged, so the names are spelled out here.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 import orjson
 from opentelemetry.trace import Status, StatusCode
@@ -23,6 +25,14 @@ ERROR_TYPE = "error.type"
 CLIENT_ADDRESS = "client.address"
 USER_AGENT_ORIGINAL = "user_agent.original"
 NETWORK_PROTOCOL_VERSION = "network.protocol.version"
+SERVER_ADDRESS = "server.address"
+SERVER_PORT = "server.port"
+URL_QUERY = "url.query"
+# Query parameters whose values url.query never shows: the semantic conventions' list (matched as
+# given), and names that hold keys or tokens in the query string (Gemini's `key`), in any case.
+REDACTED_QUERY_KEYS = frozenset({"AWSAccessKeyId", "Signature", "sig", "X-Goog-Signature"})
+SECRET_QUERY_KEYS = re.compile(r"(?i)^(?:.*[_-])?(?:key|apikey|token|secret|password|passwd|auth|signature|sig|"
+                               r"credential|credentials|session|code)$")
 
 GEN_AI_OPERATION_NAME = "gen_ai.operation.name"
 GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
@@ -180,9 +190,50 @@ def error_type(record: RequestRecord) -> str | None:
     return None
 
 
-def request_attributes(record: RequestRecord, http_version: str | None) -> dict[str, Any]:
+def redacted_query(query: str) -> str:
+    """``query`` with the values of secret-bearing parameters replaced by REDACTED, keys kept."""
+    parts = query.split("&")
+    for i, part in enumerate(parts):
+        key, equals, _value = part.partition("=")
+        if equals and (key in REDACTED_QUERY_KEYS or SECRET_QUERY_KEYS.match(key)):
+            parts[i] = key + "=REDACTED"
+    return "&".join(parts)
+
+
+def connection_attributes(scope: Mapping[str, Any] | None) -> dict[str, Any]:
+    """From the request's ASGI scope (read when its span is built, off the serving path): the
+    HTTP version, the server's name and port as the client addressed it (the Host header; the
+    socket the server listens on where there is none), and the query string, secrets redacted."""
+    if not scope:
+        return {}
+    out: dict[str, Any] = {}
+    if scope.get("http_version"):
+        out[NETWORK_PROTOCOL_VERSION] = scope["http_version"]
+    host = next((value for name, value in scope.get("headers") or () if name == b"host"), None)
+    address: str | None = None
+    port: int | None = None
+    if host:
+        try:
+            parts = urlsplit("//" + host.decode("latin-1"))
+            address, port = parts.hostname, parts.port
+        except ValueError:  # (a malformed Host: no address rather than a wrong one)
+            address = port = None
+    elif scope.get("server"):
+        address, port = scope["server"][0], scope["server"][1]
+    if address:
+        out[SERVER_ADDRESS] = address
+        if port:
+            out[SERVER_PORT] = int(port)
+    query = scope.get("query_string")
+    if query:
+        out[URL_QUERY] = redacted_query(query.decode("latin-1"))
+    return out
+
+
+def request_attributes(record: RequestRecord, scope: Mapping[str, Any] | None) -> dict[str, Any]:
     """HTTP and servprof attributes of a finished request, set on its span in one call (the
-    SDK validates every attribute set, so each one and each call costs serving time)."""
+    SDK validates every attribute set, so each one and each call costs serving time).
+    ``scope``: the request's ASGI scope, for what connection_attributes reads."""
     attributes: dict[str, Any] = {
         HTTP_REQUEST_METHOD: record.method,
         URL_PATH: record.path,
@@ -195,8 +246,7 @@ def request_attributes(record: RequestRecord, http_version: str | None) -> dict[
         attributes[CLIENT_ADDRESS] = record.client_address
     if record.user_agent:
         attributes[USER_AGENT_ORIGINAL] = record.user_agent
-    if http_version:
-        attributes[NETWORK_PROTOCOL_VERSION] = http_version
+    attributes.update(connection_attributes(scope))
     if record.route:
         attributes[HTTP_ROUTE] = record.route
     if record.status is not None:
@@ -216,13 +266,13 @@ def request_attributes(record: RequestRecord, http_version: str | None) -> dict[
 
 def server_span_attributes(
     record: RequestRecord,
-    http_version: str | None,
+    scope: Mapping[str, Any] | None,
     genai: dict[str, Any] | None,
     app: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """Every attribute of a request's SERVER span: HTTP and servprof's, then the GenAI request
     fields, then what the app annotated (already filtered by app_attributes)."""
-    attributes = request_attributes(record, http_version)
+    attributes = request_attributes(record, scope)
     if genai:
         attributes.update(genai)
     if app:
