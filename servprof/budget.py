@@ -216,6 +216,17 @@ class EventBudget:
         model_steps = (auto.get("steps") or 0) - running / 2
         if summary.get("steps_at_cut") is not None:
             model_steps, running = summary["steps_at_cut"], summary.get("running_at_cut") or 0
+        else:
+            # Steps running when the hooks asked for the stop often end before stop() is called
+            # (a few ms later): the trace holds them whole. Counted so, they teach; counted half,
+            # a session whose every step was running then (concurrent requests all starting
+            # theirs at once) never would, and every later one would stop as early again.
+            detected = ((result.get("summary") or {}).get("detect") or {}).get("steps")
+            whole = detected.get("whole_before_stop") if isinstance(detected, dict) else None
+            if isinstance(whole, int) and whole > model_steps - running / 2:
+                finished = min(running, whole - (model_steps - running / 2))
+                running -= finished
+                model_steps += finished / 2
         # Busy capture time only (stop() holds the GIL, so next to nothing is captured during it);
         # chunks at the stop, not now: the sampled streams went on after it.
         stop_s = (session.perf_end_ns - session.capture_end_ns) / 1e9 \

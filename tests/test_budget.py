@@ -168,3 +168,37 @@ def test_steps_running_at_a_cut_count_for_what_they_got_through_and_at_most_half
         leave.set()
         hooks.stop()
         hooks.remove()
+
+
+def _ended(events: int, started: int, running: int, whole_in_trace: int | None) -> tuple[object, dict]:
+    """A finished session as learn_session reads it: the step hooks' counts at the stop, and the
+    analysis' count of steps that ended before stop() was called."""
+    from types import SimpleNamespace
+
+    session = SimpleNamespace(
+        instruments=SimpleNamespace(summary={"auto": {"steps": started, "running_at_stop": running}}),
+        trace_raw_bytes=0, perf_end_ns=0, capture_end_ns=0, settings=SETTINGS, busy_ns=100_000_000,
+        steps_captured=0)
+    steps = {"count": whole_in_trace or 0, "whole_before_stop": whole_in_trace}
+    return session, {"summary": {"event_count": events, "detect": {"steps": steps}}}
+
+
+def test_steps_running_at_the_stop_that_ended_before_it_teach_events_per_step() -> None:
+    """Two concurrent requests start their first steps at once: the estimate (two started, one more
+    each while the stop lands) passes the budget, so the hooks ask for the stop with both running.
+    Counted half each, one step's worth teaches nothing, and every later session stopped as early
+    (speculative decoding behind a def endpoint: deep windows of two prefills, never a decode step).
+    They ended before stop() was called, whole in the trace: they teach."""
+    budget = EventBudget()
+    budget.learn_session(*_ended(532, started=2, running=2, whole_in_trace=None))  # no trace count: as before
+    assert budget.per_step is None
+    budget.learn_session(*_ended(532, started=2, running=2, whole_in_trace=2))
+    assert budget.per_step == pytest.approx(532 / 2)
+    # Cut off in the trace (still running at stop()): half each, and no lesson from mostly-running steps.
+    cut = EventBudget()
+    cut.learn_session(*_ended(776, started=4, running=4, whole_in_trace=0))
+    assert cut.per_step is None
+    # One of three running ones ended in time: two whole steps and two halves.
+    partly = EventBudget()
+    partly.learn_session(*_ended(1200, started=4, running=3, whole_in_trace=2))
+    assert partly.per_step == pytest.approx(1200 / 3)

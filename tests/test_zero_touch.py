@@ -413,6 +413,10 @@ def test_every_session_stays_within_its_event_budget(tmp_path: Path, name: str, 
         ratios.append((session["stop_reason"], events, session["event_budget"]))
         assert events <= 1.5 * session["event_budget"], ratios
     assert {s["tier"] for s in sessions} == {tier}
+    for session in sessions:  # what the budget learns from (EventBudget.learn_session), as it reads it
+        analysis = orjson.loads((tmp_path / "traces" / f"{session['session_id']}.analysis.json").read_bytes())
+        steps = analysis["summary"]["detect"]["steps"]
+        assert isinstance(steps["whole_before_stop"], int) and 0 <= steps["whole_before_stop"] <= steps["count"]
     if tier == "light":
         return
     # The bound is what ended them: the first session with its 10x load jump above all.

@@ -12,7 +12,7 @@ from servprof.detect.finding import KINDS, SEVERITY_ORDER, WHOLE_TRACE, Finding
 from servprof.detect.loop_stall import detect_loop_stalls
 from servprof.detect.memory import detect_memory
 from servprof.detect.model_on_loop import detect_model_on_loop
-from servprof.detect.overhead import overhead_summary
+from servprof.detect.overhead import overhead_summary, whole_before_stop
 from servprof.detect.queue_wait import detect_queue_wait
 from servprof.detect.recompilation import detect_recompilation
 from servprof.detect.refused import refused_missing
@@ -80,6 +80,7 @@ def _analyse(trace: Trace, requests: list[dict[str, Any]] | None, device: str | 
             "by_kind": {k: sum(1 for s in steps if s.kind == k) for k in sorted({s.kind for s in steps})},
             "source": sorted({s.source for s in steps}),
             "median_step_ms": round(gap_summary["median_step_us"] / 1000, 4) if gap_summary.get("median_step_us") else None,
+            "whole_before_stop": whole_before_stop(trace, steps),  # (what the event budget learns from)
         },
         "utilisation": utilisation(trace, steps),  # per-step busy / idle inside / idle between
         "servprof_overhead": overhead_summary(trace, steps, steps.dropped_after_stop),

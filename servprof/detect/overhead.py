@@ -32,6 +32,15 @@ def stop_cutoffs(trace: Trace) -> dict[int, float]:
     return {rank: cutoff for rank, (cutoff, _cut) in _cutoffs(trace).items()}
 
 
+def whole_before_stop(trace: Trace, steps: list[Step]) -> int | None:
+    """How many steps ended before servprof stopped recording their rank (every op of theirs is in
+    the trace; a step still running then may have lost its end); None outside servprof's sessions."""
+    cutoffs = stop_cutoffs(trace)
+    if not cutoffs:
+        return None
+    return sum(1 for step in steps if step.rank in cutoffs and step.end_us <= cutoffs[step.rank])
+
+
 def _cutoffs(trace: Trace) -> dict[int, tuple[float, bool]]:
     """rank -> (cutoff µs, whether it is a collection cut rather than the stop)."""
     out: dict[int, tuple[float, bool]] = {}
