@@ -175,7 +175,31 @@ def test_measured_cpu_peak_judges_for_real_unless_the_step_fits_in_cache(tmp_pat
     calibrate.save({**result, "cache_bytes": 64 * 1024**2, "measured_at": 2.0})
     (finding,) = [f for f in analyse(load_trace(path)).findings if f.kind == "bandwidth_bound_decode"]
     assert finding.severity == "info" and "last-level cache" in finding.evidence["severity_capped"]
-    assert "per-op overhead" in finding.fix
+    assert "per-op overhead" in finding.fix and "fits in the last-level cache" in finding.fix
+    assert "move too little" not in finding.fix  # (12 MB a step: not little, but in the cache)
+
+
+# Decode attention over a 16k-token KV cache: q [1, 8, 1, 64], k and v [1, 8, 16384, 64] in float32 (67 MB).
+ATTENTION = ("aten::scaled_dot_product_attention", [[1, 8, 1, 64], [1, 8, 16384, 64], [1, 8, 16384, 64]],
+             ["float", "float", "float"], ["", "", ""])
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu"])
+def test_the_remedy_for_slow_attention_is_the_devices_own(tmp_path: Path, device: str):
+    """FlashAttention, FlashInfer, paged attention and an fp8 KV cache are GPU kernels and formats:
+    a CPU trace's slow decode attention is told what a CPU has (a bfloat16, preallocated cache)."""
+    synth = SynthTrace([] if device == "cpu" else [H100])
+    for step in range(4):  # each step mostly the attention op, far below either peak
+        synth.span("servprof:decode_step|r1", step * 40_000.0, 35_000.0)
+        synth.op(ATTENTION[0], step * 40_000.0 + 100, 30_000.0, *ATTENTION[1:],
+                 **({} if device == "cpu" else {"kernel_us": 29_000.0}))
+    (finding,) = [f for f in analyse(load_trace(synth.write(tmp_path / "t.json.gz"))).findings
+                  if f.kind == "bandwidth_bound_decode"]
+    assert "attention ops" in finding.fix
+    if device == "cpu":
+        assert "KV cache in bfloat16" in finding.fix and "FlashInfer" not in finding.fix and "fp8" not in finding.fix
+    else:
+        assert "FlashAttention / FlashInfer" in finding.fix
 
 
 def test_report_json_keeps_the_device_basis_and_the_fix(tmp_path: Path):

@@ -356,12 +356,17 @@ def _graph_replay_kernels(trace: Trace) -> dict[str, Any]:
             "top_kernels": [{"name": n[:160], "us": round(us, 1)} for n, us in top]}
 
 
+def _fits_in_cache(spec: DeviceSpec, working_set: float) -> bool:
+    """All the bytes one step's ops move fit in the device's last-level cache (where it is measured)."""
+    return bool(spec.cache_bytes and 0 < working_set <= spec.cache_bytes)
+
+
 def _cap_reason(spec: DeviceSpec, working_set: float) -> str | None:
     """Why this finding cannot be more than info, if it cannot."""
     if not spec.identified:
         return (f"the peak was not identified or measured ({spec.basis}: {spec.source}); run `servprof calibrate` "
                 "on this machine, or pass --device")
-    if spec.cache_bytes and 0 < working_set <= spec.cache_bytes:
+    if _fits_in_cache(spec, working_set):
         return (f"all the bytes one step's ops move ({working_set / 1e6:.1f} MB, re-reads included) fit in this "
                 f"device's {spec.cache_bytes / 1e6:.0f} MB last-level cache, so memory bandwidth does not bound "
                 "this decode: its ops' time is per-op overhead and compute, not DRAM traffic")
@@ -422,6 +427,6 @@ def _findings(grouped: list[dict[str, Any]], spec: DeviceSpec, scope: str, steps
     return [Finding(
         kind="bandwidth_bound_decode", severity=severity, cost_ms=(left if slow else overhead_left) / 1000.0,
         start_us=start, end_us=end, title=title, request_ids=sorted({r for s in steps for r in s.request_ids}),
-        evidence=evidence, fix=fix_text(shown, spec, share, capped),
+        evidence=evidence, fix=fix_text(shown, spec, share, capped, in_cache=_fits_in_cache(spec, working_set)),
     )]
 

@@ -21,6 +21,13 @@ _REMEDIES = {
     "gather": ("look up embeddings once per step and keep the indices on the device; each lookup re-reads "
                "its rows"),
 }
+# On a CPU the GPU kernels named above do not exist: what applies there instead.
+_CPU_REMEDIES = {
+    "attention": ("keep the KV cache in bfloat16 (half the bytes of float32 read per token) and preallocated (a "
+                  "static cache: a torch.cat per step copies the whole cache every step), and hand it to the fused "
+                  "op as it is (a .contiguous() or a transpose per step copies it again)"),
+    "gather": ("look up embeddings once per step; each lookup re-reads its rows"),
+}
 _FAMILY_WORDS = {"gemm": "GEMMs", "attention": "attention ops", "copy": "copies", "reduction": "norms and "
                  "reductions", "elementwise": "element-wise ops", "gather": "gathers"}
 
@@ -32,8 +39,10 @@ def _size(nbytes: float) -> str:
     return f"{nbytes:.0f} B"
 
 
-def fix_text(groups: list[dict[str, Any]], spec: DeviceSpec, share: float, capped: str | None = None) -> str:
-    """One or two sentences: the op kind that leaves the most time on the table, its figures, what to do."""
+def fix_text(groups: list[dict[str, Any]], spec: DeviceSpec, share: float, capped: str | None = None,
+             in_cache: bool = False) -> str:
+    """One or two sentences: the op kind that leaves the most time on the table, its figures, what to do.
+    ``in_cache``: a step's bytes fit in the device's last-level cache (``capped`` says so)."""
     if not groups:
         return ""
     weight: dict[str, float] = {}
@@ -52,11 +61,13 @@ def fix_text(groups: list[dict[str, Any]], spec: DeviceSpec, share: float, cappe
         text += f" (the roofline allows {roof_us:.2f} us)"
     if top.get("overhead_bound") or (capped and spec.identified):
         # Not a bandwidth problem: quantising or faster memory would not help these ops.
-        text += (". They move too little for memory bandwidth to be their limit: per-op overhead dominates, so "
-                 "fewer, larger ops help (fuse them with torch.compile, batch more requests per step, capture "
-                 "the decode step in a CUDA graph on GPU).")
+        why = ("A step's data fits in the last-level cache, so memory bandwidth is not their limit" if in_cache
+               else "They move too little for memory bandwidth to be their limit")
+        text += (f". {why}: per-op overhead and compute dominate, so fewer, larger ops help (fuse them with "
+                 "torch.compile, batch more requests per step, capture the decode step in a CUDA graph on GPU).")
     else:
-        text += f": {_REMEDIES[family]}."
+        remedies = _CPU_REMEDIES if spec.kind == "cpu" else {}
+        text += f": {remedies.get(family) or _REMEDIES[family]}."
     if not spec.identified:
         text += (f" The peak is {spec.basis}, not measured here: run `servprof calibrate` on this machine "
                  "(or pass --device) before acting on the percentage.")
