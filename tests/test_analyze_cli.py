@@ -274,3 +274,26 @@ def test_servprofs_own_files_are_named_with_the_trace_to_analyse(tmp_path: Path,
         f"{tmp_path / 's1.pt.trace.json.gz'}",
         f"servprof analyze: {harness}: the locust harness's summary, not a trace: servprof analyze reads "
         "torch.profiler traces"]
+
+
+def test_several_traces_named_are_analysed_one_by_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """`servprof analyze a.json.gz b.json.gz` (a shell glob): each trace its own analysis, in the
+    order given, as the same trace alone gives it; one unreadable among them is refused first."""
+    first, second = PUBLIC_TRACES / "hta_cuda_event_sync_a100.json.gz", fixture("clean")
+    out = tmp_path / "both.json"
+    assert main(["analyze", str(first), str(second), "--json", str(out), "--html", str(tmp_path / "r.html")]) == 0
+    report = orjson.loads(out.read_bytes())
+    assert report["summary"]["sessions"] == [str(first), str(second)]
+    for path, one in zip((first, second), report["sessions"], strict=True):
+        alone = tmp_path / "alone.json"
+        assert main(["analyze", str(path), "--json", str(alone)]) == 0
+        assert one["findings"] == orjson.loads(alone.read_bytes())["findings"]
+    assert "hta_cuda_event_sync_a100" in (tmp_path / "r.html").read_text(encoding="utf-8")
+    capsys.readouterr()
+    assert main(["analyze", str(first), str(second)]) == 0
+    printed = capsys.readouterr().out
+    assert "2 traces, each analysed on its own" in printed
+    body = printed[printed.index("on its own"):]  # (after the line that names them all)
+    assert 0 <= body.index(f"{first}: ") < body.index(f"{second}: ")
+    assert main(["analyze", str(first), str(tmp_path / "missing.json")]) == 2
+    assert "missing.json: no such file" in capsys.readouterr().err

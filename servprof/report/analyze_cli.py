@@ -19,7 +19,7 @@ import orjson
 
 from servprof.detect.analysis import Analysis, analyse
 from servprof.detect.devices import DEVICES, UnknownDevice
-from servprof.report.run_plan import Run, plan_runs, servprof_sessions_dir, session_records
+from servprof.report.run_plan import Plan, Run, plan_runs, servprof_sessions_dir, session_records
 from servprof.trace import Trace, TraceError, load_trace, phase_events, request_phases
 
 if TYPE_CHECKING:
@@ -33,13 +33,15 @@ RUNS_TEXT = {
     "window": "{n} profiler windows (torch.profiler cycles of the same workers, not ranks), each analysed on its "
               "own (oldest first)",
     "run": "{n} runs, each analysed on its own",
+    "paths": "{n} traces, each analysed on its own (give a directory to analyse the per-rank files of one job "
+             "together)",
 }
 PROGRESS_MIN_BYTES = 20 * 1024**2  # show a progress display for inputs bigger than this
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("path", help="a .json / .json.gz trace (a file, a pipe, or '-': standard input), or a directory "
-                                     "of per-rank traces")
+    parser.add_argument("path", nargs="+", help="a .json / .json.gz trace (a file, a pipe, or '-': standard input), or "
+                                                "a directory of per-rank traces; several are analysed one by one")
     parser.add_argument("--json", dest="json_out", metavar="OUT",
                         help="write the JSON report here ('-': to stdout, instead of the terminal report)")
     parser.add_argument("--html", dest="html_out", metavar="OUT", help="write the HTML report here")
@@ -52,9 +54,13 @@ def build_report(analysis: Analysis, requests: dict[str, Any]) -> dict[str, Any]
 
 
 def run(args: argparse.Namespace) -> int:
+    paths = [args.path] if isinstance(args.path, str) else args.path
     try:
-        source = servprof_sessions_dir(Path("/dev/stdin" if args.path == "-" else args.path))
-        plan = plan_runs(source)
+        plans = [plan_runs(servprof_sessions_dir(Path("/dev/stdin" if p == "-" else p))) for p in paths]
+        source = str(servprof_sessions_dir(Path("/dev/stdin" if paths[0] == "-" else paths[0]))) \
+            if len(paths) == 1 else " ".join(paths)
+        plan = plans[0] if len(plans) == 1 else Plan([run for one in plans for run in one.runs],
+                                                     [f for one in plans for f in one.files], "paths")
         runs = plan.runs
         files = plan.files
         show = sum(f.stat().st_size for f in files) >= PROGRESS_MIN_BYTES
@@ -91,14 +97,14 @@ def run(args: argparse.Namespace) -> int:
 
             pages = [(item.label, item.analysis, _tokenize_spans(item.trace)) for item in runs]
             html = render(pages[0][1], pages[0][2]) if len(runs) == 1 else \
-                render_sessions(str(source), pages, RUNS_TEXT[plan.kind].format(n=len(runs)),
+                render_sessions(source, pages, RUNS_TEXT[plan.kind].format(n=len(runs)),
                                 [_heading(plan.kind, item.label) for item in runs])
             Path(args.html_out).write_text(html, encoding="utf-8")
     except (TraceError, UnknownDevice) as exc:
         print(f"servprof analyze: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except MemoryError:
-        print(f"servprof analyze: {args.path}: not enough memory to load this trace", file=sys.stderr)
+        print(f"servprof analyze: {' '.join(paths)}: not enough memory to load this trace", file=sys.stderr)
         return EXIT_BAD_INPUT
     except OSError as exc:  # an output path that cannot be written
         print(f"servprof analyze: cannot write {exc.filename}: {exc.strerror}", file=sys.stderr)
@@ -119,9 +125,11 @@ def run(args: argparse.Namespace) -> int:
     # Piped output gets a fixed, readable width instead of 80 columns.
     console = Console() if sys.stdout.isatty() else Console(width=160)
     if len(runs) > 1:
-        console.print(Text.assemble((str(source), "bold"), f": {RUNS_TEXT[plan.kind].format(n=len(runs))}"))
+        console.print(Text.assemble((source, "bold"), f": {RUNS_TEXT[plan.kind].format(n=len(runs))}"))
     for item in runs:
-        print_analysis(item.analysis, console, session=_heading(plan.kind, item.label) if len(runs) > 1 else None)
+        # (A trace named on the command line heads its report with its path already.)
+        named = len(runs) > 1 and not (plan.kind == "paths" and item.label == item.report["summary"]["source"])
+        print_analysis(item.analysis, console, session=_heading(plan.kind, item.label) if named else None)
     return 0
 
 
@@ -145,11 +153,12 @@ def _tokenize_spans(trace: Trace | None) -> list[tuple[float, float, str]]:
     return [(e.start_us, e.end_us, ",".join(e.request_ids)) for e in phase_events(trace) if e.phase == "tokenize"]
 
 
-def sessions_report(source: Path, runs: list[Run]) -> dict[str, Any]:
-    """Several sessions in one folder: each one's report, and every finding tagged with its session."""
+def sessions_report(source: str, runs: list[Run]) -> dict[str, Any]:
+    """Several sessions in one folder (or several traces named): each one's report, and every
+    finding tagged with its session."""
     findings = [{**f, "session": item.label} for item in runs for f in item.report["findings"]]
     warnings = [f"{item.label}: {w}" for item in runs for w in item.report["summary"].get("warnings", [])]
-    return {"summary": {"source": str(source), "sessions": [item.label for item in runs], "warnings": warnings},
+    return {"summary": {"source": source, "sessions": [item.label for item in runs], "warnings": warnings},
             "findings": findings, "sessions": [{"session": item.label, **item.report} for item in runs]}
 
 
