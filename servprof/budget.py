@@ -223,10 +223,11 @@ class EventBudget:
             # theirs at once) never would, and every later one would stop as early again.
             detected = ((result.get("summary") or {}).get("detect") or {}).get("steps")
             whole = detected.get("whole_before_stop") if isinstance(detected, dict) else None
-            if isinstance(whole, int) and whole > model_steps - running / 2:
-                finished = min(running, whole - (model_steps - running / 2))
+            complete = model_steps - running / 2  # ended before the hooks asked for the stop
+            if isinstance(whole, int) and whole > complete:
+                finished = min(running, whole - complete)
                 running -= finished
-                model_steps += finished / 2
+                model_steps = complete + finished + running / 2
         # Busy capture time only (stop() holds the GIL, so next to nothing is captured during it);
         # chunks at the stop, not now: the sampled streams went on after it.
         stop_s = (session.perf_end_ns - session.capture_end_ns) / 1e9 \

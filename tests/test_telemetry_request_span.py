@@ -91,7 +91,7 @@ def test_a_custom_samplers_attributes_and_trace_state_reach_the_span() -> None:
     provider = TracerProvider(sampler=_TaggingSampler())
     direct = DirectServerSpans(provider, processor, InstrumentationScope("servprof"))
     record = _record()
-    state = (*direct.start("GET", None), {"http_version": "1.1", "headers": []})
+    state = (*direct.start("GET", None), attrs.connection_of({"http_version": "1.1", "headers": []}))
     direct.end(record, state, 1_000, 1_500, None, None)
     processor.force_flush()
     (span,) = exporter.get_finished_spans()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 import orjson
@@ -200,16 +200,30 @@ def redacted_query(query: str) -> str:
     return "&".join(parts)
 
 
-def connection_attributes(scope: Mapping[str, Any] | None) -> dict[str, Any]:
-    """From the request's ASGI scope (read when its span is built, off the serving path): the
+class Connection(NamedTuple):
+    """What the span needs of the request's ASGI scope, kept (as references: nothing parsed while
+    the request is served) instead of the scope, which holds the app's per-request objects."""
+
+    http_version: str | None
+    headers: Any  # the scope's list of (name, value) byte pairs
+    query_string: bytes | None
+    server: Any  # (host, port) of the listening socket, or None
+
+
+def connection_of(scope: Mapping[str, Any]) -> Connection:
+    return Connection(scope.get("http_version"), scope.get("headers"), scope.get("query_string"), scope.get("server"))
+
+
+def connection_attributes(connection: Connection | None) -> dict[str, Any]:
+    """Read when the request's span is built (off the serving path with servprof's provider): the
     HTTP version, the server's name and port as the client addressed it (the Host header; the
     socket the server listens on where there is none), and the query string, secrets redacted."""
-    if not scope:
+    if connection is None:
         return {}
     out: dict[str, Any] = {}
-    if scope.get("http_version"):
-        out[NETWORK_PROTOCOL_VERSION] = scope["http_version"]
-    host = next((value for name, value in scope.get("headers") or () if name == b"host"), None)
+    if connection.http_version:
+        out[NETWORK_PROTOCOL_VERSION] = connection.http_version
+    host = next((value for name, value in connection.headers or () if name == b"host"), None)
     address: str | None = None
     port: int | None = None
     if host:
@@ -218,22 +232,21 @@ def connection_attributes(scope: Mapping[str, Any] | None) -> dict[str, Any]:
             address, port = parts.hostname, parts.port
         except ValueError:  # (a malformed Host: no address rather than a wrong one)
             address = port = None
-    elif scope.get("server"):
-        address, port = scope["server"][0], scope["server"][1]
+    elif connection.server:
+        address, port = connection.server[0], connection.server[1]
     if address:
         out[SERVER_ADDRESS] = address
         if port:
             out[SERVER_PORT] = int(port)
-    query = scope.get("query_string")
-    if query:
-        out[URL_QUERY] = redacted_query(query.decode("latin-1"))
+    if connection.query_string:
+        out[URL_QUERY] = redacted_query(connection.query_string.decode("latin-1"))
     return out
 
 
-def request_attributes(record: RequestRecord, scope: Mapping[str, Any] | None) -> dict[str, Any]:
+def request_attributes(record: RequestRecord, connection: Connection | None) -> dict[str, Any]:
     """HTTP and servprof attributes of a finished request, set on its span in one call (the
     SDK validates every attribute set, so each one and each call costs serving time).
-    ``scope``: the request's ASGI scope, for what connection_attributes reads."""
+    ``connection``: what connection_attributes reads of the request's scope."""
     attributes: dict[str, Any] = {
         HTTP_REQUEST_METHOD: record.method,
         URL_PATH: record.path,
@@ -246,7 +259,7 @@ def request_attributes(record: RequestRecord, scope: Mapping[str, Any] | None) -
         attributes[CLIENT_ADDRESS] = record.client_address
     if record.user_agent:
         attributes[USER_AGENT_ORIGINAL] = record.user_agent
-    attributes.update(connection_attributes(scope))
+    attributes.update(connection_attributes(connection))
     if record.route:
         attributes[HTTP_ROUTE] = record.route
     if record.status is not None:
@@ -266,13 +279,13 @@ def request_attributes(record: RequestRecord, scope: Mapping[str, Any] | None) -
 
 def server_span_attributes(
     record: RequestRecord,
-    scope: Mapping[str, Any] | None,
+    connection: Connection | None,
     genai: dict[str, Any] | None,
     app: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """Every attribute of a request's SERVER span: HTTP and servprof's, then the GenAI request
     fields, then what the app annotated (already filtered by app_attributes)."""
-    attributes = request_attributes(record, scope)
+    attributes = request_attributes(record, connection)
     if genai:
         attributes.update(genai)
     if app:

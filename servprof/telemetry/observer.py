@@ -148,8 +148,8 @@ class TelemetryObserver:
             current = state[1] if self._direct is None else CurrentRequestSpan(state, record)
             token = context_api.attach(
                 trace.set_span_in_context(current, current_context if parent_context is None else parent_context))
-        # The scope itself, read only if and when the span is built (its Host header, query string).
-        return (*state, scope, token)
+        # What the span reads of the scope (its Host header, query string), only if and when it is built.
+        return (*state, attrs.connection_of(scope), token)
 
     def _carrier(self, headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
         return {

@@ -148,7 +148,7 @@ class PendingServerSpan:
     context: ClassVar[_SampledMark] = _SampledMark()
     owner: DirectServerSpans
     record: RequestRecord
-    state: tuple[Any, ...]  # DirectServerSpans.start's tuple, then the request's ASGI scope and a context token
+    state: tuple[Any, ...]  # DirectServerSpans.start's tuple, then the request's attrs.Connection and a context token
     start_ns: int
     end_ns: int
     genai: dict[str, Any] | None  # None: read from the body head when built
