@@ -291,7 +291,7 @@ def test_several_traces_named_are_analysed_one_by_one(tmp_path: Path, capsys: py
     assert "hta_cuda_event_sync_a100" in (tmp_path / "r.html").read_text(encoding="utf-8")
     capsys.readouterr()
     assert main(["analyze", str(first), str(second)]) == 0
-    printed = capsys.readouterr().out
+    printed = " ".join(capsys.readouterr().out.split())  # (long paths wrap the terminal's lines)
     assert "2 traces, each analysed on its own" in printed
     body = printed[printed.index("on its own"):]  # (after the line that names them all)
     assert 0 <= body.index(f"{first}: ") < body.index(f"{second}: ")
