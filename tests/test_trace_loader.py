@@ -204,3 +204,26 @@ def test_a_pid_or_tid_reads_the_same_whatever_else_its_batch_holds():
     assert whole[:4] == [25738, 25738, ("name", "stream 7"), ("name", "None")]
     assert whole[4] == ("name", str(2**70)) and whole[-2:] == [25738, ("name", "[1]")]
     assert read(["25738", "25738"]) == read([25738, "25738"])[1:] * 2
+
+
+@pytest.mark.parametrize("reference", [False, True])
+def test_a_built_in_method_is_one_name_whatever_object_it_was_called_on(tmp_path: Path, reference: bool):
+    """torch's Python tracer writes a built-in method with its object's address: `pattern.sub` on
+    three compiled patterns is three names, each frame list then splitting its time three ways. Both
+    loaders make them one name (without the address); other names are untouched."""
+    from servprof.trace.reference import load_trace_orjson
+
+    def frame(name: str, ts: float) -> dict:
+        return {"ph": "X", "cat": "python_function", "name": name, "pid": 1, "tid": 1, "ts": ts, "dur": 5.0}
+
+    subs = [f"<built-in method sub of re.Pattern object at 0x7f{k:010x}>" for k in (1, 2, 3)]
+    others = ["app.py(3): safety_filter", "<built-in method acquire of _thread.lock object at 0x>",
+              "<method 'item' of 'torch._C.TensorBase' objects>"]
+    events = [frame(name, 10.0 * i) for i, name in enumerate([*subs, *others, subs[0]])]
+    path = tmp_path / "t.json"
+    path.write_bytes(orjson.dumps({"traceEvents": events}))
+    trace = (load_trace_orjson if reference else load_trace)(path)
+    shown = [trace.names[i] for i in trace.name_id.tolist()]
+    assert shown == ["<built-in method sub of re.Pattern object>"] * 3 + others + ["<built-in method sub of re.Pattern object>"]
+    assert len(set(trace.name_id[:3].tolist() + [int(trace.name_id[-1])])) == 1
+    assert trace.string_id("<built-in method sub of re.Pattern object>") == int(trace.name_id[0])

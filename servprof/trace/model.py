@@ -21,6 +21,35 @@ RUNTIME_CATEGORIES = ("cuda_runtime", "cuda_driver", "Runtime", "hip_runtime", "
 DEVICE_MIRROR_CATEGORY = "gpu_user_annotation"
 
 
+OBJECT_ADDRESS = " at 0x"
+
+
+def _one_name_per_method(names: list[str], name_id: np.ndarray, lookup: dict[str, int]) -> np.ndarray:
+    """torch's Python tracer names a built-in method by its object's repr, address included
+    ("<built-in method sub of re.Pattern object at 0x7f...>"): the same call on 26 compiled patterns
+    or on each request's lock was 26 frames, each with a 26th of the time, in every top-frames list.
+    Names that differ only by that address become one (the first, without it); ``name_id`` is
+    remapped, ``names`` and ``lookup`` gain the name without the address."""
+    hits = [i for i, name in enumerate(names) if OBJECT_ADDRESS in name]
+    if not hits:
+        return name_id
+    remap = np.arange(len(names), dtype=np.int64)
+    for i in hits:
+        name = names[i]
+        at = name.find(OBJECT_ADDRESS)
+        end = at + len(OBJECT_ADDRESS)
+        while end < len(name) and name[end] in "0123456789abcdefABCDEF":
+            end += 1
+        if end == at + len(OBJECT_ADDRESS):
+            continue  # (" at 0x" followed by no hex digit: not an address)
+        plain = name[:at] + name[end:]
+        first = lookup.setdefault(plain, i)
+        if first == i:
+            names[i] = plain
+        remap[i] = first
+    return remap[name_id].astype(name_id.dtype, copy=False) if name_id.size else name_id
+
+
 def distinct(values: np.ndarray) -> np.ndarray:
     """``np.unique(values)`` of a 1-D array holding no NaN. Why: np.unique asks np.ma.is_masked of
     its input, which imports numpy.ma (~5 ms of a fresh process, more than a small trace's analysis)."""
@@ -65,7 +94,8 @@ class Trace:
                  _name_lookup: dict[str, int] | None = None) -> None:
         self.source = source
         self.names = names  # id -> string, shared by name_id and cat_id
-        self.name_id = name_id  # int32
+        self._name_lookup = {} if _name_lookup is None else _name_lookup
+        self.name_id = _one_name_per_method(names, name_id, self._name_lookup)  # int32
         self.cat_id = cat_id  # int32
         self.ph = ph  # uint8: ord of the chrome-trace phase letter
         self.pid = pid  # int64 (non-integer pids are interned: -(id+2))
@@ -81,7 +111,6 @@ class Trace:
         self.raw_args = raw_args
         self.metadata = {} if metadata is None else metadata  # rank -> top-level keys
         self.thread_names = {} if thread_names is None else thread_names  # (rank, pid, tid) -> name
-        self._name_lookup = {} if _name_lookup is None else _name_lookup
         self._host_names: np.ndarray | None = None
         self._derived: dict[str, Any] = {}  # what several detectors ask for, worked out once
 
