@@ -80,12 +80,14 @@ def thread_work(trace: Trace, windows: list[tuple[int, int, float, float]], step
     frames, a thread without any (started after the profiler) is left out: its unrecorded Python
     would read as waiting."""
     stacks: dict[int, HostStacks] = {}
-    window_us, by_class, frames, late = 0.0, np.zeros(len(CLASSES)), {}, 0
+    window_us, by_class, frames, late = 0.0, np.zeros(len(CLASSES)), {}, set()
     framed = False
     for rank, tid, start_us, end_us in windows:
-        ranked = stacks.setdefault(rank, HostStacks(trace, rank))
+        ranked = stacks.get(rank)
+        if ranked is None:  # (built once per rank: it reads the whole trace)
+            ranked = stacks[rank] = HostStacks(trace, rank)
         if ranked.has_frames and tid in ranked.unframed:
-            late += 1
+            late.add((rank, tid))
             continue
         framed = framed or ranked.has_frames
         a, b = outside(float(start_us), float(end_us), steps_start, steps_end)
@@ -96,12 +98,12 @@ def thread_work(trace: Trace, windows: list[tuple[int, int, float, float]], step
         for key, us in zip(keys.tolist(), spent.tolist(), strict=True):
             frames[key] = frames.get(key, 0.0) + us
     if window_us <= 0:
-        return ThreadWork(STARTED_LATE if late else NOT_RECORDED, late_threads=late)
+        return ThreadWork(STARTED_LATE if late else NOT_RECORDED, late_threads=len(late))
     busy_us = float(by_class[list(HANDLER_BUSY)].sum())
     seen = COMPUTING if busy_us >= 0.5 * window_us else WAITED if framed else NOT_RECORDED
     return ThreadWork(seen, round(busy_us / 1e3, 3), round(window_us / 1e3, 3),
                       {CLASSES[c]: round(float(v) / 1e3, 3) for c, v in enumerate(by_class) if v >= 50.0},
-                      _top(trace, frames, HANDLER_BUSY), _top(trace, frames, (WAIT,)), late)
+                      _top(trace, frames, HANDLER_BUSY), _top(trace, frames, (WAIT,)), len(late))
 
 
 def _top(trace: Trace, frames: dict[int, float], classes: tuple[int, ...]) -> list[dict[str, Any]]:

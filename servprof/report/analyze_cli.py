@@ -56,9 +56,9 @@ def build_report(analysis: Analysis, requests: dict[str, Any]) -> dict[str, Any]
 def run(args: argparse.Namespace) -> int:
     paths = [args.path] if isinstance(args.path, str) else args.path
     try:
-        plans = [plan_runs(servprof_sessions_dir(Path("/dev/stdin" if p == "-" else p))) for p in paths]
-        source = str(servprof_sessions_dir(Path("/dev/stdin" if paths[0] == "-" else paths[0]))) \
-            if len(paths) == 1 else " ".join(paths)
+        sources = [servprof_sessions_dir(Path("/dev/stdin" if p == "-" else p)) for p in paths]
+        plans = [plan_runs(one) for one in sources]
+        source = str(sources[0]) if len(paths) == 1 else " ".join(paths)
         plan = plans[0] if len(plans) == 1 else Plan([run for one in plans for run in one.runs],
                                                      [f for one in plans for f in one.files], "paths")
         runs = plan.runs

@@ -7,6 +7,7 @@ vector operations over ids rather than string compares per event.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ RUNTIME_CATEGORIES = ("cuda_runtime", "cuda_driver", "Runtime", "hip_runtime", "
 DEVICE_MIRROR_CATEGORY = "gpu_user_annotation"
 
 
-OBJECT_ADDRESS = " at 0x"
+OBJECT_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def _one_name_per_method(names: list[str], name_id: np.ndarray, lookup: dict[str, int]) -> np.ndarray:
@@ -30,19 +31,13 @@ def _one_name_per_method(names: list[str], name_id: np.ndarray, lookup: dict[str
     or on each request's lock was 26 frames, each with a 26th of the time, in every top-frames list.
     Names that differ only by that address become one (the first, without it); ``name_id`` is
     remapped, ``names`` and ``lookup`` gain the name without the address."""
-    hits = [i for i, name in enumerate(names) if OBJECT_ADDRESS in name]
-    if not hits:
+    if " at 0x" not in "\n".join(names):  # (one C-level search: most traces have no Python frames)
         return name_id
     remap = np.arange(len(names), dtype=np.int64)
-    for i in hits:
-        name = names[i]
-        at = name.find(OBJECT_ADDRESS)
-        end = at + len(OBJECT_ADDRESS)
-        while end < len(name) and name[end] in "0123456789abcdefABCDEF":
-            end += 1
-        if end == at + len(OBJECT_ADDRESS):
-            continue  # (" at 0x" followed by no hex digit: not an address)
-        plain = name[:at] + name[end:]
+    for i, name in enumerate(names):
+        plain = OBJECT_ADDRESS.sub("", name, count=1) if " at 0x" in name else name
+        if plain == name:
+            continue
         first = lookup.setdefault(plain, i)
         if first == i:
             names[i] = plain
