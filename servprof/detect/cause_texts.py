@@ -126,9 +126,11 @@ CAUSES: dict[str, tuple[str, str]] = {
         "Look at the other ranks' traces for the one that arrived late, and overlap the collective with work.",
     ),
     "waiting": (
-        "the launching thread was waiting for work (a queue, a lock, another process)",
-        "Look at what feeds this thread (the scheduler or API-server process): with asynchronous scheduling the "
-        "next step is prepared while the current one runs.",
+        "the launching thread was blocked or asleep (a queue, a lock, another process, a sleep)",
+        "The frames name the call it waited in. A sleep or a polling interval in the loop delays every step it "
+        "falls between: remove it, or wake on an event. A queue or a lock: look at what feeds this thread (the "
+        "scheduler or API-server process): with asynchronous scheduling the next step is prepared while the "
+        "current one runs.",
     ),
     "untraced_host_time": (
         "host time the profiler recorded nothing for",

@@ -61,6 +61,7 @@ SOURCE_LABELS = {
     "sglang": "SGLang step annotations",
     "vllm": "vLLM step annotations",
     "vllm_frames": "vLLM execute_model frames",
+    "annotation": "your record_function ranges",
     "profiler_step": "ProfilerStep#N",
     "forward": "outermost model forward",
     "data_loader": "each DataLoader fetch (no step marked)",

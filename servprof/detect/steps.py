@@ -2,9 +2,10 @@
 
 Per rank, the first form present wins (readers in step_forms.py): servprof's phase
 markers (explicit, then automatic), SGLang's step annotations, vLLM's step
-annotations, vLLM's ``execute_model`` frames, then ``ProfilerStep#N`` or the outermost
-model forward (the forwards when each ProfilerStep holds several, as around a whole
-``generate``, unless it is a training step); in a trace that marks none, the loop's own
+annotations, vLLM's ``execute_model`` frames, then ``ProfilerStep#N`` or the user's own
+``record_function`` ranges around each step (step_annotations.py), else the outermost model
+forward (those when each ProfilerStep holds several, as around a whole ``generate``, unless it
+is a training step); in a trace that marks none, the loop's own
 landmarks (step_landmarks.py): each DataLoader fetch, else each forward's first embedding
 lookup. Each step also gets the span of the device work it launched: under
 asynchronous scheduling the host range ends long before its kernels do, so step time,
@@ -19,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from servprof.detect.overhead import stop_cutoffs
+from servprof.detect.step_annotations import annotation_rows, annotation_steps, label_kinds_from_phases
 from servprof.detect.step_compiled import compiled_steps
 from servprof.detect.step_forms import (
     SOURCE_LABELS,
@@ -71,14 +73,19 @@ def find_steps(trace: Trace) -> StepList:
             read[i] = readers[i](trace)
         return [s for s in read[i] if s.rank == rank]
 
+    annotations = annotation_rows(trace)
     for rank in trace.ranks:
         chosen = next((mine for i in range(4) if (mine := of_rank(i, rank))), [])
         if not chosen:  # a step marked around the loop's body, else one its landmarks open
             outer = of_rank(4, rank) or of_rank(6, rank)
-            chosen = _outer_or_forward(trace, outer, of_rank(5, rank) or of_rank(7, rank) or of_rank(8, rank))
+            forwards = of_rank(5, rank) or of_rank(7, rank) or of_rank(8, rank)
+            # The user's own record_function ranges around each step, else the forwards.
+            inner = (annotation_steps(trace, annotations, rank, forwards) if annotations.size else []) or forwards
+            chosen = _outer_or_forward(trace, outer, inner)
         if not chosen:
             found.ranks_without_steps.append(rank)
         found.extend(chosen)
+    label_kinds_from_phases(trace, annotations, found)
     label_unknown_kinds(trace, found)
     found.dropped_after_stop = _cut_at_stop(trace, found)
     found.sort(key=lambda s: (s.rank, s.start_us))
