@@ -80,6 +80,7 @@ def _analyse(trace: Trace, requests: list[dict[str, Any]] | None, device: str | 
             "by_kind": {k: sum(1 for s in steps if s.kind == k) for k in sorted({s.kind for s in steps})},
             "source": sorted({s.source for s in steps}),
             "median_step_ms": round(gap_summary["median_step_us"] / 1000, 4) if gap_summary.get("median_step_us") else None,
+            "recompute_prefix": sum(1 for s in steps if s.recomputes_prefix),  # (no KV cache)
             "whole_before_stop": whole_before_stop(trace, steps),  # (what the event budget learns from)
         },
         "utilisation": utilisation(trace, steps),  # per-step busy / idle inside / idle between

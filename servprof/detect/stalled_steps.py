@@ -6,10 +6,13 @@ one left as much of itself unrecorded as a host gap must be (a wait in every ite
 step more than the others). Steps of unknown kind (a landmark's: an unmarked trace without
 shapes) only in that second case, and not those far past the median: without step kinds, the
 last forward of a ``generate()`` call runs to the next call's first, across any idle time
-between requests.
+between requests. Those left unjudged that would be stalls are said in ``summary.missing``,
+with what would let them be judged.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 
@@ -34,22 +37,39 @@ def _unrecorded_us(steps: list[Step], stacks: HostStacks) -> np.ndarray:
     return out
 
 
-def _candidates(steps: list[Step], stacks: HostStacks) -> tuple[list[Step], float]:
-    """The steps to judge (the module's rules) and the typical step they are judged against."""
+def _candidates(steps: list[Step], stacks: HostStacks) -> tuple[list[Step], float, list[tuple[Step, float]]]:
+    """The steps to judge (the module's rules), the typical step they are judged against, and the
+    steps of unknown kind left unjudged that would be stalls if judged (with their unrecorded µs)."""
     decode = [s for s in steps if s.kind == "decode"]
     if len(decode) >= 3:
         typical = median([s.dur_us for s in decode])
         if _usual_unrecorded(decode, stacks, typical)[0] is not None:  # a wait in every step: all of them
-            return decode, typical
-        return [s for s in decode if s.dur_us >= 1.5 * typical], typical
+            return decode, typical, []
+        return [s for s in decode if s.dur_us >= 1.5 * typical], typical, []
     unknown = [s for s in steps if s.kind == "step"]
     if len(unknown) < 3:
-        return [], 0.0
+        return [], 0.0, []
     typical = median([s.dur_us for s in unknown])
     usual, unrecorded = _usual_unrecorded(unknown, stacks, typical)
-    if usual is None:
-        return [], typical
-    return [s for s, u in zip(unknown, unrecorded.tolist(), strict=True) if u <= UNKNOWN_OUTLIER * usual], typical
+    judged = [u <= UNKNOWN_OUTLIER * usual if usual is not None else False for u in unrecorded.tolist()]
+    stall = max(CPU_MIN_GAP_US, RELATIVE_MIN_GAP * typical)
+    unjudged = [(s, u) for s, u, j in zip(unknown, unrecorded.tolist(), judged, strict=True)
+                if not j and u >= stall and s.dur_us >= 1.5 * typical]
+    return [s for s, j in zip(unknown, judged, strict=True) if j], typical, unjudged
+
+
+def unjudged_missing(unjudged: list[tuple[Step, float]], typical_us: float) -> dict[str, str]:
+    """summary["missing"] entry for steps of unknown kind that recorded nothing for long and were
+    not judged (the module's rules): a "nothing found" must say what it could not tell."""
+    total, longest = sum(u for _, u in unjudged), max(u for _, u in unjudged)
+    return {"what": "step kinds", "message": (
+        f"{len(unjudged)} step(s) of unknown kind recorded nothing on their thread for {total / 1000:.1f} ms in all "
+        f"(up to {longest / 1000:.1f} ms in one; the median step takes {typical_us / 1000:.2f} ms), and were not "
+        "judged: without step kinds servprof cannot tell a stall inside the model loop from the wait between "
+        "two requests or generate() calls (the last forward of one runs to the next one's first). To have them "
+        "judged, mark the steps (servprof.phase(\"decode_step\"), or torch.profiler.record_function ranges such "
+        "as \"prefill\" and \"decode_step\" around each step), or record with record_shapes=True (the embedding's "
+        "input shape tells a prefill from a decode step); with_stack=True names what the thread was in.")}
 
 
 def _usual_unrecorded(steps: list[Step], stacks: HostStacks, typical: float) -> tuple[float | None, np.ndarray]:
@@ -63,11 +83,14 @@ def _usual_unrecorded(steps: list[Step], stacks: HostStacks, typical: float) -> 
     return usual, unrecorded
 
 
-def stalled_steps(steps: list[Step], index: dict[int, int], explainer: GapExplainer, stacks: HostStacks
-                  ) -> list[Gap]:
+def stalled_steps(steps: list[Step], index: dict[int, int], explainer: GapExplainer, stacks: HostStacks,
+                  stats: dict[str, Any] | None = None) -> list[Gap]:
     """Steps whose own thread recorded no work for much of the step (it waited for the GIL, slept,
-    or was off the CPU): the unrecorded time is a gap inside the step."""
-    slow, typical = _candidates(steps, stacks)
+    or was off the CPU): the unrecorded time is a gap inside the step. ``stats``: find_gaps' summary,
+    where the steps left unjudged are said (``missing``)."""
+    slow, typical, unjudged = _candidates(steps, stacks)
+    if unjudged and stats is not None:
+        stats.setdefault("missing", []).append(unjudged_missing(unjudged, typical))
     out: list[Gap] = []
     for tid in {s.tid for s in slow}:
         mine = [s for s in slow if s.tid == tid]

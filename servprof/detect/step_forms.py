@@ -95,6 +95,8 @@ class Step:
     device_start_us: float | None = None
     device_end_us: float | None = None
     cut_at_stop_us: float = 0.0  # host time past servprof's own stop() that was cut off this step
+    # A decode step whose forward ran over the whole sequence (no KV cache), read from its shapes.
+    recomputes_prefix: bool = False
 
     @property
     def dur_us(self) -> float:
@@ -283,6 +285,7 @@ def label_unknown_kinds(trace: Trace, steps: list[Step]) -> None:
         return
     backward = host_rows(trace, BACKWARD)
     embedding = host_rows(trace, EMBEDDING_ROWS)
+    shaped: dict[tuple[int, int], list[tuple[Step, list[int]]]] = {}
     for step in unknown:
         if _first_inside(trace, backward, step, same_thread=False) is not None:
             step.kind = "train"
@@ -294,6 +297,15 @@ def label_unknown_kinds(trace: Trace, steps: list[Step]) -> None:
             if isinstance(ids, list) and len(ids) == 2 and all(isinstance(d, int) for d in ids):
                 step.kind = "decode" if ids[1] == 1 else "prefill"
                 step.batch = ids[0]
+                shaped.setdefault((step.rank, step.tid), []).append((step, ids))
+    for run in shaped.values():
+        # A loop without a KV cache runs every new token's forward over the whole sequence, one
+        # token longer than the last: a decode step, for all its prefill-like shape.
+        run.sort(key=lambda pair: pair[0].start_us)
+        for (_, before), (step, ids) in zip(run, run[1:], strict=False):
+            if ids[0] == before[0] and ids[1] == before[1] + 1:
+                step.kind = "decode"
+                step.recomputes_prefix = True
 
 
 def _first_inside(trace: Trace, rows: np.ndarray, step: Step, same_thread: bool) -> int | None:

@@ -1,5 +1,7 @@
-"""Steps a user marked with ``torch.profiler.record_function`` around a hand-written decode loop
-(detect/step_annotations.py), whatever the names, and ranges that are not steps.
+"""A hand-written decode loop, traced the ways users trace it: steps a user marked with
+``torch.profiler.record_function`` (detect/step_annotations.py), whatever the names, and ranges
+that are not steps; a loop that marks nothing, with and without ``record_shapes``, with and
+without a KV cache (detect/step_forms.label_unknown_kinds, detect/stalled_steps.py).
 
 Real parts: the real profiler around a real transformers Llama (the servers' tiny one) run with
 its KV cache the way a hand-written loop runs it, and a plain torch MLP for a model without an
@@ -41,16 +43,22 @@ def named(name: str) -> Range:
 
 
 def generate_by_hand(prefill: Range = nothing, step: Range = nothing, decode_phase: Range = nothing,
-                     after_step: Callable[[torch.Tensor], None] = lambda token: None, stall: bool = True) -> None:
-    """A request as a hand-written loop runs it: a prefill, then one forward per new token."""
+                     after_step: Callable[[torch.Tensor], None] = lambda token: None, stall: bool = True,
+                     kv_cache: bool = True) -> None:
+    """A request as a hand-written loop runs it: a prefill, then one forward per new token (over
+    the new token with a KV cache, else over the whole sequence)."""
     ids = tokenizer("The harbour master counted the boats", return_tensors="pt").input_ids
     with prefill(0):
-        out = model(ids, use_cache=True)
+        out = model(ids, use_cache=kv_cache)
     past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
     with decode_phase(0):
         for i in range(NEW_TOKENS):
             with step(i):
-                out = model(token, past_key_values=past, use_cache=True)
+                if kv_cache:
+                    out = model(token, past_key_values=past, use_cache=True)
+                else:
+                    ids = torch.cat([ids, token], dim=1)
+                    out = model(ids, use_cache=False)
             past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
             after_step(token)
             if stall and i == STALL_AFTER:
@@ -58,12 +66,13 @@ def generate_by_hand(prefill: Range = nothing, step: Range = nothing, decode_pha
 
 
 def traced(tmp_path: Path, request: Callable[[], None], with_stack: bool = False,
-           profiler_step_per_request: bool = False) -> Trace:
+           profiler_step_per_request: bool = False, record_shapes: bool = False) -> Trace:
     path = tmp_path / "trace.json"
     # With a schedule, the trace is exported when its cycle ends, as users' on_trace_ready handlers do.
     options = {"schedule": schedule(wait=0, warmup=1, active=REQUESTS, repeat=1),
                "on_trace_ready": lambda p: p.export_chrome_trace(str(path))} if profiler_step_per_request else {}
-    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU], with_stack=with_stack, **options) as prof:
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU], with_stack=with_stack,
+                                         record_shapes=record_shapes, **options) as prof:
         for _ in range(REQUESTS + profiler_step_per_request):  # (one more to warm up)
             request()
             if profiler_step_per_request:
@@ -186,3 +195,29 @@ def test_without_forwards_a_step_name_with_ops_is_a_step(tmp_path: Path) -> None
         assert {s.source for s in steps} == {"annotation"} and len(steps) == REQUESTS * NEW_TOKENS
     with mlp_loop(tmp_path, "LayerNorm affine=True") as trace:  # (a benchmark's case names: not steps)
         assert find_steps(trace) == []
+
+
+def test_an_unmarked_loop_says_the_stalls_it_could_not_judge(tmp_path: Path) -> None:
+    """No marker, no shapes: the steps' kinds are unknown, and a step far past the median may hold
+    the wait between two requests. Not judged, and said so, with what would let it be."""
+    trace = traced(tmp_path, generate_by_hand)
+    assert sources(trace) == {"embedding"} and kinds(trace) == {"step": REQUESTS * (NEW_TOKENS + 1)}
+    analysis = analyse(trace)
+    assert not [f for f in analysis.findings if f.kind == "decode_gap"]
+    (missing,) = [m for m in analysis.summary["missing"] if m["what"] == "step kinds"]
+    assert missing["message"].startswith(f"{REQUESTS} step(s) of unknown kind")
+    assert "record_function" in missing["message"] and "record_shapes=True" in missing["message"]
+
+
+@pytest.mark.parametrize("kv_cache", [True, False])
+def test_shapes_tell_decode_steps_with_or_without_a_kv_cache(tmp_path: Path, kv_cache: bool) -> None:
+    """record_shapes: a forward over one new token is a decode step; without a KV cache, each
+    forward runs over the whole sequence, one token longer than the last: a decode step too
+    (counted), and the stall inside one is judged."""
+    trace = traced(tmp_path, lambda: generate_by_hand(kv_cache=kv_cache), record_shapes=True)
+    assert kinds(trace) == {"decode": REQUESTS * NEW_TOKENS, "prefill": REQUESTS}
+    analysis = analyse(trace)
+    assert analysis.summary["steps"]["recompute_prefix"] == (0 if kv_cache else REQUESTS * NEW_TOKENS)
+    holding = [s for s in find_steps(trace) if s.kind == "decode"][STALL_AFTER::NEW_TOKENS]
+    assert stall_finding(trace, [(s.start_us, s.end_us) for s in holding], inside=True)
+    assert not [m for m in analysis.summary["missing"] if m["what"] == "step kinds"]
