@@ -40,13 +40,9 @@ def test_work_after_the_last_step_is_named_and_its_absence_is_quiet(tmp_path: Pa
     assert quiet == []
 
 
-def test_a_deep_window_with_stacks_names_the_handlers_work(tmp_path: Path) -> None:
-    """With Python stacks on a deep window, the work after the model is named by its frames: the
-    filter's function and the regex calls inside it. torch's Python tracer follows only the threads
-    alive when it starts: an ``async def`` endpoint's ``asyncio.to_thread`` starts the loop's executor
-    threads on first use, so the first session's handler threads have no frames, and the finding
-    says so (not "take a deep window with stacks", which it was); the executor keeps them, so the
-    second session's are recorded."""
+def deep_sessions(tmp_path: Path, route: str) -> list[dict[str, Any]]:
+    """Two deep sessions with stacks, one after the other, on one server: each one's after_last_step
+    finding."""
     import importlib
     import threading
 
@@ -66,7 +62,7 @@ def test_a_deep_window_with_stacks_names_the_handlers_work(tmp_path: Path) -> No
         middleware = servprof_middleware(app)
         wait_warm()
         for sessions in (1, 2):
-            clients = [threading.Thread(target=httpx.post, args=(url + "/v1/async/completions",),
+            clients = [threading.Thread(target=httpx.post, args=(url + route,),
                                         kwargs={"json": body, "timeout": 120}) for _ in range(REQUESTS)]
             for client in clients:
                 client.start()
@@ -76,6 +72,17 @@ def test_a_deep_window_with_stacks_names_the_handlers_work(tmp_path: Path) -> No
             wait_idle()
             findings.append([f for f in middleware.runtime.last_result["findings"] if f["kind"] == "after_last_step"])
     (first,), (second,) = findings
+    return [first, second]
+
+
+def test_a_deep_window_with_stacks_names_the_handlers_work(tmp_path: Path) -> None:
+    """With Python stacks on a deep window, the work after the model is named by its frames: the
+    filter's function and the regex calls inside it. torch's Python tracer follows only the threads
+    alive when it starts: an ``async def`` endpoint's ``asyncio.to_thread`` starts the loop's executor
+    threads on first use, so the first session's handler threads have no frames, and the finding
+    says so (not "take a deep window with stacks", which it was); the executor keeps them, so the
+    second session's are recorded."""
+    first, second = deep_sessions(tmp_path, "/v1/async/completions")
     assert first["evidence"]["handler_threads"]["seen"] == "started_after_the_profiler", first["evidence"]
     assert "began later" in first["fix"] and "SERVPROF_WITH_STACK=1 names" not in first["fix"]
     assert "computing outside the model" not in first["title"]
@@ -85,3 +92,22 @@ def test_a_deep_window_with_stacks_names_the_handlers_work(tmp_path: Path) -> No
     assert any("safety_filter" in name for name in names) and any("re.Pattern" in name for name in names), names
     assert work["busy_ms"] <= work["window_ms"]
     assert "safety_filter" in second["title"] or "re.Pattern" in second["title"]
+
+
+def test_work_on_the_event_loop_after_the_model_is_named_on_its_thread(tmp_path: Path) -> None:
+    """An ``async def`` handler that runs the model in ``asyncio.to_thread`` and filters the text on
+    the event loop: the executor thread that ran the model is idle after it (in its queue's get: a
+    wait, not computing), and the finding names the thread that computed meanwhile, with the
+    filter's frames, in both sessions (the first one's executor threads have no frames at all)."""
+    for finding, seen in zip(deep_sessions(tmp_path, "/v1/loop-filter/completions"),
+                             ("started_after_the_profiler", "waited"), strict=True):
+        work = finding["evidence"]["handler_threads"]
+        assert work["seen"] == seen, work
+        if seen == "waited":
+            assert any("SimpleQueue" in frame["name"] for frame in work["wait_frames"]), work
+        (loop_thread, *_), = [work["computing_elsewhere"]]
+        names = [frame["name"] for frame in loop_thread["top_frames"]]
+        assert any("safety_filter" in name for name in names), names
+        assert loop_thread["busy_ms"] <= loop_thread["window_ms"]
+        assert "safety_filter" in finding["title"] and "event loop" in finding["fix"]
+        assert "SERVPROF_WITH_STACK=1 names" not in finding["fix"] and "computing outside the model" not in finding["title"]

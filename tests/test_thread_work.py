@@ -29,7 +29,8 @@ def _compute() -> None:
 
 def _trace(tmp_path: Path, with_stack: bool) -> tuple[Path, dict[str, int], dict[str, tuple[float, float]]]:
     """Three threads over one window each: one alive at the start computes, one alive at the start
-    waits on an event, one started during the capture computes."""
+    waits on an event (three times as long: most of its wait, no other thread computes), one
+    started during the capture computes."""
     go, release, spans, tids = threading.Event(), threading.Event(), {}, {}
 
     def run(name: str, body: object) -> None:
@@ -40,7 +41,7 @@ def _trace(tmp_path: Path, with_stack: bool) -> tuple[Path, dict[str, int], dict
         spans[name] = (start, time.time_ns() / 1e3)
 
     early = [threading.Thread(target=run, args=("computing", _compute)),
-             threading.Thread(target=run, args=("waiting", lambda: release.wait(WINDOW_S)))]
+             threading.Thread(target=run, args=("waiting", lambda: release.wait(3 * WINDOW_S)))]
     for thread in early:
         thread.start()
     with profile(activities=[ProfilerActivity.CPU]):
@@ -63,13 +64,14 @@ def traces(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, tuple]:
     return {stack: _trace(folder, stack) for stack in (True, False)}
 
 
-def _work(traces: dict[bool, tuple], with_stack: bool, *names: str):
+def _work(traces: dict[bool, tuple], with_stack: bool, *names: str, over: str | None = None):
+    """thread_work of the named threads, each over its own span (``over``: that thread's span)."""
     path, tids, spans = traces[with_stack]
     trace = load_trace(path)
     # Window times are wall-clock µs; the trace's are the profiler's: shift by the trace's own offset.
     shift = float(trace.ts.min()) - min(a for a, _b in spans.values())
-    windows = [(int(trace.rank.min()), tids[name], spans[name][0] + shift + 2e3, spans[name][1] + shift - 2e3)
-               for name in names]
+    windows = [(int(trace.rank.min()), tids[name], spans[over or name][0] + shift + 2e3,
+                spans[over or name][1] + shift - 2e3) for name in names]
     return thread_work(trace, windows, np.zeros(0), np.zeros(0))
 
 
@@ -83,6 +85,21 @@ def test_a_computing_thread_is_named_and_a_waiting_one_says_it_waited(traces: di
     assert any("acquire" in f["name"] and f["class"] == "wait" for f in waiting.waits), waiting.waits  # Event.wait
     assert waiting.title_part() == "" and "they waited" in waiting.unseen_text("X")
     assert "top_frames" not in waiting.evidence() and waiting.evidence()["wait_frames"]
+    assert "computing_elsewhere" not in waiting.evidence()  # (the computing thread ran a third of it)
+
+
+def test_where_a_thread_waited_the_thread_that_computed_meanwhile_is_named(traces: dict[bool, tuple]) -> None:
+    """The waiting thread over the time the computing thread ran (an executor thread idle while the
+    event loop runs the handler's code)."""
+    _path, tids, _spans = traces[True]
+    waiting = _work(traces, True, "waiting", over="computing")
+    assert waiting.seen == WAITED, waiting
+    (other,) = [t for t in waiting.elsewhere if t["thread"] == tids["computing"]]
+    assert other["busy_ms"] <= other["window_ms"] and any("_compute" in f["name"] for f in other["top_frames"])
+    assert waiting.elsewhere[0] is other
+    assert f"not their threads but thread {tids['computing']}" in waiting.title_part()
+    assert "_compute" in waiting.title_part() and "event loop" in waiting.unseen_text("X")
+    assert waiting.evidence()["computing_elsewhere"][0]["thread"] == tids["computing"]
 
 
 def test_a_thread_started_after_the_profiler_is_named_so_not_read_as_waiting(traces: dict[bool, tuple]) -> None:
@@ -90,6 +107,10 @@ def test_a_thread_started_after_the_profiler_is_named_so_not_read_as_waiting(tra
     assert late.seen == STARTED_LATE and late.late_threads == 1, late
     text = late.unseen_text("X")
     assert "began later" in text and "SERVPROF_WITH_STACK" not in text
+    # The thread that computed meanwhile is named, without saying the late one did not (it may have).
+    _path, tids, _spans = traces[True]
+    assert late.elsewhere[0]["thread"] == tids["computing"]
+    assert "Meanwhile thread" in text and "not their threads" not in late.title_part()
     # Beside a thread with frames, the late one is left out of the figures, and counted.
     both = _work(traces, True, "computing", "late")
     assert both.seen == COMPUTING and both.late_threads == 1

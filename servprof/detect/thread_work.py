@@ -20,6 +20,9 @@ from servprof.trace.model import Trace
 
 # Recorded work on the thread (ops, Python, runtime calls), not the request's own tokenize phases.
 HANDLER_BUSY = tuple(c for c in BUSY_CLASSES if c not in (TOKENIZE, DETOKENIZE))
+ASYNC_HANDLER = ("an async handler runs its code before and after the model on the event loop's thread (or on another "
+                 "executor thread), not on the thread that ran the model; code on the loop also blocks it (see "
+                 "loop_stall).")
 # What the windows show: the threads computing (named), waiting (their Python recorded, most of the
 # time in waits or nothing), no frames anywhere (a light window, or no SERVPROF_WITH_STACK), or
 # no frames on these threads though others have them (started after the profiler).
@@ -35,6 +38,9 @@ class ThreadWork:
     top_frames: list[dict[str, Any]] = field(default_factory=list)
     waits: list[dict[str, Any]] = field(default_factory=list)
     late_threads: int = 0  # threads left out: no frames of theirs where the trace has others'
+    # Where these threads did not compute: other threads that did over the same windows (an async
+    # handler's work runs on the event loop's thread, not on the executor thread that ran the model).
+    elsewhere: list[dict[str, Any]] = field(default_factory=list)
 
     def evidence(self) -> dict[str, Any]:
         """The finding's ``handler_threads``: what the threads did (the frames named only when
@@ -48,29 +54,44 @@ class ThreadWork:
             out["wait_frames"] = self.waits
         if self.late_threads:
             out["threads_started_after_the_profiler"] = self.late_threads
+        if self.elsewhere:
+            out["computing_elsewhere"] = self.elsewhere
         return out
 
     def title_part(self) -> str:
-        if self.seen != COMPUTING:
-            return ""
-        names = ", ".join(f["name"][:60] for f in self.top_frames[:3])
-        return (f"; their threads were computing outside the model for {self.busy_ms:.1f} of {self.window_ms:.1f} ms "
-                f"({names})")
+        if self.seen == COMPUTING:
+            names = ", ".join(f["name"][:60] for f in self.top_frames[:3])
+            return (f"; their threads were computing outside the model for {self.busy_ms:.1f} of {self.window_ms:.1f} "
+                    f"ms ({names})")
+        if self.elsewhere:  # (only a thread seen waiting is known not to have computed)
+            other = self.elsewhere[0]
+            names = ", ".join(f["name"][:60] for f in other["top_frames"][:3])
+            who = f"not their threads but {_label(other)}" if self.seen == WAITED else _label(other)
+            return f"; meanwhile {who} computed, for {other['busy_ms']:.1f} of {other['window_ms']:.1f} ms ({names})"
+        return ""
 
     def unseen_text(self, not_recorded: str) -> str:
         """Why the trace names no work there (empty when it does); ``not_recorded``: the caller's
         advice where the trace recorded no Python at all."""
         if self.seen == STARTED_LATE:
-            return (" What they did is not in this trace: torch's Python tracer recorded other threads' Python but none of "
-                    "these requests' threads': " + THREAD_STARTED_LATE.format(which="these"))
-        if self.seen == WAITED:
+            text = (" What they did is not in this trace: torch's Python tracer recorded other threads' Python but none "
+                    "of these requests' threads': " + THREAD_STARTED_LATE.format(which="these"))
+        elif self.seen == WAITED and self.elsewhere:
+            return (" The threads that ran these requests' model steps waited over that time; "
+                    f"{_label(self.elsewhere[0])} computed (named in the title): {ASYNC_HANDLER}")
+        elif self.seen == WAITED:
             where = ", ".join(f["name"][:60] for f in self.waits[:2])
             return (f" Their threads' Python was recorded, and they computed for {self.busy_ms:.1f} of "
                     f"{self.window_ms:.1f} ms of it: the rest they waited"
                     + (f" ({where})" if where else "")
                     + ", for another thread, process or service, a lock, or a CPU (too few cores for the server's "
                       "threads); what the handler waited for there is where the time went.")
-        return not_recorded if self.seen == NOT_RECORDED else ""
+        else:
+            text = not_recorded if self.seen == NOT_RECORDED else ""
+        if self.elsewhere:
+            text += (f" Meanwhile {_label(self.elsewhere[0])} computed (named in the title): if these are async "
+                     f"handlers, that may be their work: {ASYNC_HANDLER}")
+        return text
 
 
 def thread_work(trace: Trace, windows: list[tuple[int, int, float, float]], steps_start: np.ndarray,
@@ -98,12 +119,57 @@ def thread_work(trace: Trace, windows: list[tuple[int, int, float, float]], step
         for key, us in zip(keys.tolist(), spent.tolist(), strict=True):
             frames[key] = frames.get(key, 0.0) + us
     if window_us <= 0:
-        return ThreadWork(STARTED_LATE if late else NOT_RECORDED, late_threads=len(late))
-    busy_us = float(by_class[list(HANDLER_BUSY)].sum())
-    seen = COMPUTING if busy_us >= 0.5 * window_us else WAITED if framed else NOT_RECORDED
-    return ThreadWork(seen, round(busy_us / 1e3, 3), round(window_us / 1e3, 3),
-                      {CLASSES[c]: round(float(v) / 1e3, 3) for c, v in enumerate(by_class) if v >= 50.0},
-                      _top(trace, frames, HANDLER_BUSY), _top(trace, frames, (WAIT,)), len(late))
+        work = ThreadWork(STARTED_LATE if late else NOT_RECORDED, late_threads=len(late))
+    else:
+        busy_us = float(by_class[list(HANDLER_BUSY)].sum())
+        seen = COMPUTING if busy_us >= 0.5 * window_us else WAITED if framed else NOT_RECORDED
+        work = ThreadWork(seen, round(busy_us / 1e3, 3), round(window_us / 1e3, 3),
+                          {CLASSES[c]: round(float(v) / 1e3, 3) for c, v in enumerate(by_class) if v >= 50.0},
+                          _top(trace, frames, HANDLER_BUSY), _top(trace, frames, (WAIT,)), len(late))
+    if work.seen != COMPUTING:
+        work.elsewhere = _computing_elsewhere(trace, stacks, windows, steps_start, steps_end)
+    return work
+
+
+def _computing_elsewhere(trace: Trace, stacks: dict[int, HostStacks], windows: list[tuple[int, int, float, float]],
+                         steps_start: np.ndarray, steps_end: np.ndarray) -> list[dict[str, Any]]:
+    """The other threads (not servprof's) that computed for at least half of the windows, busiest
+    first."""
+    out: list[dict[str, Any]] = []
+    for rank in sorted({w[0] for w in windows}):
+        ranked = stacks[rank]
+        mine = [w for w in windows if w[0] == rank]
+        cut = [outside(float(a), float(b), steps_start, steps_end) for _r, _t, a, b in mine]
+        a, b = np.concatenate([c[0] for c in cut]), np.concatenate([c[1] for c in cut])
+        window_us = float((b - a).sum())
+        if window_us <= 0:
+            continue
+        own = {tid for _r, tid, _a, _b in mine} | ranked.servprof_threads
+        for tid in ranked.tids:
+            if tid in own:
+                continue
+            stack = ranked.thread(tid)
+            busy_us = float(stack.class_times(a, b)[:, list(HANDLER_BUSY)].sum())
+            if busy_us < 0.5 * window_us:
+                continue
+            _window, keys, spent = stack.top_keys(a, b, limit=8)
+            frames: dict[int, float] = {}
+            for key, us in zip(keys.tolist(), spent.tolist(), strict=True):
+                frames[key] = frames.get(key, 0.0) + us
+            out.append({"rank": rank, "thread": tid, "thread_name": _thread_name(trace, rank, tid),
+                        "busy_ms": round(busy_us / 1e3, 3), "window_ms": round(window_us / 1e3, 3),
+                        "top_frames": _top(trace, frames, HANDLER_BUSY)})
+    return sorted(out, key=lambda x: -x["busy_ms"])
+
+
+def _thread_name(trace: Trace, rank: int, tid: int) -> str | None:
+    return next((name for (r, _pid, t), name in trace.thread_names.items() if r == rank and t == tid), None)
+
+
+def _label(other: dict[str, Any]) -> str:
+    """"thread 12 (MainThread)"; torch names a thread "thread 12 (python)" itself."""
+    name = other.get("thread_name")
+    return name if name and str(other["thread"]) in name else f"thread {other['thread']}" + (f" ({name})" if name else "")
 
 
 def _top(trace: Trace, frames: dict[int, float], classes: tuple[int, ...]) -> list[dict[str, Any]]:

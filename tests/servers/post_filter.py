@@ -5,7 +5,8 @@ hand-written server's tiny model and tokenizer (tests/servers/handwritten_loop.p
 loop, then passes the text through a slow pure-Python safety filter (a list of patterns applied
 one after another, many times over) before answering with JSON. ``"filter": false`` in the body
 answers without it. ``/v1/async/completions`` does the same from an ``async def`` endpoint through
-``asyncio.to_thread`` (the loop's default executor, whose threads start on first use).
+``asyncio.to_thread`` (the loop's default executor, whose threads start on first use), and
+``/v1/loop-filter/completions`` runs only the model there and the filter on the event loop.
 
     uvicorn tests.servers.post_filter:app
 """
@@ -64,6 +65,15 @@ def create_app() -> FastAPI:
     @app.post("/v1/async/completions")
     async def complete_off_the_loop(request: FilteredRequest) -> dict[str, Any]:
         return await asyncio.to_thread(complete, request)
+
+    @app.post("/v1/loop-filter/completions")
+    async def generate_off_the_loop_then_filter_on_it(request: FilteredRequest) -> dict[str, Any]:
+        ids = await asyncio.to_thread(generate, request.prompt, request.max_tokens)
+        text = base.tokenizer.decode(ids) * 20
+        started = time.perf_counter()
+        if request.filter:
+            text = safety_filter(text)  # (on the event loop: the worker thread that ran the model is idle)
+        return {"text": text[:200], "filter_ms": round((time.perf_counter() - started) * 1e3, 3)}
 
     return app
 
