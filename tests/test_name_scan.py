@@ -135,3 +135,17 @@ def test_a_guard_asked_again_gives_a_fresh_equal_answer(names: list[str]) -> Non
         want = first.tolist()
         first[:] = ~first  # a caller's changes never reach the next caller
         assert text.search(guarded).tolist() == want == [guarded.search(n) is not None for n in names]
+
+
+def test_blocking_c_calls_are_waits() -> None:
+    """C calls that block with the GIL released, as Python's profiler names them (address stripped),
+    are waits: an idle executor worker (concurrent.futures, asyncio.to_thread) is not computing,
+    and never read as holding the GIL."""
+    from servprof.detect.host_classes import CLASSES, WAIT, _class_of_name
+
+    for name in ("<built-in method get of _queue.SimpleQueue object>", "<method 'get' of '_queue.SimpleQueue' objects>",
+                 "<built-in function waitpid>", "<built-in function select>", "<built-in function sleep>",
+                 "<built-in method acquire of _thread.lock object>"):
+        assert CLASSES[_class_of_name(name)] == CLASSES[WAIT], name
+    for name in ("<built-in method get of dict object>", "<built-in method sub of re.Pattern object>"):
+        assert _class_of_name(name) != WAIT, name

@@ -54,11 +54,11 @@ WAIT_NAMES = Guarded(re.compile(
     r"|<built-in method (recv|recv_into|recvfrom|recvfrom_into|recvmsg|accept|_accept|connect|sendall) of socket"
     r"|<method '(read|write|do_handshake)' of '_ssl\._SSLSocket' objects>|<built-in function getaddrinfo>"
     # A C queue's get (concurrent.futures' idle workers, asyncio.to_thread's executor) and a child's wait.
-    r"|<built-in method get of _queue\.SimpleQueue|<method 'get' of '_queue\.SimpleQueue'|<built-in function waitpid>"
+    r"|<built-in method get of _queue\.SimpleQueue|<method 'get' of '_queue\.SimpleQueue'|<built-in function (waitpid|select)>"
 ), "threading.py(", "acquire", "sleep", "selectors.py(", "<method 'poll'", "<method 'select'", "<method 'control'",
    "<built-in method select", "<built-in method poll", "<built-in method epoll", "queue.py(", "connection.py(",
    "tqdm/_monitor.py", "recv_multipart", " of socket", "_ssl._SSLSocket", "getaddrinfo", "_queue.SimpleQueue",
-   "waitpid")
+   "waitpid", "<built-in function select>")
 # An event loop's own frames whose self time is its C core waiting for events (uvloop's loop, the
 # standard loop's when its selector call is not recorded), the GIL released: a loop thread idle,
 # not Python holding the GIL. Only their own time: the callbacks they run keep their classes.
