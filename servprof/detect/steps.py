@@ -73,19 +73,26 @@ def find_steps(trace: Trace) -> StepList:
             read[i] = readers[i](trace)
         return [s for s in read[i] if s.rank == rank]
 
-    annotations = annotation_rows(trace)
+    annotated: list[np.ndarray] = []  # the user's record_function ranges, read once if a rank needs them
+
+    def annotations() -> np.ndarray:
+        if not annotated:
+            annotated.append(annotation_rows(trace))
+        return annotated[0]
+
     for rank in trace.ranks:
         chosen = next((mine for i in range(4) if (mine := of_rank(i, rank))), [])
         if not chosen:  # a step marked around the loop's body, else one its landmarks open
             outer = of_rank(4, rank) or of_rank(6, rank)
             forwards = of_rank(5, rank) or of_rank(7, rank) or of_rank(8, rank)
             # The user's own record_function ranges around each step, else the forwards.
-            inner = (annotation_steps(trace, annotations, rank, forwards) if annotations.size else []) or forwards
+            inner = (annotation_steps(trace, annotations(), rank, forwards) if annotations().size else []) or forwards
             chosen = _outer_or_forward(trace, outer, inner)
         if not chosen:
             found.ranks_without_steps.append(rank)
         found.extend(chosen)
-    label_kinds_from_phases(trace, annotations, found)
+    if any(s.kind == "step" for s in found):
+        label_kinds_from_phases(trace, annotations(), found)
     label_unknown_kinds(trace, found)
     found.dropped_after_stop = _cut_at_stop(trace, found)
     found.sort(key=lambda s: (s.rank, s.start_us))
