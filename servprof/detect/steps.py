@@ -3,8 +3,8 @@
 Per rank, the first form present wins (readers in step_forms.py): servprof's phase
 markers (explicit, then automatic), SGLang's step annotations, vLLM's step
 annotations, vLLM's ``execute_model`` frames, then ``ProfilerStep#N`` or the user's own
-``record_function`` ranges around each step (step_annotations.py), else the outermost model
-forward (those when each ProfilerStep holds several, as around a whole ``generate``, unless it
+``record_function`` ranges around each step (step_annotations.py; those naming a decode or
+prefill even inside a ProfilerStep each), else the outermost model forward (those when each ProfilerStep holds several, as around a whole ``generate``, unless it
 is a training step); in a trace that marks none, the loop's own
 landmarks (step_landmarks.py): each DataLoader fetch, else each forward's first embedding
 lookup. Each step also gets the span of the device work it launched: under
@@ -86,8 +86,11 @@ def find_steps(trace: Trace) -> StepList:
             outer = of_rank(4, rank) or of_rank(6, rank)
             forwards = of_rank(5, rank) or of_rank(7, rank) or of_rank(8, rank)
             # The user's own record_function ranges around each step, else the forwards.
-            inner = (annotation_steps(trace, annotations(), rank, forwards) if annotations().size else []) or forwards
-            chosen = _outer_or_forward(trace, outer, inner)
+            marked = annotation_steps(trace, annotations(), rank, forwards) if annotations().size else []
+            # The user's ranges that name a decode or prefill beat a profiler step around each (which
+            # holds the loop's host work too: the gaps between the user's steps).
+            named = any(s.kind in ("decode", "prefill") for s in marked)
+            chosen = marked if named else _outer_or_forward(trace, outer, marked or forwards)
         if not chosen:
             found.ranks_without_steps.append(rank)
         found.extend(chosen)
