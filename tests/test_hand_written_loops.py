@@ -219,6 +219,18 @@ def test_shapes_tell_decode_steps_with_or_without_a_kv_cache(tmp_path: Path, kv_
     assert kinds(trace) == {"decode": REQUESTS * NEW_TOKENS, "prefill": REQUESTS}
     analysis = analyse(trace)
     assert analysis.summary["steps"]["recompute_prefix"] == (0 if kv_cache else REQUESTS * NEW_TOKENS)
+    cache = [f for f in analysis.findings if f.kind == "decode_without_kv_cache"]
+    if kv_cache:
+        assert cache == []
+    else:  # each step ran over the prompt and the tokens so far; its cost is read from the steps' times
+        (finding,) = cache
+        prompt = len(tokenizer("The harbour master counted the boats").input_ids)
+        evidence = finding.evidence
+        assert (evidence["steps"], evidence["tokens_min"], evidence["tokens_max"]) == \
+            (REQUESTS * NEW_TOKENS, prompt + 1, prompt + NEW_TOKENS)
+        decode_ms = sum(s.time_us for s in find_steps(trace) if s.kind == "decode") / 1e3
+        assert 0 <= finding.cost_ms <= decode_ms and (finding.cost_ms > 0) == (evidence["us_per_earlier_token"] > 0)
+        assert "no KV cache" in finding.title and "past_key_values" in finding.fix
     holding = [s for s in find_steps(trace) if s.kind == "decode"][STALL_AFTER::NEW_TOKENS]
     assert stall_finding(trace, [(s.start_us, s.end_us) for s in holding], inside=True)
     assert not [m for m in analysis.summary["missing"] if m["what"] == "step kinds"]

@@ -9,6 +9,7 @@ from servprof.detect.after_last_step import detect_after_last_step
 from servprof.detect.bandwidth_bound_decode import detect_bandwidth_bound
 from servprof.detect.decode_gap import detect_decode_gaps, find_gaps
 from servprof.detect.finding import KINDS, SEVERITY_ORDER, WHOLE_TRACE, Finding
+from servprof.detect.kv_cache import detect_no_kv_cache
 from servprof.detect.loop_stall import detect_loop_stalls
 from servprof.detect.memory import detect_memory
 from servprof.detect.model_on_loop import detect_model_on_loop
@@ -58,8 +59,10 @@ def _analyse(trace: Trace, requests: list[dict[str, Any]] | None, device: str | 
     after_findings, after_summary = detect_after_last_step(trace, steps, times)
     setup_findings, setup_summary = detect_shape_setup(trace, steps)
     explain_slow_host_ops(gap_findings, setup_findings, setup_summary["unshaped_ops"])
+    cache_findings, cache_summary = detect_no_kv_cache(steps)
     findings = sorted([*gap_findings, *token_findings, *bw_findings, *memory_findings, *compile_findings,
-                       *stall_findings, *on_loop_findings, *wait_findings, *after_findings, *setup_findings], key=lambda f: (SEVERITY_ORDER[f.severity], f.cost_ms), reverse=True)
+                       *stall_findings, *on_loop_findings, *wait_findings, *after_findings, *setup_findings,
+                       *cache_findings], key=lambda f: (SEVERITY_ORDER[f.severity], f.cost_ms), reverse=True)
     sampled = sampled_request_ids(trace, requests)
     _attribute_to_session(findings, requests, trace)
     for finding in findings:
@@ -80,7 +83,7 @@ def _analyse(trace: Trace, requests: list[dict[str, Any]] | None, device: str | 
             "by_kind": {k: sum(1 for s in steps if s.kind == k) for k in sorted({s.kind for s in steps})},
             "source": sorted({s.source for s in steps}),
             "median_step_ms": round(gap_summary["median_step_us"] / 1000, 4) if gap_summary.get("median_step_us") else None,
-            "recompute_prefix": sum(1 for s in steps if s.recomputes_prefix),  # (no KV cache)
+            "recompute_prefix": cache_summary["steps"],  # (no KV cache: kv_cache.py)
             "whole_before_stop": whole_before_stop(trace, steps),  # (what the event budget learns from)
         },
         "utilisation": utilisation(trace, steps),  # per-step busy / idle inside / idle between
@@ -96,6 +99,7 @@ def _analyse(trace: Trace, requests: list[dict[str, Any]] | None, device: str | 
         "queue_wait": wait_summary,
         "after_last_step": after_summary,
         "shape_setup": setup_summary,
+        "kv_cache": cache_summary,
         "requests_given": len(requests or []),
         "sampled_request_ids": sorted(sampled),
         # What the user must know to trust the figures (two files claiming one rank, a --device the

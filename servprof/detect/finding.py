@@ -8,7 +8,7 @@ from typing import Any, Literal
 Severity = Literal["info", "warning", "critical"]
 KINDS = ("tokenization_stall", "decode_gap", "bandwidth_bound_decode", "loop_stall", "memory_growth",
          "memory_fragmentation", "memory_near_limit", "recompilation", "graph_break", "queue_wait", "after_last_step",
-         "shape_setup")
+         "shape_setup", "decode_without_kv_cache")
 SEVERITY_ORDER = {"info": 0, "warning": 1, "critical": 2}
 # evidence["scope"] of a finding about the trace as a whole (no step, no request): it belongs to the
 # session (its analysis span), not to each sampled request.

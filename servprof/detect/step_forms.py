@@ -95,8 +95,10 @@ class Step:
     device_start_us: float | None = None
     device_end_us: float | None = None
     cut_at_stop_us: float = 0.0  # host time past servprof's own stop() that was cut off this step
-    # A decode step whose forward ran over the whole sequence (no KV cache), read from its shapes.
+    # A decode step whose forward ran over the whole sequence (no KV cache), read from its shapes,
+    # and the sequence length its input ids held (record_shapes).
     recomputes_prefix: bool = False
+    tokens: int | None = None
 
     @property
     def dur_us(self) -> float:
@@ -296,7 +298,7 @@ def label_unknown_kinds(trace: Trace, steps: list[Step]) -> None:
             ids = dims[1] if isinstance(dims, list) and len(dims) > 1 else None
             if isinstance(ids, list) and len(ids) == 2 and all(isinstance(d, int) for d in ids):
                 step.kind = "decode" if ids[1] == 1 else "prefill"
-                step.batch = ids[0]
+                step.batch, step.tokens = ids[0], ids[1]
                 shaped.setdefault((step.rank, step.tid), []).append((step, ids))
     for run in shaped.values():
         # A loop without a KV cache runs every new token's forward over the whole sequence, one
