@@ -287,27 +287,53 @@ def label_unknown_kinds(trace: Trace, steps: list[Step]) -> None:
         return
     backward = host_rows(trace, BACKWARD)
     embedding = host_rows(trace, EMBEDDING_ROWS)
-    shaped: dict[tuple[int, int], list[tuple[Step, list[int]]]] = {}
     for step in unknown:
         if _first_inside(trace, backward, step, same_thread=False) is not None:
             step.kind = "train"
             continue
-        lookup = _first_inside(trace, embedding, step, same_thread=True)
-        if lookup is not None:
-            dims = trace.args(lookup).get("Input Dims")
-            ids = dims[1] if isinstance(dims, list) and len(dims) > 1 else None
-            if isinstance(ids, list) and len(ids) == 2 and all(isinstance(d, int) for d in ids):
-                step.kind = "decode" if ids[1] == 1 else "prefill"
-                step.batch, step.tokens = ids[0], ids[1]
-                shaped.setdefault((step.rank, step.tid), []).append((step, ids))
-    for run in shaped.values():
-        # A loop without a KV cache runs every new token's forward over the whole sequence, one
-        # token longer than the last: a decode step, for all its prefill-like shape.
+        ids = _input_ids(trace, embedding, step)
+        if ids is not None:
+            step.kind = "decode" if ids[1] == 1 else "prefill"
+            step.batch, step.tokens = ids
+
+
+def mark_prefix_recompute(trace: Trace, steps: list[Step]) -> None:
+    """Decode and prefill steps, whatever their form, whose first embedding lookup (record_shapes)
+    runs over a sequence one token longer than the step before on their thread, same batch: a
+    loop without a KV cache runs every new token's forward over the whole sequence. They are
+    decode steps (``recomputes_prefix``), for all their prefill-like shape."""
+    candidates = [s for s in steps if s.kind in ("decode", "prefill")]
+    if len(candidates) < 3:
+        return
+    embedding = host_rows(trace, EMBEDDING_ROWS)
+    if embedding.size == 0 or trace.args(int(embedding[0])).get("Input Dims") is None:
+        return  # (no shapes recorded)
+    runs: dict[tuple[int, int], list[tuple[Step, tuple[int, int]]]] = {}
+    for step in candidates:
+        ids = _input_ids(trace, embedding, step)
+        if ids is not None:
+            step.tokens = ids[1]
+            runs.setdefault((step.rank, step.tid), []).append((step, ids))
+    for run in runs.values():
         run.sort(key=lambda pair: pair[0].start_us)
         for (_, before), (step, ids) in zip(run, run[1:], strict=False):
             if ids[0] == before[0] and ids[1] == before[1] + 1:
                 step.kind = "decode"
                 step.recomputes_prefix = True
+
+
+def _input_ids(trace: Trace, embedding: np.ndarray, step: Step) -> tuple[int, int] | None:
+    """(batch, sequence length) of the step's first embedding lookup on its thread, if shaped."""
+    lookup = _first_inside(trace, embedding, step, same_thread=True)
+    return None if lookup is None else _dims(trace, lookup)
+
+
+def _dims(trace: Trace, lookup: int) -> tuple[int, int] | None:
+    dims = trace.args(lookup).get("Input Dims")
+    ids = dims[1] if isinstance(dims, list) and len(dims) > 1 else None
+    if isinstance(ids, list) and len(ids) == 2 and all(isinstance(d, int) for d in ids):
+        return ids[0], ids[1]
+    return None
 
 
 def _first_inside(trace: Trace, rows: np.ndarray, step: Step, same_thread: bool) -> int | None:

@@ -28,6 +28,7 @@ from servprof.detect.step_forms import (
     forward_steps,
     is_step_annotation,
     label_unknown_kinds,
+    mark_prefix_recompute,
     profiler_steps,
     servprof_steps,
     sglang_steps,
@@ -97,6 +98,7 @@ def find_steps(trace: Trace) -> StepList:
     if any(s.kind == "step" for s in found):
         label_kinds_from_phases(trace, annotations(), found)
     label_unknown_kinds(trace, found)
+    mark_prefix_recompute(trace, found)
     found.dropped_after_stop = _cut_at_stop(trace, found)
     found.sort(key=lambda s: (s.rank, s.start_us))
     _attach_device_spans(trace, found)
