@@ -4,10 +4,10 @@ Per rank, the first form present wins (readers in step_forms.py): servprof's pha
 markers (explicit, then automatic), SGLang's step annotations, vLLM's step
 annotations, vLLM's ``execute_model`` frames, then ``ProfilerStep#N`` or the user's own
 ``record_function`` ranges around each step (step_annotations.py; those naming a decode or
-prefill even inside a ProfilerStep each), else the outermost model forward (those when each ProfilerStep holds several, as around a whole ``generate``, unless it
-is a training step); in a trace that marks none, the loop's own
-landmarks (step_landmarks.py): each DataLoader fetch, else each forward's first embedding
-lookup. Each step also gets the span of the device work it launched: under
+prefill even inside a ProfilerStep each), else the outermost model forward (those when each
+ProfilerStep holds several, as around a whole ``generate``, unless it is a training step); in
+a trace that marks none, the loop's own landmarks (step_landmarks.py): each DataLoader fetch,
+else each forward's first embedding lookup. Each step also gets the span of the device work it launched: under
 asynchronous scheduling the host range ends long before its kernels do, so step time,
 utilisation and gaps are read on the device timeline when there is one.
 
