@@ -98,12 +98,12 @@ def test_work_on_the_event_loop_after_the_model_is_named_on_its_thread(tmp_path:
     """An ``async def`` handler that runs the model in ``asyncio.to_thread`` and filters the text on
     the event loop: the executor thread that ran the model is idle after it (in its queue's get: a
     wait, not computing), and the finding names the thread that computed meanwhile, with the
-    filter's frames, in both sessions (the first one's executor threads have no frames at all)."""
-    for finding, seen in zip(deep_sessions(tmp_path, "/v1/loop-filter/completions"),
-                             ("started_after_the_profiler", "waited"), strict=True):
+    filter's frames, in both sessions (the first one's executor threads have no frames at all; the
+    second one's usually do, but the executor may start another thread for it)."""
+    for finding in deep_sessions(tmp_path, "/v1/loop-filter/completions"):
         work = finding["evidence"]["handler_threads"]
-        assert work["seen"] == seen, work
-        if seen == "waited":
+        assert work["seen"] in ("started_after_the_profiler", "waited"), work  # never "computing" in a queue's get
+        if work["seen"] == "waited":
             assert any("SimpleQueue" in frame["name"] for frame in work["wait_frames"]), work
         (loop_thread, *_), = [work["computing_elsewhere"]]
         names = [frame["name"] for frame in loop_thread["top_frames"]]

@@ -19,6 +19,17 @@ def merge(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     return s[new_block], e[last]
 
 
+def starts_within(times: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """For sorted times: how many fall in each window [a, b)."""
+    return np.searchsorted(times, b, side="left") - np.searchsorted(times, a, side="left")
+
+
+def inside_any(times: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """For disjoint windows [starts, ends) sorted by start: whether each time falls in one."""
+    at = np.searchsorted(starts, times, side="right") - 1
+    return (at >= 0) & (times < ends[np.maximum(at, 0)]) if starts.size else np.zeros(times.shape, dtype=bool)
+
+
 def union_length(starts: np.ndarray, ends: np.ndarray) -> float:
     """Total length covered by the intervals (overlaps counted once)."""
     s, e = merge(starts, ends)

@@ -29,6 +29,7 @@ import re
 
 import numpy as np
 
+from servprof.detect.intervals import inside_any, starts_within
 from servprof.detect.step_forms import Step, is_step_annotation, outermost, step_from_row
 from servprof.trace.model import Trace, distinct
 
@@ -75,7 +76,8 @@ def annotation_steps(trace: Trace, rows: np.ndarray, rank: int, forwards: list[S
         taken = _taken(trace, mine, forward_starts, rank, tid)
         if taken.size == 0:
             continue
-        if forward_starts.size and _held(trace, taken, forward_starts).sum() < MIN_FORWARDS_HELD * forward_starts.size:
+        held = inside_any(forward_starts, trace.ts[taken], trace.ts[taken] + trace.dur[taken])  # (outermost: disjoint)
+        if forward_starts.size and held.sum() < MIN_FORWARDS_HELD * forward_starts.size:
             continue
         steps.extend(step_from_row(trace, row, kind_of(trace.name(row)), "annotation", trace.name(row))
                      for row in taken.tolist())
@@ -150,18 +152,7 @@ def _taken(trace: Trace, rows: np.ndarray, forward_starts: np.ndarray, rank: int
 
 def _held_each(trace: Trace, rows: np.ndarray, starts: np.ndarray) -> np.ndarray:
     """How many of the (sorted) start times fall inside each range."""
-    return (np.searchsorted(starts, trace.ts[rows] + trace.dur[rows], side="left")
-            - np.searchsorted(starts, trace.ts[rows], side="left"))
-
-
-def _held(trace: Trace, rows: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    """Which of the (sorted) start times fall inside one of the (disjoint) ranges."""
-    inside = np.zeros(starts.size, dtype=bool)
-    lo = np.searchsorted(starts, trace.ts[rows], side="left")
-    hi = np.searchsorted(starts, trace.ts[rows] + trace.dur[rows], side="left")
-    for a, b in zip(lo.tolist(), hi.tolist(), strict=True):
-        inside[a:b] = True
-    return inside
+    return starts_within(starts, trace.ts[rows], trace.ts[rows] + trace.dur[rows])
 
 
 def _op_starts(trace: Trace, rank: int, tid: int) -> np.ndarray:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from servprof.detect.intervals import starts_within
 from servprof.detect.overhead import stop_cutoffs
 from servprof.detect.step_annotations import annotation_rows, annotation_steps, label_kinds_from_phases
 from servprof.detect.step_compiled import compiled_steps
@@ -114,8 +115,7 @@ def _outer_or_forward(trace: Trace, outer: list[Step], forwards: list[Step]) -> 
     if not outer:
         return forwards
     starts = np.sort(np.array([f.start_us for f in forwards]))
-    inside = (np.searchsorted(starts, [p.end_us for p in outer], side="left")
-              - np.searchsorted(starts, [p.start_us for p in outer], side="left"))  # forwards starting in each
+    inside = starts_within(starts, np.array([p.start_us for p in outer]), np.array([p.end_us for p in outer]))
     if np.mean(inside) <= 1.5:
         return outer
     label_unknown_kinds(trace, outer)

@@ -103,15 +103,17 @@ def thread_work(trace: Trace, windows: list[tuple[int, int, float, float]], step
     stacks: dict[int, HostStacks] = {}
     window_us, by_class, frames, late = 0.0, np.zeros(len(CLASSES)), {}, set()
     framed = False
+    cuts: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}  # per rank: each window outside the steps
     for rank, tid, start_us, end_us in windows:
         ranked = stacks.get(rank)
         if ranked is None:  # (built once per rank: it reads the whole trace)
             ranked = stacks[rank] = HostStacks(trace, rank)
+        a, b = outside(float(start_us), float(end_us), steps_start, steps_end)
+        cuts.setdefault(rank, []).append((a, b))
         if ranked.has_frames and tid in ranked.unframed:
             late.add((rank, tid))
             continue
         framed = framed or ranked.has_frames
-        a, b = outside(float(start_us), float(end_us), steps_start, steps_end)
         stack = ranked.thread(tid)
         window_us += float((b - a).sum())
         by_class += stack.class_times(a, b).sum(axis=0)
@@ -127,24 +129,23 @@ def thread_work(trace: Trace, windows: list[tuple[int, int, float, float]], step
                           {CLASSES[c]: round(float(v) / 1e3, 3) for c, v in enumerate(by_class) if v >= 50.0},
                           _top(trace, frames, HANDLER_BUSY), _top(trace, frames, (WAIT,)), len(late))
     if work.seen != COMPUTING:
-        work.elsewhere = _computing_elsewhere(trace, stacks, windows, steps_start, steps_end)
+        work.elsewhere = _computing_elsewhere(trace, stacks, cuts, {(r, t) for r, t, _a, _b in windows})
     return work
 
 
-def _computing_elsewhere(trace: Trace, stacks: dict[int, HostStacks], windows: list[tuple[int, int, float, float]],
-                         steps_start: np.ndarray, steps_end: np.ndarray) -> list[dict[str, Any]]:
-    """The other threads (not servprof's) that computed for at least half of the windows, busiest
-    first."""
+def _computing_elsewhere(trace: Trace, stacks: dict[int, HostStacks],
+                         cuts: dict[int, list[tuple[np.ndarray, np.ndarray]]],
+                         own_threads: set[tuple[int, int]]) -> list[dict[str, Any]]:
+    """The other threads (not servprof's, not ``own_threads``) that computed for at least half of
+    the windows (``cuts``: per rank, each window outside every step), busiest first."""
     out: list[dict[str, Any]] = []
-    for rank in sorted({w[0] for w in windows}):
+    for rank, cut in sorted(cuts.items()):
         ranked = stacks[rank]
-        mine = [w for w in windows if w[0] == rank]
-        cut = [outside(float(a), float(b), steps_start, steps_end) for _r, _t, a, b in mine]
         a, b = np.concatenate([c[0] for c in cut]), np.concatenate([c[1] for c in cut])
         window_us = float((b - a).sum())
         if window_us <= 0:
             continue
-        own = {tid for _r, tid, _a, _b in mine} | ranked.servprof_threads
+        own = {t for r, t in own_threads if r == rank} | ranked.servprof_threads
         for tid in ranked.tids:
             if tid in own:
                 continue
