@@ -1,7 +1,7 @@
 """A hand-written decode loop, traced the ways users trace it: steps a user marked with
 ``torch.profiler.record_function`` (detect/step_annotations.py), whatever the names, and ranges
 that are not steps; a loop that marks nothing, with and without ``record_shapes``, with and
-without a KV cache (detect/step_forms.label_unknown_kinds, detect/stalled_steps.py).
+without a KV cache (detect/step_kinds.label_unknown_kinds, detect/stalled_steps.py).
 
 Real parts: the real profiler around a real transformers Llama (the servers' tiny one) run with
 its KV cache the way a hand-written loop runs it, and a plain torch MLP for a model without an

@@ -6,7 +6,7 @@ loop that feeds the whole sequence back every step (``model(torch.cat([ids, toke
 ``generate(use_cache=False)``, recomputes every earlier token each step: the step's work grows
 with the sequence, and decoding n tokens costs about n²/2 token-forwards instead of n. The trace
 shows it with ``record_shapes``: each step's embedding lookup holds one token more than the step
-before on its thread, whatever form marked the steps (step_forms.mark_prefix_recompute labels
+before on its thread, whatever form marked the steps (step_kinds.mark_prefix_recompute labels
 them decode, ``recomputes_prefix``; servprof's sessions need a deep window with shapes).
 
 The cost is read from the trace, not assumed: the steps' time against their sequence length,

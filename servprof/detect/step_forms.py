@@ -49,9 +49,6 @@ VLLM_EXECUTE_ROWS = Guarded(VLLM_EXECUTE_FRAME, "model_runner.py(")
 FORWARD_ROWS = Guarded(FORWARD_FRAME, "): forward")
 MODULE_ROWS = Guarded(re.compile("^" + re.escape(MODULE_FRAME)), MODULE_FRAME)
 EMBEDDING_ROWS = Guarded(re.compile(r"^aten::embedding$"), "aten::embedding")
-# Ops that only run when autograd computes gradients: a step holding them is a training step.
-BACKWARD = Guarded(re.compile(r"^autograd::engine::evaluate_function|Backward\d*$|^## backward|^Optimizer\.step"),
-                   "autograd::engine::evaluate_function", "Backward", "## backward", "Optimizer.step")
 _SERVPROF_STEP_PHASES = ("servprof:decode_step|", "servprof:prefill|", "servprof:auto.decode_step|",
                          "servprof:auto.prefill|")
 
@@ -277,70 +274,3 @@ def step_from_row(trace: Trace, row: int, kind: str, source: str, label: str, ba
     return Step(int(row), int(trace.rank[row]), int(trace.tid[row]), start, start + float(trace.dur[row]), kind,
                 source, label, batch=batch, attention=attention or {})
 
-
-def label_unknown_kinds(trace: Trace, steps: list[Step]) -> None:
-    """Steps whose form does not say what they are: a training step when backward ops ran in
-    it; else decode or prefill from the sequence length of the first embedding lookup in it
-    (record_shapes: input ids [batch, 1] are one new token per sequence)."""
-    unknown = [s for s in steps if s.kind == "step"]
-    if not unknown:
-        return
-    backward = host_rows(trace, BACKWARD)
-    embedding = host_rows(trace, EMBEDDING_ROWS)
-    for step in unknown:
-        if _first_inside(trace, backward, step, same_thread=False) is not None:
-            step.kind = "train"
-            continue
-        ids = _input_ids(trace, embedding, step)
-        if ids is not None:
-            step.kind = "decode" if ids[1] == 1 else "prefill"
-            step.batch, step.tokens = ids
-
-
-def mark_prefix_recompute(trace: Trace, steps: list[Step]) -> None:
-    """Decode and prefill steps, whatever their form, whose first embedding lookup (record_shapes)
-    runs over a sequence one token longer than the step before on their thread, same batch: a
-    loop without a KV cache runs every new token's forward over the whole sequence. They are
-    decode steps (``recomputes_prefix``), for all their prefill-like shape."""
-    candidates = [s for s in steps if s.kind in ("decode", "prefill")]
-    if len(candidates) < 3:
-        return
-    embedding = host_rows(trace, EMBEDDING_ROWS)
-    if embedding.size == 0 or trace.args(int(embedding[0])).get("Input Dims") is None:
-        return  # (no shapes recorded)
-    runs: dict[tuple[int, int], list[tuple[Step, tuple[int, int]]]] = {}
-    for step in candidates:
-        ids = _input_ids(trace, embedding, step)
-        if ids is not None:
-            step.tokens = ids[1]
-            runs.setdefault((step.rank, step.tid), []).append((step, ids))
-    for run in runs.values():
-        run.sort(key=lambda pair: pair[0].start_us)
-        for (_, before), (step, ids) in zip(run, run[1:], strict=False):
-            if ids[0] == before[0] and ids[1] == before[1] + 1:
-                step.kind = "decode"
-                step.recomputes_prefix = True
-
-
-def _input_ids(trace: Trace, embedding: np.ndarray, step: Step) -> tuple[int, int] | None:
-    """(batch, sequence length) of the step's first embedding lookup on its thread, if shaped."""
-    lookup = _first_inside(trace, embedding, step, same_thread=True)
-    return None if lookup is None else _dims(trace, lookup)
-
-
-def _dims(trace: Trace, lookup: int) -> tuple[int, int] | None:
-    dims = trace.args(lookup).get("Input Dims")
-    ids = dims[1] if isinstance(dims, list) and len(dims) > 1 else None
-    if isinstance(ids, list) and len(ids) == 2 and all(isinstance(d, int) for d in ids):
-        return ids[0], ids[1]
-    return None
-
-
-def _first_inside(trace: Trace, rows: np.ndarray, step: Step, same_thread: bool) -> int | None:
-    """The first of the (time-sorted) rows that starts inside the step's host range on its rank."""
-    lo = int(np.searchsorted(trace.ts[rows], step.start_us, side="left"))
-    hi = int(np.searchsorted(trace.ts[rows], step.end_us, side="left"))
-    for row in rows[lo:hi].tolist():
-        if trace.rank[row] == step.rank and (not same_thread or trace.tid[row] == step.tid):
-            return int(row)
-    return None

@@ -28,14 +28,13 @@ from servprof.detect.step_forms import (
     Step,
     forward_steps,
     is_step_annotation,
-    label_unknown_kinds,
-    mark_prefix_recompute,
     profiler_steps,
     servprof_steps,
     sglang_steps,
     vllm_frame_steps,
     vllm_steps,
 )
+from servprof.detect.step_kinds import label_unknown_kinds, mark_prefix_recompute
 from servprof.detect.step_landmarks import embedding_steps, loader_steps
 from servprof.trace.model import Trace
 

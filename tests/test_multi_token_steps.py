@@ -1,0 +1,128 @@
+"""transformers ``generate()`` steps that feed several tokens at once, traced as users trace it
+(torch.profiler on the CPU, ``record_shapes``): assisted generation (a draft model proposes tokens,
+the target verifies them: speculative decoding), prompt lookup, and a chat's next turn prefilled
+over the KV cache the last turn passed back (detect/step_kinds.py).
+
+A step of several tokens over a cache that already holds tokens is a decode step of a running
+sequence, whose gaps are the decode loop's own; a ``generate()`` call's prefill over such a cache
+(a new turn) is a prefill, whose wait before it is the user's. Real parts: the real profiler around
+the servers' tiny transformers Llama (tests/servers/hf_streaming.py) and a second one as the draft;
+a logits processor that sleeps (as a slow grammar mask holds every step) is the stall the gaps
+must hold (counted, not timed).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from servers.hf_streaming import build_model, model, tokenizer
+from torch.profiler import ProfilerActivity, profile
+
+from servprof.detect.analysis import analyse
+from servprof.detect.steps import Step, find_steps
+from servprof.trace import load_trace
+from servprof.trace.model import Trace
+
+transformers = pytest.importorskip("transformers")
+
+REQUESTS = 2
+NEW_TOKENS = 8
+PROMPT = tokenizer("The harbour master counted the boats and the harbour master counted the boats",
+                   return_tensors="pt").input_ids
+
+
+class SlowLogitsProcessor(transformers.LogitsProcessor):
+    """A per-step logits processor that holds the loop (a grammar mask built in Python, say)."""
+
+    calls = 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        SlowLogitsProcessor.calls += 1
+        time.sleep(0.004)
+        return scores
+
+
+def traced(tmp_path: Path, requests: Callable[[], None], with_stack: bool) -> Trace:
+    path = tmp_path / "trace.json"
+    requests()  # (warm-up, not traced)
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU], record_shapes=True,
+                                         with_stack=with_stack) as prof:
+        requests()
+    prof.export_chrome_trace(str(path))
+    return load_trace(path)
+
+
+def multi_token(steps: list[Step], kind: str) -> list[Step]:
+    return [s for s in steps if s.kind == kind and s.tokens is not None and s.tokens > 1]
+
+
+@pytest.mark.parametrize("with_stack", [True, False])
+def test_assisted_generation_verifies_drafts_in_decode_steps(tmp_path: Path, with_stack: bool) -> None:
+    draft = build_model(len(tokenizer))
+    processors = transformers.LogitsProcessorList([SlowLogitsProcessor()])
+
+    def requests() -> None:
+        for _ in range(REQUESTS):
+            model.generate(PROMPT, assistant_model=draft, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                           do_sample=False, logits_processor=processors, pad_token_id=tokenizer.pad_token_id)
+
+    trace = traced(tmp_path, requests, with_stack)
+    steps = find_steps(trace)
+    prompt = PROMPT.shape[1]
+    # Per request, the draft's first forward prefills the prompt and the target's first verifies its
+    # first draft token over the prompt (no cache yet): every other forward extends a cached sequence.
+    prefill = [s for s in steps if s.kind == "prefill"]
+    assert len(prefill) == 2 * REQUESTS and all(s.tokens in (prompt, prompt + 1) for s in prefill)
+    assert multi_token(steps, "decode"), "the drafts' verifications (several tokens over a cache) are decode steps"
+    assert not any(s.recomputes_prefix for s in steps)  # (the target's prefill is not the draft's one token longer)
+    analysis = analyse(trace)
+    gaps = [f for f in analysis.findings if f.kind == "decode_gap" and f.severity != "info"]
+    assert gaps, "the logits processor's sleeps between the decode steps are the loop's own gaps"
+    assert "decode steps" in gaps[0].title
+    if with_stack:
+        assert gaps[0].evidence["cause"] == "waiting" and "sleep" in gaps[0].title
+    assert analysis.summary["kv_cache"]["steps"] == 0
+
+
+def test_prompt_lookup_verifies_in_decode_steps(tmp_path: Path) -> None:
+    """Prompt lookup: the candidates come from the prompt itself (no draft model); recorded without
+    stacks, the shapes alone say the multi-token steps continue the sequence."""
+    def requests() -> None:
+        for _ in range(REQUESTS):
+            model.generate(PROMPT, prompt_lookup_num_tokens=3, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                           do_sample=False, pad_token_id=tokenizer.pad_token_id)
+
+    steps = find_steps(traced(tmp_path, requests, with_stack=False))
+    # Each request's first forward: its prompt (and the first candidates found in it), no cache yet.
+    prefill = [s.tokens for s in steps if s.kind == "prefill"]
+    assert len(prefill) == REQUESTS and all(t is not None and t >= PROMPT.shape[1] for t in prefill)
+    assert multi_token(steps, "decode")
+
+
+def test_a_next_turn_over_the_cache_is_a_prefill(tmp_path: Path) -> None:
+    """A chat's next turn passed the last turn's KV cache: generate() prefills the new message over it
+    (several tokens over a cache, as a verification is), and the user's think time before it is not
+    the decode loop's (with_stack: generate()'s ``_prefill`` frame says which it is)."""
+    turns = 3
+
+    def requests() -> None:
+        out = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                             return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id)
+        for _ in range(turns - 1):
+            time.sleep(0.03)  # the user reads and types
+            ids = torch.cat([out.sequences, PROMPT[:, :6]], dim=1)
+            out = model.generate(ids, past_key_values=out.past_key_values, max_new_tokens=NEW_TOKENS,
+                                 min_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True,
+                                 pad_token_id=tokenizer.pad_token_id)
+
+    trace = traced(tmp_path, requests, with_stack=True)
+    steps = find_steps(trace)
+    assert sum(1 for s in steps if s.kind == "prefill") == turns
+    assert multi_token(steps, "decode") == []
+    analysis = analyse(trace)
+    assert not [f for f in analysis.findings if f.kind == "decode_gap" and f.severity != "info"]
+    assert not any(s.recomputes_prefix for s in steps)
