@@ -124,7 +124,7 @@ def after_arrival(steps: list[Step], requests_us: list[tuple[float, float]] | No
 
 def continues(step: Step, fresh: set[int]) -> bool:
     """Whether the gap before this step is the engine's own (not the wait for a new request)."""
-    return step.kind in CONTINUING_KINDS and id(step) not in fresh
+    return step.kind in CONTINUING_KINDS and not step.opens_request and id(step) not in fresh
 
 
 # --- device timelines -------------------------------------------------------------------------

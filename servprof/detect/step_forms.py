@@ -96,6 +96,9 @@ class Step:
     # and the sequence length its input ids held (record_shapes).
     recomputes_prefix: bool = False
     tokens: int | None = None
+    # The first step of a call that ran a request's steps (transformers' generate(), with_stack): the
+    # time before it is the wait for the request and its set-up, not the decode loop's (step_kinds.py).
+    opens_request: bool = False
 
     @property
     def dur_us(self) -> float:

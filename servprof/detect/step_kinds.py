@@ -10,6 +10,9 @@ live forward's arguments.
   decode step of a running sequence -- but for transformers' ``generate()`` running it as its
   prefill (a ``_prefill`` frame outside an assistant's drafting, with_stack: a prompt prefilled
   in chunks, a new turn over a conversation's cache).
+- The first step of each transformers ``generate()`` call that ran several opens a request
+  (``opens_request``): the gap before it is not the decode loop's (an encoder-decoder's first
+  decoder step is a decode step, with the encoder's pass and the wait for the request before it).
 - A decode or prefill step of any form whose sequence is one token longer than the step's before
   it on its thread (of the same model, where steps are forwards), same batch, in a run of two such
   steps at least, and whose attention reads no cache: a loop without a KV cache,
@@ -36,6 +39,7 @@ ATTENTION_ROWS = Guarded(re.compile("^(" + "|".join(map(re.escape, sorted(ATTENT
 # transformers' generate(): the call that runs its prefill, and an assistant model's drafting (whose
 # own generate() prefills again from the tokens accepted since, inside the request's decoding).
 HF_PREFILL_FRAME = Guarded(re.compile(r"transformers/generation/utils\.py\(\d+\): _prefill$"), "): _prefill")
+HF_GENERATE_FRAME = Guarded(re.compile(r"transformers/generation/utils\.py\(\d+\): generate$"), "): generate")
 HF_DRAFTING_FRAME = Guarded(re.compile(r"transformers/generation/candidate_generator\.py\(\d+\): get_candidates$"),
                             "): get_candidates")
 
@@ -90,6 +94,36 @@ def mark_prefix_recompute(trace: Trace, steps: list[Step]) -> None:
             if in_a_row and not sequences.reads_cache(step):
                 step.kind = "decode"
                 step.recomputes_prefix = True
+
+
+def mark_request_openers(trace: Trace, steps: list[Step]) -> None:
+    """The first step of each transformers ``generate()`` call that ran several (its outermost
+    call, with_stack: an assistant model's own calls run inside it) opens a request: the time
+    before it on its thread is the wait for the request and its set-up (an encoder-decoder's
+    encoder pass, which is no step of the decoder's), not the decode loop's, as before a prefill.
+    (A call per token, ``generate(max_new_tokens=1)`` in a loop, opens nothing: its set-up is the loop's.)"""
+    frames = host_rows(trace, HF_GENERATE_FRAME)
+    if frames.size == 0:
+        return
+    by_thread: dict[tuple[int, int], list[Step]] = {}
+    for step in steps:
+        by_thread.setdefault((step.rank, step.tid), []).append(step)
+    for (rank, tid), mine in by_thread.items():
+        rows = frames[(trace.rank[frames] == rank) & (trace.tid[frames] == tid)]
+        if rows.size == 0:
+            continue
+        start, end = trace.ts[rows], trace.ts[rows] + trace.dur[rows]
+        outermost = np.ones(rows.size, dtype=bool)  # (not inside an earlier call: rows in time order)
+        outermost[1:] = start[1:] >= np.maximum.accumulate(end)[:-1]
+        start, end = start[outermost], end[outermost]
+        mine.sort(key=lambda s: s.start_us)
+        step_start = np.array([s.start_us for s in mine])
+        call = np.searchsorted(start, step_start, side="right") - 1
+        call[(call >= 0) & (step_start >= end[np.maximum(call, 0)])] = -1
+        calls, first, count = np.unique(call, return_index=True, return_counts=True)
+        for c, i, n in zip(calls.tolist(), first.tolist(), count.tolist(), strict=True):
+            if c >= 0 and n >= 2:
+                mine[i].opens_request = True
 
 
 class _Sequences:

@@ -34,7 +34,7 @@ from servprof.detect.step_forms import (
     vllm_frame_steps,
     vllm_steps,
 )
-from servprof.detect.step_kinds import label_unknown_kinds, mark_prefix_recompute
+from servprof.detect.step_kinds import label_unknown_kinds, mark_prefix_recompute, mark_request_openers
 from servprof.detect.step_landmarks import embedding_steps, loader_steps
 from servprof.trace.model import Trace
 
@@ -99,6 +99,7 @@ def find_steps(trace: Trace) -> StepList:
         label_kinds_from_phases(trace, annotations(), found)
     label_unknown_kinds(trace, found)
     mark_prefix_recompute(trace, found)
+    mark_request_openers(trace, found)
     found.dropped_after_stop = _cut_at_stop(trace, found)
     found.sort(key=lambda s: (s.rank, s.start_us))
     _attach_device_spans(trace, found)

@@ -1,14 +1,21 @@
-"""transformers ``generate()`` steps that feed several tokens at once, traced as users trace it
-(torch.profiler on the CPU, ``record_shapes``): assisted generation (a draft model proposes tokens,
-the target verifies them: speculative decoding), prompt lookup, and a chat's next turn prefilled
-over the KV cache the last turn passed back (detect/step_kinds.py).
+"""transformers ``generate()`` traced as users trace it (torch.profiler on the CPU,
+``record_shapes``), where its steps are not one token each or its calls are not one request's
+steps (detect/step_kinds.py):
 
-A step of several tokens over a cache that already holds tokens is a decode step of a running
-sequence, whose gaps are the decode loop's own; a ``generate()`` call's prefill over such a cache
-(a new turn) is a prefill, whose wait before it is the user's. Real parts: the real profiler around
-the servers' tiny transformers Llama (tests/servers/hf_streaming.py) and a second one as the draft;
-a logits processor that sleeps (as a slow grammar mask holds every step) is the stall the gaps
-must hold (counted, not timed).
+- steps that feed several tokens at once: assisted generation (a draft model proposes tokens, the
+  target verifies them: speculative decoding), prompt lookup, and a chat's next turn prefilled
+  over the KV cache the last turn passed back. A step of several tokens over a cache that already
+  holds tokens is a decode step of a running sequence, whose gaps are the decode loop's own; a
+  ``generate()`` call's prefill over such a cache (a new turn) is a prefill, the wait before it
+  the user's;
+- an encoder-decoder (T5), whose first decoder step is a decode step: the wait for the next request
+  before it (outside any ``generate()`` call, with_stack) is not a gap of the decode loop; a loop
+  calling ``generate()`` once per token is one.
+
+Real parts: the real profiler around the servers' tiny transformers Llama
+(tests/servers/hf_streaming.py), a second one as the draft, and a tiny T5 built from its config; a
+logits processor that sleeps (as a slow grammar mask holds every step), and a sleep between requests,
+are the stalls the gaps must hold or leave out (counted, not timed).
 """
 
 from __future__ import annotations
@@ -126,3 +133,48 @@ def test_a_next_turn_over_the_cache_is_a_prefill(tmp_path: Path) -> None:
     analysis = analyse(trace)
     assert not [f for f in analysis.findings if f.kind == "decode_gap" and f.severity != "info"]
     assert not any(s.recomputes_prefix for s in steps)
+
+
+def t5() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                   decoder_start_token_id=0, pad_token_id=tokenizer.pad_token_id, eos_token_id=2)
+    return transformers.T5ForConditionalGeneration(config).eval()
+
+
+def decode_gaps(trace: Trace) -> list[str]:
+    """Titles of the decode_gap findings above info."""
+    return [f.title for f in analyse(trace).findings if f.kind == "decode_gap" and f.severity != "info"]
+
+
+def test_the_wait_between_an_encoder_decoders_requests_is_not_a_decode_gap(tmp_path: Path) -> None:
+    """T5's generate(): the encoder's pass, then decoder steps of one token each. The sleep between
+    two requests falls before a decode step, outside the generate() calls: not the loop's."""
+    summarizer = t5()
+
+    def requests() -> None:
+        for _ in range(REQUESTS + 1):
+            time.sleep(0.03)  # waiting for the next request
+            summarizer.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+
+    trace = traced(tmp_path, requests, with_stack=True)
+    steps = find_steps(trace)
+    assert {s.kind for s in steps} == {"decode"} and len(steps) >= (REQUESTS + 1) * (NEW_TOKENS - 1)
+    assert sum(1 for s in steps if s.opens_request) == REQUESTS + 1
+    assert decode_gaps(trace) == []
+
+
+def test_a_generate_call_per_token_is_the_loop(tmp_path: Path) -> None:
+    """generate(max_new_tokens=1) per token (each call one step, over the KV cache passed back): the
+    set-up and the sleep between the calls are the decode loop's own."""
+    def requests() -> None:
+        out = model.generate(PROMPT, max_new_tokens=1, do_sample=False, return_dict_in_generate=True,
+                             pad_token_id=tokenizer.pad_token_id)
+        for _ in range(NEW_TOKENS):
+            time.sleep(0.004)
+            out = model.generate(out.sequences, past_key_values=out.past_key_values, max_new_tokens=1,
+                                 do_sample=False, return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id)
+
+    trace = traced(tmp_path, requests, with_stack=True)
+    assert not any(s.opens_request for s in find_steps(trace))
+    assert decode_gaps(trace), "the sleeps between the per-token calls are gaps of the decode loop"
