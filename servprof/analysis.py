@@ -35,7 +35,7 @@ from servprof.analysis_worker import (
     WORKERS,
     JobFailed,
 )
-from servprof.trace.meta import SERVING_STEP_LEADS
+from servprof.detect.missing import merged_missing
 
 
 def kill_running_analyses() -> None:
@@ -120,26 +120,6 @@ def steps_by_request(steps: list[Any], session: dict[str, Any], base_ns: int) ->
         if phases:
             requests[str(record["request_id"])] = {"phases": phases, "phases_from": "time window"}
     return requests
-
-
-def merged_missing(*lists: Any) -> list[dict[str, str]]:
-    """One ``summary["missing"]`` from the serving side's entries (the trace's ``servprof``
-    metadata: automatic phases off or no forward seen, no tokenizer library, no loop watched), which
-    know the process, and then the detectors'."""
-    out: list[dict[str, str]] = []
-    for entries in lists:
-        for entry in entries if isinstance(entries, list) else []:
-            if isinstance(entry, dict) and isinstance(entry.get("message"), str) and entry not in out:
-                out.append({"what": str(entry.get("what", "")), "message": entry["message"]})
-    # The serving side saw no forward in its process at all, or no step begin: that says more than "no
-    # step in the trace" (its other entries, a compiled model or hooks that failed, leave the trace's
-    # how-to standing).
-    if any(entry["message"].startswith(SERVING_STEP_LEADS) for entry in out):
-        out = [entry for entry in out if entry["what"] != "model steps"]
-    # Sampled requests the app refused or failed explain the other entries (no model work ran): first.
-    from servprof.detect.refused import FAILED_WHAT, REFUSED_WHAT
-
-    return sorted(out, key=lambda entry: entry["what"] not in (REFUSED_WHAT, FAILED_WHAT))
 
 
 def analyse(trace_path: Path, session: dict[str, Any]) -> dict[str, Any]:

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import orjson
 from _server_session import session_on
+
+from servprof.cli import main
 
 
 def test_a_model_in_another_process_is_said_to_be_there_not_missing_markers(tmp_path: Path) -> None:
@@ -28,6 +31,12 @@ def test_a_model_in_another_process_is_said_to_be_there_not_missing_markers(tmp_
     # The generic "no step in this trace: mark your steps" would send the user to the wrong process.
     assert "model steps" not in [m["what"] for m in missing]
     assert not [f for f in result["findings"] if f["kind"] in ("decode_gap", "bandwidth_bound_decode", "queue_wait")]
+    # `servprof analyze` on the session's trace afterwards says the same: the trace carries what the
+    # serving side saw.
+    report = tmp_path / "report.json"
+    assert main(["analyze", str(tmp_path / "traces"), "--json", str(report)]) == 0
+    again = orjson.loads(report.read_bytes())["summary"]["missing"]
+    assert again[0] == missing[0] and "model steps" not in [m["what"] for m in again]
 
 
 def test_only_the_no_forward_entry_stands_for_the_traces_no_step() -> None:

@@ -12,6 +12,7 @@ from servprof.detect.finding import KINDS, SEVERITY_ORDER, WHOLE_TRACE, Finding
 from servprof.detect.kv_cache import detect_no_kv_cache
 from servprof.detect.loop_stall import detect_loop_stalls
 from servprof.detect.memory import detect_memory
+from servprof.detect.missing import merged_missing
 from servprof.detect.model_on_loop import detect_model_on_loop
 from servprof.detect.overhead import overhead_summary, whole_before_stop
 from servprof.detect.queue_wait import detect_queue_wait
@@ -69,9 +70,11 @@ def _analyse(trace: Trace, requests: list[dict[str, Any]] | None, device: str | 
         finding.sampled_request_ids = [r for r in finding.request_ids if r in sampled]
     parts = (gap_summary, token_summary, bw_summary, memory_summary, compile_summary, stall_summary)
     # What the trace could not show, once, at the top (the detectors' own summaries keep no copy).
-    missing = [*refused_missing(requests), *steps.missing(), *(m for part in parts for m in part.pop("missing", [])),
-               *light_missing(trace, sum(g.count for g in gaps if g.cause == NEEDS_DEEP_CAUSE)),
-               *budget_missing(trace, steps)]
+    # (The serving side's entries first: what it saw of the process says more than the trace can.)
+    missing = merged_missing(trace.servprof_metadata().get("missing"), [
+        *refused_missing(requests), *steps.missing(), *(m for part in parts for m in part.pop("missing", [])),
+        *light_missing(trace, sum(g.count for g in gaps if g.cause == NEEDS_DEEP_CAUSE)),
+        *budget_missing(trace, steps)])
     summary = {
         "source": trace.source,
         "tier": tier_of(trace),  # "light" | "deep" for servprof's sessions (detect/tier.py), else None
