@@ -15,6 +15,7 @@ from typing import Any
 import orjson
 
 from servprof.auto import AutoInstrumentation
+from servprof.auto.gc_ranges import GcRanges
 from servprof.budget import CUT_AT, EventBudget, LiveSignals
 from servprof.tiers import pause_collection
 from servprof.watchdog import LoopWatchdog
@@ -56,6 +57,7 @@ class SessionInstruments:
                  wake: Callable[[], None]):
         self.settings = settings
         self.auto = auto if settings.auto_instrument else None
+        self.gc = GcRanges()  # the garbage collector's older collections, marked (with the automatic phases)
         self.budget = budget
         self._open_request_ids = open_request_ids
         self._wake = wake
@@ -76,6 +78,7 @@ class SessionInstruments:
     def start(self) -> None:
         if self.auto is None:
             return
+        self.gc.start()
         try:
             self._calls_cut = self.budget.call_limit(self.settings, CUT_AT)
             self.auto.start(self._open_request_ids, self._on_step, self._on_calls,
@@ -103,6 +106,7 @@ class SessionInstruments:
         rate even the milliseconds until stop() add steps' worth of events. So does a deep session
         (``drain``), whose ops in flight must end before the stop (tiers.drain_ops): CPU ops only,
         the device's still recorded. (Only then: torch logs a warning line for every such cut.)"""
+        self.gc.stop_opening()  # (a collection's range open now is waited for before the stop: drain_ops)
         if drain or (budget_spent and self.auto is not None and
                      self.budget.estimate(0.0, 0, self.auto.live(), 0.0) >= self.budget.budget(self.settings)):
             self._cut(device=not drain)
@@ -128,6 +132,7 @@ class SessionInstruments:
             "cut_wall_ns": self.cut_wall_ns,
             "auto": self.auto.summary() if self.auto is not None else {"enabled": False},
             "watchdog": self.watchdog.summary(),
+            "gc_collections": self.gc.collections,
             "missing": missing,
         })
         return {**self.summary, "loop_stalls": metadata_safe(stalls)}
@@ -135,6 +140,7 @@ class SessionInstruments:
     def remove(self) -> None:
         """After the profiler's stop() (also on a failed session)."""
         self.watchdog.stop()
+        self.gc.remove()
         if self.auto is not None:
             self.auto.remove()
 
@@ -172,6 +178,7 @@ class SessionInstruments:
         # Stop collecting now: the hooks (the capture thread has not stopped the profiler in time),
         # or the capture thread before its stop (budget spent, a deep session's drain).
         if not self.collection_cut:
+            self.gc.stop_opening()
             self.collection_cut = pause_collection(device)
             if self.collection_cut:
                 self.cut_perf_ns, self.cut_wall_ns = time.perf_counter_ns(), time.time_ns()

@@ -125,6 +125,14 @@ CAUSES: dict[str, tuple[str, str]] = {
         "the host waited in a collective call",
         "Look at the other ranks' traces for the one that arrived late, and overlap the collective with work.",
     ),
+    "python_gc": (
+        "Python's garbage collector (a collection of the older generations walks the whole long-lived heap, the "
+        "GIL held)",
+        "Keep the collector off the serving heap: call gc.freeze() once the model and the server are loaded (what "
+        "they allocated is then never walked again; vLLM and SGLang do so), raise the thresholds "
+        "(gc.set_threshold(50_000, 50, 100)) or collect between requests, and allocate fewer container objects per "
+        "step (per-token dicts and lists, objects with reference cycles).",
+    ),
     "waiting": (
         "the launching thread was blocked or asleep (a queue, a lock, another process, a sleep)",
         "The frames name the call it waited in. A sleep or a polling interval in the loop delays every step it "

@@ -30,6 +30,7 @@ from servprof.detect.host_classes import (
     COMPILE,
     COMPILING,
     DETOKENIZE,
+    GC,
     LAUNCH,
     OP,
     PYTHON,
@@ -176,8 +177,11 @@ class GapExplainer:
             ((top == DETOKENIZE) & (us[:, DETOKENIZE] >= 0.2 * length), "detokenization", False),
             ((top == COLLECTIVE) & (us[:, COLLECTIVE] >= 0.2 * length), "collective_wait", False),
             ((top == COMPILING) & (us[:, COMPILING] >= 0.2 * length), "compiling", False),
+            # Python's garbage collector, on this thread or holding the GIL on another.
+            ((top == GC) & (us[:, GC] >= 0.2 * length), "python_gc", False),
             (us[:, WAIT] >= 0.5 * length, "waiting", False),
             (gil & (other[:, TOKENIZE] >= 0.5 * other_busy), "tokenization", True),
+            (gil & (other[:, GC] >= 0.5 * other_busy), "python_gc", True),
             # The thread that held the GIL was in another request's step: the model calls compete.
             (gil & (concurrent >= 0.5 * length), "concurrent_steps", True),
             (gil, "gil_contention", True),
@@ -257,7 +261,7 @@ class GapExplainer:
         wanted = {"synchronize": "sync", "tokenization": "tokenize", "detokenization": "detokenize",
                   "compiled_dispatch": None, "collective_wait": "collective", "slow_launch": "launch",
                   "compiling": "compiling", "runtime_calls": "runtime"}.get(cause)
-        elsewhere = cause in ("gil_contention",) or (cause == "tokenization" and other >= 0)
+        elsewhere = cause in ("gil_contention",) or (cause in ("tokenization", "python_gc") and other >= 0)
         frames = evidence["ran_instead"]["top_frames"] if elsewhere else top
         named = [f for f in frames if wanted is None or f["class"] == wanted]
         if wanted is not None and not named and not elsewhere:
@@ -269,7 +273,11 @@ class GapExplainer:
         named = named or frames
         names = ", ".join(_frame_text(f, cause) for f in named[:3]) or "nothing recorded"
         label = cause_label(cause, self.on_device)
-        if cause in ("gil_contention",) or (cause == "tokenization" and other >= 0):
+        if cause == "python_gc":
+            collected = (evidence["ran_instead"] if elsewhere else evidence)["self_us"].get("gc", 0.0)
+            text = (f"{label}: {float(collected) / 1000:.2f} ms collecting on thread {label_of(other if elsewhere else tid)}"
+                    + (f" while thread {label_of(tid)} (the one driving the model) waited" if elsewhere else ""))
+        elif cause in ("gil_contention",) or (cause == "tokenization" and other >= 0):
             text = (f"{label}: thread {label_of(other)} ran {names} while thread {label_of(tid)} (the one driving "
                     "the model) recorded nothing")
         elif cause in ("kernel_wait", "stream_wait"):

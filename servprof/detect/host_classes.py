@@ -19,11 +19,12 @@ from servprof.trace.phases import PHASE_PREFIX
 HOST_CATEGORIES = ("cpu_op", "user_annotation", "python_function", *RUNTIME_CATEGORIES)
 # compile: torch.compile's per-call machinery (guards, dispatch into compiled code); compiling:
 # everything inside a range torch.compile records while it compiles or records a CUDA graph.
+# gc: Python's garbage collector (servprof's ranges around its older collections: auto/gc_ranges.py).
 CLASSES = ("untraced", "python", "op", "launch", "runtime", "sync", "tokenize", "detokenize", "wait",
-           "collective", "compile", "compiling")
+           "collective", "compile", "compiling", "gc")
 (UNTRACED, PYTHON, OP, LAUNCH, RUNTIME, SYNC, TOKENIZE, DETOKENIZE, WAIT, COLLECTIVE, COMPILE,
- COMPILING) = range(len(CLASSES))
-BUSY_CLASSES = (PYTHON, OP, LAUNCH, RUNTIME, SYNC, TOKENIZE, DETOKENIZE, COLLECTIVE, COMPILE, COMPILING)
+ COMPILING, GC) = range(len(CLASSES))
+BUSY_CLASSES = (PYTHON, OP, LAUNCH, RUNTIME, SYNC, TOKENIZE, DETOKENIZE, COLLECTIVE, COMPILE, COMPILING, GC)
 
 # Host calls that block until the device is done: explicit syncs, blocking copies, reads of a
 # device value on the host (.item(), .tolist(), .cpu(), nonzero's output size).
@@ -103,7 +104,7 @@ GENERIC_FRAMES = Guarded(re.compile(
 # The classes a name gives to everything inside it, the first that matches winning.
 SPECIFIC = ((SYNC_NAMES, SYNC), (DETOKENIZER_NAMES, DETOKENIZE), (TOKENIZER_NAMES, TOKENIZE), (WAIT_NAMES, WAIT),
             (COLLECTIVE_NAMES, COLLECTIVE), (COMPILING_NAMES, COMPILING))
-PHASE_CLASSES = {"tokenize": TOKENIZE, "detokenize": DETOKENIZE}
+PHASE_CLASSES = {"tokenize": TOKENIZE, "detokenize": DETOKENIZE, "gc": GC}
 
 
 def _class_of_name(name: str) -> int:

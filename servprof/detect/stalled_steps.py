@@ -18,22 +18,25 @@ import numpy as np
 
 from servprof.detect.causes import GapExplainer
 from servprof.detect.gap import CPU_MIN_GAP_US, RELATIVE_MIN_GAP, Gap
-from servprof.detect.host_classes import BUSY_CLASSES, TOKENIZE
+from servprof.detect.host_classes import BUSY_CLASSES, GC, TOKENIZE
 from servprof.detect.host_stacks import HostStacks
 from servprof.detect.steps import Step
 from servprof.trace.model import median
 
 # Of unknown kind, steps past this many times the median unrecorded time are not judged.
 UNKNOWN_OUTLIER = 4.0
+# The step's own work: what its thread recorded, but Python's garbage collector (a collection that
+# runs inside a step stalls it as a wait would; servprof's sessions mark them: auto/gc_ranges.py).
+STEP_WORK = [c for c in BUSY_CLASSES if c != GC]
 
 
 def _unrecorded_us(steps: list[Step], stacks: HostStacks) -> np.ndarray:
-    """Per step, the time its own thread recorded no work in it."""
+    """Per step, the time its own thread recorded no work of the step's in it (nothing, or a collection)."""
     out = np.zeros(len(steps))
     for tid in {s.tid for s in steps}:
         at = [i for i, s in enumerate(steps) if s.tid == tid]
         a, b = np.array([steps[i].start_us for i in at]), np.array([steps[i].end_us for i in at])
-        out[at] = (b - a) - stacks.thread(tid).class_times(a, b)[:, list(BUSY_CLASSES)].sum(axis=1)
+        out[at] = (b - a) - stacks.thread(tid).class_times(a, b)[:, STEP_WORK].sum(axis=1)
     return out
 
 
@@ -109,8 +112,12 @@ def stalled_steps(steps: list[Step], index: dict[int, int], explainer: GapExplai
             # the thread that ran meanwhile (holding the GIL), if one did.
             other = explained.other_us[i]
             busy_other = float(other[list(BUSY_CLASSES)].sum())
-            if explained.other_tid[i] >= 0 and busy_other >= 0.5 * stalled[i]:
-                cause = "tokenization" if other[TOKENIZE] >= 0.5 * busy_other else "gil_contention"
+            if explained.class_us[i][GC] >= 0.5 * stalled[i]:  # the collector ran on the step's own thread
+                cause = "python_gc"
+                explained.other_tid[i] = -1
+            elif explained.other_tid[i] >= 0 and busy_other >= 0.5 * stalled[i]:
+                cause = "tokenization" if other[TOKENIZE] >= 0.5 * busy_other else \
+                    "python_gc" if other[GC] >= 0.5 * busy_other else "gil_contention"
             else:
                 cause = "untraced_host_time"
                 explained.other_tid[i] = -1

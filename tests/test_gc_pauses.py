@@ -1,0 +1,41 @@
+"""Python's garbage collector inside a decode loop (tests/servers/gc_heavy.py: a server that keeps
+what it generates in Python objects). A collection of the oldest generation walks the whole heap
+with the GIL held, for hundreds of milliseconds here; the profiler records nothing of it. servprof's
+session marks each older collection on its thread (auto/gc_ranges.py) and the gaps they make are
+named for what they are, with the fix (gc.freeze() after start-up), not blamed on the op or the
+other thread that happened to be around.
+
+Real parts: uvicorn on loopback, a deep session of the real profiler and analysis worker, the
+servers' real transformers Llama, and the collector's own collections (their count depends on the
+heap, so the test asks for at least one, and for the gaps it made).
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+from _server_session import session_on
+
+REQUESTS = 3
+
+
+def test_collections_are_marked_and_named_as_the_gaps_cause(tmp_path: Path) -> None:
+    # (A full collection first: what earlier tests left pending would otherwise decide whether one
+    # falls inside the session; from here, the history the requests add passes the collector's
+    # threshold for the oldest generation.)
+    gc.collect()
+    observed = session_on("servers.gc_heavy", tmp_path, ["/v1/completions"] * REQUESTS, 24, tier="deep")
+    session, result = observed["session"], observed["result"]
+    assert [status for _, status, _ in observed["responses"]] == [200] * REQUESTS
+    assert result["error"] is None, result["error"]
+    assert session["gc_collections"] >= 1
+    gaps = [f for f in result["findings"] if f["kind"] == "decode_gap" and f["evidence"].get("cause") == "python_gc"]
+    assert gaps and gaps[0]["severity"] != "info", [(f["severity"], f["title"][:120]) for f in result["findings"]]
+    assert "garbage collector" in gaps[0]["title"] and "gc.freeze()" in gaps[0]["fix"]
+    # Each such gap shows the collection: the time collecting on the thread it names.
+    worst = gaps[0]["evidence"]["worst_gaps"][0]
+    collected = (worst.get("ran_instead") or worst)["self_us"].get("gc", 0.0)
+    assert collected >= 0.5 * worst["idle_us"]
+    # The session's hook is gone with it.
+    assert not [c for c in gc.callbacks if "GcRanges" in repr(c)]
