@@ -3,7 +3,7 @@ what it generates in Python objects). A collection of the oldest generation walk
 with the GIL held, for hundreds of milliseconds here; the profiler records nothing of it. servprof's
 session marks each older collection on its thread (auto/gc_ranges.py) and the gaps they make are
 named for what they are, with the fix (gc.freeze() after start-up), not blamed on the op or the
-other thread that happened to be around.
+other thread that happened to be around; the event loop's stalls while it held the GIL too.
 
 Real parts: uvicorn on loopback, a deep session of the real profiler and analysis worker, the
 servers' real transformers Llama, and the collector's own collections (their count depends on the
@@ -37,5 +37,9 @@ def test_collections_are_marked_and_named_as_the_gaps_cause(tmp_path: Path) -> N
     worst = gaps[0]["evidence"]["worst_gaps"][0]
     collected = (worst.get("ran_instead") or worst)["self_us"].get("gc", 0.0)
     assert collected >= 0.5 * worst["idle_us"]
+    # The serving loop, kept from running while the collector held the GIL: the stall is named for it.
+    stalls = [f for f in result["findings"] if f["kind"] == "loop_stall"]
+    assert any(f["evidence"]["function"] == "Python's garbage collector" and "gc.freeze()" in f["fix"] for f in stalls), \
+        [f["title"][:120] for f in stalls]
     # The session's hook is gone with it.
     assert not [c for c in gc.callbacks if "GcRanges" in repr(c)]

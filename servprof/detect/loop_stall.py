@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from servprof.detect.cause_texts import CAUSES
 from servprof.detect.causes import TOKENIZER_NAMES
 from servprof.detect.finding import Finding, Severity
 from servprof.trace.meta import loop_thread
@@ -40,6 +41,9 @@ MIN_RANGE_COVER = 0.5  # a trace range names a frameless stall when it covers th
 ENCLOSING = 4.0  # ... and lasts at most this many times the stall
 WAITING = "(waiting to run: another thread held the GIL or the CPUs were busy)"
 UNSAMPLED = "(no sample: a C call held the GIL, or the watchdog got no CPU)"
+# A stall with no Python frame sampled, that Python's garbage collector covered (servprof's ranges
+# around its collections, on any thread: it holds the GIL, the loop's and the watchdog's alike).
+GARBAGE_COLLECTOR = "Python's garbage collector"
 _SEP = re.escape(os.sep)
 _TRANSPARENT = re.compile(rf"{_SEP}servprof{_SEP}auto{_SEP}")
 _TOKENIZER_FILES = re.compile(rf"{_SEP}(tokenizers|tiktoken|sentencepiece){_SEP}|tokenization_|"
@@ -116,6 +120,7 @@ def detect_loop_stalls(trace: Trace, findings: list[Finding] | None = None) -> t
         else np.empty(0, dtype=np.int64)
     starts, ends = trace.ts[rows], trace.ts[rows] + trace.dur[rows]
     tokenize = [e for e in phase_events(trace) if e.phase == "tokenize" and e.tid == loop_tid]
+    collections = [(e.start_us, e.end_us) for e in phase_events(trace) if e.phase == "gc"]
 
     groups: dict[tuple[str, str], _Group] = {}
     for stall in stalls:
@@ -173,6 +178,10 @@ def detect_loop_stalls(trace: Trace, findings: list[Finding] | None = None) -> t
                 if cover[best] >= MIN_RANGE_COVER * (end_us - start_us):
                     function = _range_label(trace.name(int(rows[best])))
                     named_by = "the trace: the range the loop thread ran then (no Python frame could be sampled)"
+        if function in (WAITING, UNSAMPLED) and collections and \
+                _covered(collections, start_us, end_us) >= MIN_RANGE_COVER * (end_us - start_us):
+            function, path, line = GARBAGE_COLLECTOR, "", None
+            named_by = "the trace: servprof's ranges around the garbage collector's collections, over most of the stall"
         group = groups.get((function, path))
         if group is None:
             group = groups[(function, path)] = _Group(function, path, line, named_by)
@@ -203,6 +212,11 @@ def detect_loop_stalls(trace: Trace, findings: list[Finding] | None = None) -> t
     summary.update({"groups": len(groups), "stall_ms_total": round(sum(s["duration_ms"] for s in every), 3),
                     "stall_ms_max": round(max((s["duration_ms"] for s in every), default=0.0), 3)})
     return out, summary
+
+
+def _covered(ranges: list[tuple[float, float]], start_us: float, end_us: float) -> float:
+    """µs of [start, end) the (disjoint: one collection at a time) ranges cover."""
+    return sum(max(0.0, min(b, end_us) - max(a, start_us)) for a, b in ranges)
 
 
 def _finding(group: _Group, watched_ms: float) -> Finding:
@@ -297,6 +311,8 @@ def _fix(function: str, where: str, kind: str, longest: float, frames: list[dict
                 "`loop.call_soon_threadsafe(queue.put_nowait, item)` for a queue of your own, "
                 f"`await asyncio.wrap_future(future)` for a concurrent.futures Future; every request in flight "
                 f"waits up to {longest:.0f} ms while it blocks.")
+    if function == GARBAGE_COLLECTOR:
+        return CAUSES["python_gc"][1]
     if function == WAITING:
         return ("Other threads kept the serving loop from running: keep Python-heavy work (per-token bookkeeping, "
                 "tokenization in threads) short or in another process, and leave CPU cores for the server.")
