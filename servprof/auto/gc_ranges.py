@@ -20,6 +20,8 @@ import contextlib
 import gc
 from typing import Any
 
+from torch.autograd import profiler as _autograd_profiler
+
 from servprof.auto.emit import auto_phase_name, close_range, open_range
 
 GC_PHASE = "gc"
@@ -61,7 +63,8 @@ class GcRanges:
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         try:
             if phase == "start":
-                if self._opening and self._handle is None and info.get("generation", 0) >= MIN_GENERATION:
+                if self._opening and self._handle is None and info.get("generation", 0) >= MIN_GENERATION \
+                        and _autograd_profiler._is_profiler_enabled:  # (a plain global: no profiler, no range)
                     self._handle = open_range(self._name)
                     self.collections += 1
             elif self._handle is not None:
