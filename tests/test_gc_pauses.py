@@ -5,7 +5,7 @@ session marks each older collection on its thread (auto/gc_ranges.py) and the ga
 named for what they are, with the fix (gc.freeze() after start-up), not blamed on the op or the
 other thread that happened to be around; the event loop's stalls while it held the GIL too.
 
-Real parts: uvicorn on loopback, a deep session of the real profiler and analysis worker, the
+Real parts: uvicorn on loopback, a light and a deep session of the real profiler and analysis worker, the
 servers' real transformers Llama, and the collector's own collections (their count depends on the
 heap, so the test asks for at least one, and for the gaps it made).
 """
@@ -15,18 +15,20 @@ from __future__ import annotations
 import gc
 from pathlib import Path
 
+import pytest
 from _server_session import session_on
 
 REQUESTS = 3
 
 
-def test_collections_are_marked_and_named_as_the_gaps_cause(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tier", ["light", "deep"])
+def test_collections_are_marked_and_named_as_the_gaps_cause(tmp_path: Path, tier: str) -> None:
     # (A full collection first: what earlier tests left pending would otherwise decide whether one
     # falls inside the session; from here, the history the requests add passes the collector's
     # threshold for the oldest generation.)
     gc.collect()
     try:
-        observed = session_on("servers.gc_heavy", tmp_path, ["/v1/completions"] * REQUESTS, 24, tier="deep")
+        observed = session_on("servers.gc_heavy", tmp_path, ["/v1/completions"] * REQUESTS, 24, tier=tier)
     finally:  # (the history the server kept would slow every later collection of this test process)
         import servers.gc_heavy
 
