@@ -178,3 +178,25 @@ def test_a_generate_call_per_token_is_the_loop(tmp_path: Path) -> None:
     trace = traced(tmp_path, requests, with_stack=True)
     assert not any(s.opens_request for s in find_steps(trace))
     assert decode_gaps(trace), "the sleeps between the per-token calls are gaps of the decode loop"
+
+
+@pytest.mark.parametrize("which", ["t5", "llama"])
+def test_the_wait_between_requests_is_no_gap_without_stacks(tmp_path: Path, which: str) -> None:
+    """Traced without stacks, the steps are each forward's embedding lookup, running to the next one:
+    the step before a request's prefill ends with its last op (the wait for the request, then
+    generate()'s set-up, lie between), not at the next request's start."""
+    generator = t5() if which == "t5" else model
+
+    def requests() -> None:
+        for _ in range(REQUESTS + 1):
+            time.sleep(0.03)  # waiting for the next request
+            generator.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                               pad_token_id=tokenizer.pad_token_id)
+
+    trace = traced(tmp_path, requests, with_stack=False)
+    steps = find_steps(trace)
+    assert {s.source for s in steps} == {"embedding"}
+    assert sum(1 for s in steps if s.kind == "prefill") == REQUESTS + 1
+    found = [(f.severity, f.title[:100]) for f in analyse(trace).findings
+             if f.kind == "decode_gap" and f.evidence.get("cause") != "host_read_per_step"]
+    assert found == []

@@ -11,7 +11,8 @@ Such a trace still holds one landmark per iteration:
 
 Each step runs on its thread from one landmark to the next. The last one, which no landmark
 closes, ends with the thread's last host op after it, at most ``LAST_STEP_MEDIANS`` median
-steps long (a thread can go on to other work).
+steps long (a thread can go on to other work); so does one followed by a prefill, once the
+kinds are known (``end_before_prefills``: the wait for the next request lies between).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from servprof.trace.model import Trace, median
 SAME_ITERATION_SHARE = 0.25
 SAME_ITERATION_EVENTS = 64
 LAST_STEP_MEDIANS = 2.0
+LANDMARK_SOURCES = ("embedding", "data_loader")
 
 
 def embedding_steps(trace: Trace) -> list[Step]:
@@ -54,13 +56,41 @@ def _landmark_steps(trace: Trace, rows: np.ndarray, source: str) -> list[Step]:
         thread_ts, thread_end = trace.ts[thread][order], trace.end[thread][order]
         opens = mine[_iteration_starts(thread_ts, trace.ts[mine])]
         starts = trace.ts[opens].astype(float).tolist()
-        ends = starts[1:] + [_last_end(thread_ts, thread_end, starts)]
+        ends = starts[1:] + [_last_end(thread_ts, thread_end, starts[-1], np.diff(starts))]
         for row, start, end in zip(opens.tolist(), starts, ends, strict=True):
             step = step_from_row(trace, row, "step", source, trace.name(row))
             step.start_us, step.end_us = start, end
             steps.append(step)
     steps.sort(key=lambda s: (s.rank, s.start_us))
     return steps
+
+
+def end_before_prefills(trace: Trace, steps: list[Step]) -> None:
+    """A landmark step followed on its thread by a prefill (kinds read from the shapes after the
+    steps were found) ends, as the thread's last step does, with its last host op before that
+    prefill, at most LAST_STEP_MEDIANS median steps long: what lies between is the wait for the
+    next request (no part of the step before it, nor a stall inside it)."""
+    by_thread: dict[tuple[int, int], list[Step]] = {}
+    for step in steps:
+        if step.source in LANDMARK_SOURCES:
+            by_thread.setdefault((step.rank, step.tid), []).append(step)
+    host: np.ndarray | None = None
+    for (rank, tid), mine in by_thread.items():
+        mine.sort(key=lambda s: s.start_us)
+        before = [i for i in range(len(mine) - 1) if mine[i + 1].kind == "prefill"]
+        if not before:
+            continue
+        if host is None:
+            host = trace.complete() & (trace.stream < 0)
+        thread = np.flatnonzero(host & (trace.rank == rank) & (trace.tid == tid))
+        order = np.argsort(trace.ts[thread], kind="stable")
+        thread_ts, thread_end = trace.ts[thread][order], trace.end[thread][order]
+        for i in before:
+            upto = int(np.searchsorted(thread_ts, mine[i + 1].start_us, side="left"))
+            # (Against the steps before it as they now are: one that held an earlier wait no longer does.)
+            end = _last_end(thread_ts[:upto], np.minimum(thread_end[:upto], mine[i + 1].start_us), mine[i].start_us,
+                            np.array([s.dur_us for s in mine[:i]]))
+            mine[i].end_us = max(mine[i].start_us, min(mine[i].end_us, end))
 
 
 def _iteration_starts(thread_ts: np.ndarray, landmark_ts: np.ndarray) -> np.ndarray:
@@ -74,14 +104,13 @@ def _iteration_starts(thread_ts: np.ndarray, landmark_ts: np.ndarray) -> np.ndar
     return np.concatenate(([True], between >= threshold))
 
 
-def _last_end(thread_ts: np.ndarray, thread_end: np.ndarray, starts: list[float]) -> float:
-    """The last step's end: the latest end of the thread's host events from its start on, cut at
-    LAST_STEP_MEDIANS median steps, or the longest earlier step if longer, when earlier steps give
-    a median (what follows the loop is no step; a last step as slow as an earlier one still is)."""
-    last = starts[-1]
-    after = thread_end[np.searchsorted(thread_ts, last, side="left"):]
-    end = float(after.max()) if after.size else last
-    if len(starts) >= 3:
-        lengths = np.diff(starts)
-        end = min(end, last + max(LAST_STEP_MEDIANS * median(lengths), float(lengths.max())))
+def _last_end(thread_ts: np.ndarray, thread_end: np.ndarray, start: float, lengths: np.ndarray) -> float:
+    """The end of a step no landmark closes (the last, or one before a new request's prefill): the
+    latest end of the thread's host events from its ``start`` on, cut at LAST_STEP_MEDIANS median
+    steps, or the longest earlier step if longer, when earlier steps (their ``lengths``) give a
+    median (what follows the loop is no step; a last step as slow as an earlier one still is)."""
+    after = thread_end[np.searchsorted(thread_ts, start, side="left"):]
+    end = float(after.max()) if after.size else start
+    if lengths.size >= 2:
+        end = min(end, start + max(LAST_STEP_MEDIANS * median(lengths), float(lengths.max())))
     return end

@@ -35,7 +35,7 @@ from servprof.detect.step_forms import (
     vllm_steps,
 )
 from servprof.detect.step_kinds import label_unknown_kinds, mark_prefix_recompute, mark_request_openers
-from servprof.detect.step_landmarks import embedding_steps, loader_steps
+from servprof.detect.step_landmarks import embedding_steps, end_before_prefills, loader_steps
 from servprof.trace.model import Trace
 
 __all__ = ["SOURCE_LABELS", "Step", "StepList", "device_segments", "find_steps", "is_step_annotation", "step_index"]
@@ -100,6 +100,7 @@ def find_steps(trace: Trace) -> StepList:
     label_unknown_kinds(trace, found)
     mark_prefix_recompute(trace, found)
     mark_request_openers(trace, found)
+    end_before_prefills(trace, found)
     found.dropped_after_stop = _cut_at_stop(trace, found)
     found.sort(key=lambda s: (s.rank, s.start_us))
     _attach_device_spans(trace, found)
