@@ -277,7 +277,7 @@ class GapExplainer:
             collected = (evidence["ran_instead"] if elsewhere else evidence)["self_us"].get("gc", 0.0)
             text = (f"{label}: {float(collected) / 1000:.2f} ms collecting on thread {label_of(other if elsewhere else tid)}"
                     + (f" while thread {label_of(tid)} (the one driving the model) waited" if elsewhere else ""))
-        elif cause in ("gil_contention",) or (cause == "tokenization" and other >= 0):
+        elif elsewhere:
             text = (f"{label}: thread {label_of(other)} ran {names} while thread {label_of(tid)} (the one driving "
                     "the model) recorded nothing")
         elif cause in ("kernel_wait", "stream_wait"):

@@ -29,6 +29,7 @@ import numpy as np
 from servprof.detect.cause_texts import CAUSES
 from servprof.detect.causes import TOKENIZER_NAMES
 from servprof.detect.finding import Finding, Severity
+from servprof.detect.intervals import covered_within
 from servprof.trace.meta import loop_thread
 from servprof.trace.model import Trace
 from servprof.trace.phases import parse_phase_event_name, phase_events, split_auto
@@ -119,8 +120,10 @@ def detect_loop_stalls(trace: Trace, findings: list[Finding] | None = None) -> t
     rows = np.flatnonzero(trace.complete() & (trace.tid == loop_tid) & (trace.stream < 0)) if loop_tid is not None \
         else np.empty(0, dtype=np.int64)
     starts, ends = trace.ts[rows], trace.ts[rows] + trace.dur[rows]
-    tokenize = [e for e in phase_events(trace) if e.phase == "tokenize" and e.tid == loop_tid]
-    collections = [(e.start_us, e.end_us) for e in phase_events(trace) if e.phase == "gc"]
+    phases = phase_events(trace)
+    tokenize = [e for e in phases if e.phase == "tokenize" and e.tid == loop_tid]
+    collections = [e for e in phases if e.phase == "gc"]
+    gc_start, gc_end = np.array([e.start_us for e in collections]), np.array([e.end_us for e in collections])
 
     groups: dict[tuple[str, str], _Group] = {}
     for stall in stalls:
@@ -179,7 +182,7 @@ def detect_loop_stalls(trace: Trace, findings: list[Finding] | None = None) -> t
                     function = _range_label(trace.name(int(rows[best])))
                     named_by = "the trace: the range the loop thread ran then (no Python frame could be sampled)"
         if function in (WAITING, UNSAMPLED) and collections and \
-                _covered(collections, start_us, end_us) >= MIN_RANGE_COVER * (end_us - start_us):
+                covered_within(gc_start, gc_end, start_us, end_us) >= MIN_RANGE_COVER * (end_us - start_us):
             function, path, line = GARBAGE_COLLECTOR, "", None
             named_by = "the trace: servprof's ranges around the garbage collector's collections, over most of the stall"
         group = groups.get((function, path))
@@ -212,11 +215,6 @@ def detect_loop_stalls(trace: Trace, findings: list[Finding] | None = None) -> t
     summary.update({"groups": len(groups), "stall_ms_total": round(sum(s["duration_ms"] for s in every), 3),
                     "stall_ms_max": round(max((s["duration_ms"] for s in every), default=0.0), 3)})
     return out, summary
-
-
-def _covered(ranges: list[tuple[float, float]], start_us: float, end_us: float) -> float:
-    """µs of [start, end) the (disjoint: one collection at a time) ranges cover."""
-    return sum(max(0.0, min(b, end_us) - max(a, start_us)) for a, b in ranges)
 
 
 def _finding(group: _Group, watched_ms: float) -> Finding:

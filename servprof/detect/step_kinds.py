@@ -79,7 +79,9 @@ def mark_prefix_recompute(trace: Trace, steps: list[Step]) -> None:
     # with the target's in assisted generation, and one's prefill is not the other's before it).
     runs: dict[tuple[int, int, str], list[tuple[Step, tuple[int, int]]]] = {}
     for step in candidates:
-        ids = _input_ids(trace, embedding, step)
+        # (label_unknown_kinds read them already for the steps whose kind they gave)
+        ids = (step.batch, step.tokens) if step.batch is not None and step.tokens is not None \
+            else _input_ids(trace, embedding, step)
         if ids is not None:
             step.tokens = ids[1]
             runs.setdefault((step.rank, step.tid, step.label if step.source == "forward" else ""), []).append((step, ids))
