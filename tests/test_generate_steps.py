@@ -37,6 +37,7 @@ from servprof.trace.model import Trace
 transformers = pytest.importorskip("transformers")
 
 REQUESTS = 2
+WAIT_S = 0.03  # between two requests
 NEW_TOKENS = 8
 PROMPT = tokenizer("The harbour master counted the boats and the harbour master counted the boats",
                    return_tensors="pt").input_ids
@@ -189,7 +190,7 @@ def test_the_wait_between_requests_is_no_gap_without_stacks(tmp_path: Path, whic
 
     def requests() -> None:
         for _ in range(REQUESTS + 1):
-            time.sleep(0.03)  # waiting for the next request
+            time.sleep(WAIT_S)  # waiting for the next request
             generator.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
                                pad_token_id=tokenizer.pad_token_id)
 
@@ -197,6 +198,7 @@ def test_the_wait_between_requests_is_no_gap_without_stacks(tmp_path: Path, whic
     steps = find_steps(trace)
     assert {s.source for s in steps} == {"embedding"}
     assert sum(1 for s in steps if s.kind == "prefill") == REQUESTS + 1
-    found = [(f.severity, f.title[:100]) for f in analyse(trace).findings
-             if f.kind == "decode_gap" and f.evidence.get("cause") != "host_read_per_step"]
-    assert found == []
+    # No gap holds a wait (a busy machine can add short gaps of its own: none as long as a wait).
+    held = [(f.severity, f.title[:100]) for f in analyse(trace).findings if f.kind == "decode_gap"
+            and any(g["idle_us"] >= 0.9 * WAIT_S * 1e6 for g in f.evidence.get("worst_gaps", []))]
+    assert held == []
