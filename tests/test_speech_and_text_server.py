@@ -64,11 +64,15 @@ def test_a_deep_window_names_the_handlers_own_compute_before_the_model_call(tmp_
     (finding,) = [f for f in deep["result"]["findings"] if f["kind"] == "queue_wait"]
     work = finding["evidence"]["handler_threads"]
     assert finding["evidence"]["cause"] == "before_model_call"
-    assert work["busy_ms"] >= 0.5 * work["window_ms"] and work["busy_ms"] <= work["window_ms"]
+    assert 0 < work["busy_ms"] <= work["window_ms"], work
     names = [f["name"] for f in work["top_frames"]]
     assert any("fft" in name or "stft" in name for name in names), names
-    assert "computing outside the model" in finding["title"] and names[0] in finding["title"]
-    assert "preprocessing" in finding["fix"]
+    assert names[0] in finding["title"]
+    if work["seen"] == "computing":  # (ops over most of the wait: the handler's compute)
+        assert "computing outside the model" in finding["title"] and "preprocessing" in finding["fix"]
+    else:  # (a busy machine kept the thread off a CPU for over half of it: the ops named as a part)
+        assert work["seen"] == "not_recorded" and work["busy_ms"] < 0.5 * work["window_ms"], work
+        assert "ran ops outside the model" in finding["title"] and "ops were recorded" in finding["fix"]
 
     light = _judged_transcriptions(tmp_path / "light")
     measured = light["result"]["summary"]["detect"]["queue_wait"]["waits"]

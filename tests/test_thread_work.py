@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from servprof.detect.thread_work import COMPUTING, NOT_RECORDED, STARTED_LATE, WAITED, thread_work
+from servprof.detect.thread_work import COMPUTING, NOT_RECORDED, STARTED_LATE, WAITED, ThreadWork, thread_work
 from servprof.trace import load_trace
 
 WINDOW_S = 0.06
@@ -119,8 +119,25 @@ def test_a_thread_started_after_the_profiler_is_named_so_not_read_as_waiting(tra
 
 
 def test_without_python_frames_the_callers_advice_is_given(traces: dict[bool, tuple]) -> None:
-    for name in ("waiting", "late"):
-        work = _work(traces, False, name)
-        assert work.seen == NOT_RECORDED, (name, work)
-        assert work.unseen_text("take a deep window") == "take a deep window"
-        assert work.evidence() == {"seen": NOT_RECORDED}
+    work = _work(traces, False, "waiting")
+    assert work.seen == NOT_RECORDED, work
+    assert work.unseen_text("take a deep window") == "take a deep window"
+    assert work.evidence() == {"seen": NOT_RECORDED}
+
+
+def test_without_python_frames_the_ops_recorded_are_kept_and_named_as_part(traces: dict[bool, tuple]) -> None:
+    """The computing thread traced without stacks: its ops (``x + 1``) cover a small part of the
+    window (the rest is Python, unrecorded); that measure is kept, named as ops, and the rest is said
+    to be unknown, not called computing."""
+    for name in ("computing", "late"):  # (without stacks, a thread started late has its ops recorded)
+        _ops_kept(_work(traces, False, name))
+
+
+def _ops_kept(work: ThreadWork) -> None:
+    assert work.seen == NOT_RECORDED and work.ops_only, work
+    evidence = work.evidence()
+    assert 0 < evidence["busy_ms"] < 0.5 * evidence["window_ms"], evidence
+    assert evidence["top_frames"][0]["name"] == "aten::add" and evidence["self_ms"]["op"] > 0
+    assert "ran ops outside the model" in work.title_part() and "aten::add" in work.title_part()
+    text = work.unseen_text(" take a deep window")
+    assert "ops were recorded" in text and text.endswith(" take a deep window")

@@ -46,9 +46,9 @@ class ThreadWork:
         """The finding's ``handler_threads``: what the threads did (the frames named only when
         they were computing; the wait frames when they waited)."""
         out: dict[str, Any] = {"seen": self.seen}
-        if self.seen in (COMPUTING, WAITED):
+        if self.seen in (COMPUTING, WAITED) or self.ops_only:
             out.update(busy_ms=self.busy_ms, window_ms=self.window_ms, self_ms=self.self_ms)
-        if self.seen == COMPUTING:
+        if self.seen == COMPUTING or self.ops_only:
             out["top_frames"] = self.top_frames
         if self.seen == WAITED and self.waits:
             out["wait_frames"] = self.waits
@@ -58,11 +58,19 @@ class ThreadWork:
             out["computing_elsewhere"] = self.elsewhere
         return out
 
+    @property
+    def ops_only(self) -> bool:
+        """No Python recorded, but ops on these threads covered part (under half) of the windows: a
+        measure kept, not the whole story (the rest may be Python between ops or a wait for a CPU)."""
+        return self.seen == NOT_RECORDED and "op" in self.self_ms and bool(self.top_frames)
+
     def title_part(self) -> str:
+        names = ", ".join(f["name"][:60] for f in self.top_frames[:3])
         if self.seen == COMPUTING:
-            names = ", ".join(f["name"][:60] for f in self.top_frames[:3])
             return (f"; their threads were computing outside the model for {self.busy_ms:.1f} of {self.window_ms:.1f} "
                     f"ms ({names})")
+        if self.ops_only:
+            return f"; their threads ran ops outside the model for {self.busy_ms:.1f} of {self.window_ms:.1f} ms ({names})"
         if self.elsewhere:  # (only a thread seen waiting is known not to have computed)
             other = self.elsewhere[0]
             names = ", ".join(f["name"][:60] for f in other["top_frames"][:3])
@@ -86,6 +94,10 @@ class ThreadWork:
                     + (f" ({where})" if where else "")
                     + ", for another thread, process or service, a lock, or a CPU (too few cores for the server's "
                       "threads); what the handler waited for there is where the time went.")
+        elif self.ops_only:
+            text = (f" Their threads' ops were recorded (named in the title: {self.busy_ms:.1f} of {self.window_ms:.1f} "
+                    "ms); what they did for the rest is not: Python between ops, a wait, or a wait for a CPU (too few "
+                    "cores for the server's threads)." + not_recorded)
         else:
             text = not_recorded if self.seen == NOT_RECORDED else ""
         if self.elsewhere:
