@@ -411,7 +411,7 @@ def test_every_session_stays_within_its_event_budget(tmp_path: Path, name: str, 
         trace = Path(session["trace_file"])
         events = _trace_event_count(trace)
         ratios.append((session["stop_reason"], events, session["event_budget"]))
-        assert events <= 1.5 * session["event_budget"], ratios
+        assert events <= 1.5 * session["event_budget"], (ratios, session)
     assert {s["tier"] for s in sessions} == {tier}
     for session in sessions:  # what the budget learns from (EventBudget.learn_session), as it reads it
         analysis = orjson.loads((tmp_path / "traces" / f"{session['session_id']}.analysis.json").read_bytes())
