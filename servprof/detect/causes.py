@@ -121,6 +121,11 @@ class GapExplainer:
                               None if concurrent is None else concurrent[0], unframed)
         return Explained(causes, tid, other_tid, class_us, other_us, *(concurrent or (None, None)))
 
+    def busy_elsewhere(self, a: np.ndarray, b: np.ndarray, tid: np.ndarray) -> np.ndarray:
+        """Per window, the work the busiest other thread (not servprof's) recorded in it."""
+        _tid, other_us = self._instead(a, b, tid, np.zeros((a.size, len(CLASSES))), always=True)
+        return other_us[:, list(BUSY_CLASSES)].sum(axis=1)
+
     def _instead(self, a: np.ndarray, b: np.ndarray, tid: np.ndarray, class_us: np.ndarray, always: bool = False
                  ) -> tuple[np.ndarray, np.ndarray]:
         """For gaps the launching thread recorded nothing for: the busiest other (not sleeping) thread."""

@@ -89,7 +89,7 @@ def find_gaps(trace: Any, steps: list[Step], requests_us: list[tuple[float, floa
         else:
             gaps.extend(_on_the_loop(trace, steps, _host_gaps(rank_steps, index, explainer, fresh)))
             if not light:  # a light trace records no work inside a step: no stall can be told from work
-                gaps.extend(stalled_steps(rank_steps, index, explainer, stacks, stats))
+                gaps.extend(stalled_steps(rank_steps, index, explainer, stats))
     stats["median_step_us"] = round(median([s.time_us for s in steps]), 1) if steps else None
     return gaps, stats
 

@@ -77,7 +77,13 @@ class ThreadStack:
     def _covered_before(self, c: int, t: np.ndarray, segments_started: np.ndarray) -> np.ndarray:
         """Time class c covers before each t; ``segments_started``: how many of all the thread's
         segments start at or before t (so many of class c's come first: a binary search)."""
-        mine, cum = self._by_class[c]
+        return self._subset_before(self._by_class[c], t, segments_started)
+
+    def _subset_before(self, subset: tuple[np.ndarray, np.ndarray], t: np.ndarray,
+                       segments_started: np.ndarray) -> np.ndarray:
+        """_covered_before for any ``subset`` of the segments: (their indices in time order, the
+        time they cover before each)."""
+        mine, cum = subset
         if mine.size == 0:
             return np.zeros(t.shape)
         i = np.searchsorted(mine, segments_started) - 1
@@ -98,6 +104,16 @@ class ThreadStack:
                 out[:, c] = self._covered_before(c, b, started_b) - self._covered_before(c, a, started_a)
         out[:, UNTRACED] = np.maximum((b - a) - out[:, 1:].sum(axis=1), 0.0)
         return out
+
+    def short_holes(self, a: np.ndarray, b: np.ndarray, below_us: float) -> np.ndarray:
+        """Per window [a, b], the time in holes between recorded events each shorter than
+        ``below_us`` (the interpreter between two ops, where no Python frame is recorded)."""
+        mine = np.flatnonzero((self.cls == UNTRACED) & (self.name < 0) & (self.end - self.start < below_us))
+        cum = np.zeros(mine.size + 1)
+        np.cumsum(self.end[mine] - self.start[mine], out=cum[1:])
+        subset = (mine.astype(np.int32), cum)
+        return (self._subset_before(subset, b, np.searchsorted(self.start, b, side="right"))
+                - self._subset_before(subset, a, np.searchsorted(self.start, a, side="right")))
 
     def class_at(self, t: np.ndarray) -> np.ndarray:
         i = np.searchsorted(self.start, t, side="right") - 1

@@ -19,7 +19,6 @@ import numpy as np
 from servprof.detect.causes import GapExplainer
 from servprof.detect.gap import CPU_MIN_GAP_US, RELATIVE_MIN_GAP, Gap
 from servprof.detect.host_classes import BUSY_CLASSES, GC, TOKENIZE
-from servprof.detect.host_stacks import HostStacks
 from servprof.detect.steps import Step
 from servprof.trace.model import median
 
@@ -30,30 +29,38 @@ UNKNOWN_OUTLIER = 4.0
 STEP_WORK = [c for c in BUSY_CLASSES if c != GC]
 
 
-def _unrecorded_us(steps: list[Step], stacks: HostStacks) -> np.ndarray:
-    """Per step, the time its own thread recorded no work of the step's in it (nothing, or a collection)."""
+def _unrecorded_us(steps: list[Step], explainer: GapExplainer) -> np.ndarray:
+    """Per step, the time its own thread recorded no work of the step's in it (nothing, or a collection).
+    Holes under CPU_MIN_GAP_US between two recorded events are left out where no other thread recorded
+    work for half as long meanwhile: alone, the thread was running the model's Python between its ops
+    (not recorded without with_stack; a fast model's ops, int8 ones, left 38% of each step so), not
+    waiting; beside another thread's work (another request's steps) they may be waits for the GIL, and
+    count (that thread's Python, unrecorded too, makes its recorded work less than what it held)."""
     out = np.zeros(len(steps))
     for tid in {s.tid for s in steps}:
         at = [i for i, s in enumerate(steps) if s.tid == tid]
         a, b = np.array([steps[i].start_us for i in at]), np.array([steps[i].end_us for i in at])
-        out[at] = (b - a) - stacks.thread(tid).class_times(a, b)[:, STEP_WORK].sum(axis=1)
+        stack = explainer.stacks.thread(tid)
+        short = stack.short_holes(a, b, CPU_MIN_GAP_US)
+        alone = explainer.busy_elsewhere(a, b, np.full(a.size, tid, dtype=np.int64)) < 0.5 * short
+        out[at] = (b - a) - stack.class_times(a, b)[:, STEP_WORK].sum(axis=1) - np.where(alone, short, 0.0)
     return out
 
 
-def _candidates(steps: list[Step], stacks: HostStacks) -> tuple[list[Step], float, list[tuple[Step, float]]]:
+def _candidates(steps: list[Step], explainer: GapExplainer) -> tuple[list[Step], float, list[tuple[Step, float]]]:
     """The steps to judge (the module's rules), the typical step they are judged against, and the
     steps of unknown kind left unjudged that would be stalls if judged (with their unrecorded µs)."""
     decode = [s for s in steps if s.kind == "decode"]
     if len(decode) >= 3:
         typical = median([s.dur_us for s in decode])
-        if _usual_unrecorded(decode, stacks, typical)[0] is not None:  # a wait in every step: all of them
+        if _usual_unrecorded(decode, explainer, typical)[0] is not None:  # a wait in every step: all of them
             return decode, typical, []
         return [s for s in decode if s.dur_us >= 1.5 * typical], typical, []
     unknown = [s for s in steps if s.kind == "step"]
     if len(unknown) < 3:
         return [], 0.0, []
     typical = median([s.dur_us for s in unknown])
-    usual, unrecorded = _usual_unrecorded(unknown, stacks, typical)
+    usual, unrecorded = _usual_unrecorded(unknown, explainer, typical)
     judged = [u <= UNKNOWN_OUTLIER * usual if usual is not None else False for u in unrecorded.tolist()]
     stall = max(CPU_MIN_GAP_US, RELATIVE_MIN_GAP * typical)
     unjudged = [(s, u) for s, u, j in zip(unknown, unrecorded.tolist(), judged, strict=True)
@@ -75,10 +82,10 @@ def unjudged_missing(unjudged: list[tuple[Step, float]], typical_us: float) -> d
         "input shape tells a prefill from a decode step); with_stack=True names what the thread was in.")}
 
 
-def _usual_unrecorded(steps: list[Step], stacks: HostStacks, typical: float) -> tuple[float | None, np.ndarray]:
+def _usual_unrecorded(steps: list[Step], explainer: GapExplainer, typical: float) -> tuple[float | None, np.ndarray]:
     """(the median step's unrecorded time when it is as long as a host gap must be, else None; each
     step's). None too where the steps record no work at all (step ranges alone: nothing to judge)."""
-    unrecorded = _unrecorded_us(steps, stacks)
+    unrecorded = _unrecorded_us(steps, explainer)
     recorded = np.array([s.dur_us for s in steps]) - unrecorded
     usual = float(np.median(unrecorded))
     if float(np.median(recorded)) <= 0.0 or usual < max(CPU_MIN_GAP_US, RELATIVE_MIN_GAP * typical):
@@ -86,19 +93,19 @@ def _usual_unrecorded(steps: list[Step], stacks: HostStacks, typical: float) -> 
     return usual, unrecorded
 
 
-def stalled_steps(steps: list[Step], index: dict[int, int], explainer: GapExplainer, stacks: HostStacks,
+def stalled_steps(steps: list[Step], index: dict[int, int], explainer: GapExplainer,
                   stats: dict[str, Any] | None = None) -> list[Gap]:
     """Steps whose own thread recorded no work for much of the step (it waited for the GIL, slept,
     or was off the CPU): the unrecorded time is a gap inside the step. ``stats``: find_gaps' summary,
     where the steps left unjudged are said (``missing``)."""
-    slow, typical, unjudged = _candidates(steps, stacks)
+    slow, typical, unjudged = _candidates(steps, explainer)
     if unjudged and stats is not None:
         stats.setdefault("missing", []).append(unjudged_missing(unjudged, typical))
     out: list[Gap] = []
     for tid in {s.tid for s in slow}:
         mine = [s for s in slow if s.tid == tid]
         a, b = np.array([s.start_us for s in mine]), np.array([s.end_us for s in mine])
-        stalled = _unrecorded_us(mine, stacks)
+        stalled = _unrecorded_us(mine, explainer)
         keep = stalled >= max(CPU_MIN_GAP_US, RELATIVE_MIN_GAP * typical)
         if not keep.any():
             continue
