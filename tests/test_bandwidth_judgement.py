@@ -179,6 +179,28 @@ def test_measured_cpu_peak_judges_for_real_unless_the_step_fits_in_cache(tmp_pat
     assert "move too little" not in finding.fix  # (12 MB a step: not little, but in the cache)
 
 
+def test_a_step_whose_ops_are_mostly_unmodelled_is_not_said_to_fit_in_cache(tmp_path: Path, no_saved_calibration):
+    """The same steps, each with a dynamically quantised linear beside the add, three times as long:
+    its int8 weight is packed in an object whose shape the profiler does not record, so the 12 MB
+    the add moves is not a step's traffic and nothing says it fits in a 64 MB cache; the finding,
+    its evidence and the summary's missing list name the op left out."""
+    synth = SynthTrace([])
+    for step in range(4):
+        synth.span("servprof:decode_step|r1", step * 16000.0, 15500.0)
+        synth.op(*ADD[:1], step * 16000.0 + 100, 3000.0, *ADD[1:])
+        synth.op("quantized::linear_dynamic", step * 16000.0 + 3200, 9000.0, [[1, 1, 4096], [], []], ["float", "", "Scalar"])
+    calibrate.save({"name": "CPU Test", "torch_device": "cpu", "memory_bandwidth_gbs": 40.0, "peak_tflops": 1.0,
+                    "measured_at": 1.0, "cache_bytes": 64 * 1024**2})
+    analysis = analyse(load_trace(synth.write(tmp_path / "cpu.json.gz")))
+    (finding,) = [f for f in analysis.findings if f.kind == "bandwidth_bound_decode"]
+    assert "last-level cache" not in finding.evidence.get("severity_capped", "") and "last-level cache" not in finding.fix
+    left_out = finding.evidence["unmodelled"]
+    assert left_out["share_of_op_time"] == pytest.approx(0.75) and left_out["top_ops"][0]["name"] == "quantized::linear_dynamic"
+    assert left_out["top_ops"][0]["calls"] == 4 and "leave out 75%" in finding.fix
+    (missing,) = [m for m in analysis.summary["missing"] if m["what"] == "op bytes"]
+    assert "quantized::linear_dynamic (36.0 ms, 4 calls)" in missing["message"]
+
+
 # Decode attention over a 16k-token KV cache: q [1, 8, 1, 64], k and v [1, 8, 16384, 64] in float32 (67 MB).
 ATTENTION = ("aten::scaled_dot_product_attention", [[1, 8, 1, 64], [1, 8, 16384, 64], [1, 8, 16384, 64]],
              ["float", "float", "float"], ["", "", ""])

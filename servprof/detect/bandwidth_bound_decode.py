@@ -41,6 +41,7 @@ from servprof.detect.name_scan import ids_holding
 from servprof.detect.steps import Step, step_index, time_judged_us
 from servprof.detect.threads import thread_groups
 from servprof.detect.tier import BANDWIDTH_NOTE, is_light
+from servprof.detect.unmodelled_ops import describe, incomplete, missing_entry, unmodelled_ops
 from servprof.trace.model import Trace, distinct
 
 MIN_SHARE_OF_STEP = 0.05  # memory-bound ops under this share of the time judged are not where it goes
@@ -87,7 +88,12 @@ def detect_bandwidth_bound(trace: Trace, steps: list[Step], device: str | None
     # Every byte the ops of one step move, re-reads included: more than the data it touches.
     working_set = max(step_bytes.values(), default=0.0)
     summary["bytes_per_step_max"] = working_set
-    findings = _findings(grouped, spec, scope, decode_steps, time_judged, working_set)
+    left_out = unmodelled_ops(trace, decode_steps, taken, times,
+                              lambda rows: _device_time(trace, rows) if on_device else trace.dur[rows].astype(np.float64))
+    summary["unmodelled"] = left_out
+    if incomplete(left_out) and taken.size:  # (none modelled: the summary already says what is missing)
+        summary.setdefault("missing", []).append(missing_entry(left_out))
+    findings = _findings(grouped, spec, scope, decode_steps, time_judged, working_set, left_out)
     return findings, summary, points.kept
 
 
@@ -356,17 +362,18 @@ def _graph_replay_kernels(trace: Trace) -> dict[str, Any]:
             "top_kernels": [{"name": n[:160], "us": round(us, 1)} for n, us in top]}
 
 
-def _fits_in_cache(spec: DeviceSpec, working_set: float) -> bool:
-    """All the bytes one step's ops move fit in the device's last-level cache (where it is measured)."""
-    return bool(spec.cache_bytes and 0 < working_set <= spec.cache_bytes)
+def _fits_in_cache(spec: DeviceSpec, working_set: float, left_out: dict[str, Any]) -> bool:
+    """All the bytes one step's ops move fit in the device's last-level cache (where it is measured),
+    and those counted are most of them (ops left out of the model hold under UNMODELLED_SHARE)."""
+    return bool(spec.cache_bytes and 0 < working_set <= spec.cache_bytes) and not incomplete(left_out)
 
 
-def _cap_reason(spec: DeviceSpec, working_set: float) -> str | None:
+def _cap_reason(spec: DeviceSpec, working_set: float, left_out: dict[str, Any]) -> str | None:
     """Why this finding cannot be more than info, if it cannot."""
     if not spec.identified:
         return (f"the peak was not identified or measured ({spec.basis}: {spec.source}); run `servprof calibrate` "
                 "on this machine, or pass --device")
-    if _fits_in_cache(spec, working_set):
+    if _fits_in_cache(spec, working_set, left_out):
         return (f"all the bytes one step's ops move ({working_set / 1e6:.1f} MB, re-reads included) fit in this "
                 f"device's {spec.cache_bytes / 1e6:.0f} MB last-level cache, so memory bandwidth does not bound "
                 "this decode: its ops' time is per-op overhead and compute, not DRAM traffic")
@@ -374,7 +381,7 @@ def _cap_reason(spec: DeviceSpec, working_set: float) -> str | None:
 
 
 def _findings(grouped: list[dict[str, Any]], spec: DeviceSpec, scope: str, steps: list[Step],
-              time_judged_us: float, working_set: float) -> list[Finding]:
+              time_judged_us: float, working_set: float, left_out: dict[str, Any]) -> list[Finding]:
     memory = [g for g in grouped if g["bound"] == "memory"]
     if not spec.memory_bandwidth_gbs or not memory or time_judged_us <= 0:
         return []
@@ -393,7 +400,7 @@ def _findings(grouped: list[dict[str, Any]], spec: DeviceSpec, scope: str, steps
     share = achieved / spec.memory_bandwidth_gbs
     left_share = left / time_judged_us
     severity = severity_for_share(left_share, (left if slow else overhead_left) / 1000.0)
-    capped = _cap_reason(spec, working_set)
+    capped = _cap_reason(spec, working_set, left_out)
     if not slow and overhead and not capped:
         capped = ("the ops below peak move too little per call to be bandwidth-bound (their bytes take less time "
                   "at peak than the shortest ops of this trace take at all): per-op overhead, not memory, bounds them")
@@ -424,9 +431,14 @@ def _findings(grouped: list[dict[str, Any]], spec: DeviceSpec, scope: str, steps
                 "overhead_bound_left_ms": round(overhead_left / 1000, 3), "top_ops": top}
     if capped:
         evidence["severity_capped"] = f"at most info: {capped}"
+    if incomplete(left_out):
+        evidence["unmodelled"] = left_out
     return [Finding(
         kind="bandwidth_bound_decode", severity=severity, cost_ms=(left if slow else overhead_left) / 1000.0,
         start_us=start, end_us=end, title=title, request_ids=sorted({r for s in steps for r in s.request_ids}),
-        evidence=evidence, fix=fix_text(shown, spec, share, capped, in_cache=_fits_in_cache(spec, working_set)),
+        evidence=evidence, fix=fix_text(shown, spec, share, capped, in_cache=_fits_in_cache(spec, working_set, left_out))
+        + (f" These figures leave out {100 * left_out['share_of_op_time']:.0f}% of the steps' op time, in ops whose bytes "
+           f"are not modelled ({describe(left_out)}): judge those from their kernels' own profile (Nsight Compute on "
+           "a GPU)." if incomplete(left_out) else ""),
     )]
 
