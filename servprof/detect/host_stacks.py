@@ -106,9 +106,10 @@ class ThreadStack:
         return out
 
     def short_holes(self, a: np.ndarray, b: np.ndarray, below_us: float) -> np.ndarray:
-        """Per window [a, b], the time in holes between recorded events each shorter than
-        ``below_us`` (the interpreter between two ops, where no Python frame is recorded)."""
-        mine = np.flatnonzero((self.cls == UNTRACED) & (self.name < 0) & (self.end - self.start < below_us))
+        """Per window [a, b], the time in stretches with no recorded work (holes, and a range's own time
+        between the ops inside it), each shorter than ``below_us``: the interpreter between two ops,
+        where no Python frame is recorded."""
+        mine = np.flatnonzero((self.cls == UNTRACED) & (self.end - self.start < below_us))
         cum = np.zeros(mine.size + 1)
         np.cumsum(self.end[mine] - self.start[mine], out=cum[1:])
         subset = (mine.astype(np.int32), cum)

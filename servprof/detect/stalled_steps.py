@@ -1,7 +1,8 @@
 """Stalls inside steps on a CPU trace: the time a step's own thread recorded no work in it (it
 waited for the GIL, slept, or was off the CPU), each a gap inside the step with its cause.
 
-Decode steps are judged when 1.5x slower than their median, and all of them when the median
+Prefills are judged each against itself (a quarter of it unrecorded: a stall of the time to first
+token). Decode steps are judged when 1.5x slower than their median, and all of them when the median
 one left as much of itself unrecorded as a host gap must be (a wait in every iteration slows no
 step more than the others). Steps of unknown kind (a landmark's: an unmarked trace without
 shapes) only in that second case, and not those far past the median: without step kinds, the
@@ -30,21 +31,27 @@ STEP_WORK = [c for c in BUSY_CLASSES if c != GC]
 
 
 def _unrecorded_us(steps: list[Step], explainer: GapExplainer) -> np.ndarray:
-    """Per step, the time its own thread recorded no work of the step's in it (nothing, or a collection).
+    return _step_time(steps, explainer)[0]
+
+
+def _step_time(steps: list[Step], explainer: GapExplainer) -> tuple[np.ndarray, np.ndarray]:
+    """Per step, the time its own thread recorded no work of the step's in it (nothing, or a collection),
+    and the time it recorded work.
     Holes under CPU_MIN_GAP_US between two recorded events are left out where no other thread recorded
     work for half as long meanwhile: alone, the thread was running the model's Python between its ops
     (not recorded without with_stack; a fast model's ops, int8 ones, left 38% of each step so), not
     waiting; beside another thread's work (another request's steps) they may be waits for the GIL, and
     count (that thread's Python, unrecorded too, makes its recorded work less than what it held)."""
-    out = np.zeros(len(steps))
+    out, recorded = np.zeros(len(steps)), np.zeros(len(steps))
     for tid in {s.tid for s in steps}:
         at = [i for i, s in enumerate(steps) if s.tid == tid]
         a, b = np.array([steps[i].start_us for i in at]), np.array([steps[i].end_us for i in at])
         stack = explainer.stacks.thread(tid)
         short = stack.short_holes(a, b, CPU_MIN_GAP_US)
         alone = explainer.busy_elsewhere(a, b, np.full(a.size, tid, dtype=np.int64)) < 0.5 * short
-        out[at] = (b - a) - stack.class_times(a, b)[:, STEP_WORK].sum(axis=1) - np.where(alone, short, 0.0)
-    return out
+        recorded[at] = stack.class_times(a, b)[:, STEP_WORK].sum(axis=1)
+        out[at] = (b - a) - recorded[at] - np.where(alone, short, 0.0)
+    return out, recorded
 
 
 def _candidates(steps: list[Step], explainer: GapExplainer) -> tuple[list[Step], float, list[tuple[Step, float]]]:
@@ -101,12 +108,21 @@ def stalled_steps(steps: list[Step], index: dict[int, int], explainer: GapExplai
     slow, typical, unjudged = _candidates(steps, explainer)
     if unjudged and stats is not None:
         stats.setdefault("missing", []).append(unjudged_missing(unjudged, typical))
+    # A stall is a quarter of the typical step (1 ms at least); a prefill's, of itself: prompts differ
+    # in length, and a prefill's thread records ops nearly all through it.
+    # (Not a prefill in which its thread recorded no work at all: step ranges alone, nothing to judge.)
+    bar = {id(s): max(CPU_MIN_GAP_US, RELATIVE_MIN_GAP * typical) for s in slow}
+    prefills = [s for s in steps if s.kind == "prefill"]
+    worked = _step_time(prefills, explainer)[1] > 0 if prefills else np.zeros(0, dtype=bool)
+    bar.update({id(s): max(CPU_MIN_GAP_US, RELATIVE_MIN_GAP * s.dur_us) for s, w in zip(prefills, worked.tolist(),
+                                                                                           strict=True) if w})
+    judged = [s for s in steps if id(s) in bar]
     out: list[Gap] = []
-    for tid in {s.tid for s in slow}:
-        mine = [s for s in slow if s.tid == tid]
+    for tid in {s.tid for s in judged}:
+        mine = [s for s in judged if s.tid == tid]
         a, b = np.array([s.start_us for s in mine]), np.array([s.end_us for s in mine])
         stalled = _unrecorded_us(mine, explainer)
-        keep = stalled >= max(CPU_MIN_GAP_US, RELATIVE_MIN_GAP * typical)
+        keep = stalled >= np.array([bar[id(s)] for s in mine])
         if not keep.any():
             continue
         a, b, stalled = a[keep], b[keep], stalled[keep]
