@@ -137,7 +137,7 @@ def _ops_kept(work: ThreadWork) -> None:
     assert work.seen == NOT_RECORDED and work.ops_only, work
     evidence = work.evidence()
     assert 0 < evidence["busy_ms"] < 0.5 * evidence["window_ms"], evidence
-    assert evidence["top_frames"][0]["name"] == "aten::add" and evidence["self_ms"]["op"] > 0
-    assert "ran ops outside the model" in work.title_part() and "aten::add" in work.title_part()
+    assert "aten::add" in [f["name"] for f in evidence["top_frames"]] and evidence["self_ms"]["op"] > 0
+    assert "ran ops outside the model" in work.title_part() and evidence["top_frames"][0]["name"] in work.title_part()
     text = work.unseen_text(" take a deep window")
     assert "ops were recorded" in text and text.endswith(" take a deep window")
