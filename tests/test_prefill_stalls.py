@@ -1,8 +1,10 @@
-"""A prefill stalled by another thread is a gap inside the prefill (detect/stalled_steps.py): a
-thread running pure Python (a handler's slow tokenizer or JSON work) for 80 ms from the moment
-``generate()`` starts holds the GIL through most of the prefill of a model whose prefill takes
-~2 ms alone. Before 2026-11-28 only decode steps were judged, and a prefill slowed ~40x was no
-finding at all; a clean prefill (the same model, no other thread) stays no finding.
+"""A stalled prefill is a gap inside the prefill (detect/stalled_steps.py). Before 2026-11-28 only
+decode steps were judged: a prefill held by a blocking call inside the model call, or by another
+thread's pure Python holding the GIL (a tiny Llama's ~2 ms prefill took 94 ms beside an 80 ms
+pure-Python loop, 51% of it unrecorded), was no finding at all. The test holds the prefill with a
+blocking call in a layer's forward hook on the first call only (a hook that fetches an adapter or
+logs to a service), long enough to be a quarter of the prefill however busy the machine (a loaded
+one stretches the ops, not the sleep); a clean prefill (no hook) stays no finding.
 
 Real parts: transformers' tiny Llama (tests/_tiny_llm.py) run by ``generate()`` under the real
 profiler on the CPU, record_shapes and no stacks, as users trace it.
@@ -10,7 +12,6 @@ profiler on the CPU, record_shapes and no stacks, as users trace it.
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
@@ -20,60 +21,62 @@ from _tiny_llm import PROMPT, tiny_llama
 from torch.profiler import ProfilerActivity, profile
 
 from servprof.detect.analysis import analyse
+from servprof.detect.gap import CPU_MIN_GAP_US
+from servprof.detect.host_classes import UNTRACED
+from servprof.detect.host_stacks import HostStacks
 from servprof.detect.steps import find_steps
 from servprof.trace import load_trace
 from servprof.trace.model import Trace
 
 pytest.importorskip("transformers")
 
-HOG_S = 0.08
+BLOCK_S = 0.3
 GENERATE = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False}
 
 
-def _traced(tmp_path: Path, hog: bool) -> Trace:
+def _traced(tmp_path: Path, blocking: bool) -> Trace:
     torch.manual_seed(0)
     model = tiny_llama()
     with torch.no_grad():
         model.generate(PROMPT, **GENERATE)  # (warm-up, not traced)
-    started = threading.Event()
-    model.register_forward_pre_hook(lambda _module, _args: started.set())
+    calls = []
 
-    def hold_the_gil() -> None:
-        started.wait(10)
-        until = time.perf_counter() + HOG_S
-        while time.perf_counter() < until:
-            sum(i * i for i in range(500))
+    def block_the_first_call(_module: torch.nn.Module, _args: object) -> None:
+        calls.append(1)
+        if blocking and len(calls) == 1:
+            time.sleep(BLOCK_S)
 
-    other = threading.Thread(target=hold_the_gil if hog else started.wait, args=() if hog else (10,))
-    other.start()  # (before the profiler: the threads it records are those alive when it starts)
-    config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, experimental_config=config) as prof:
-        with torch.no_grad():
-            model.generate(PROMPT, **GENERATE)
-        other.join()
-    path = tmp_path / f"prefill_{hog}.json"
+    model.model.layers[0].register_forward_pre_hook(block_the_first_call)  # (inside the step: after the embedding)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof, torch.no_grad():
+        model.generate(PROMPT, **GENERATE)
+    path = tmp_path / f"prefill_{blocking}.json"
     prof.export_chrome_trace(str(path))
     return load_trace(path)
 
 
-def test_a_prefill_held_by_another_threads_python_is_a_gap_inside_it(tmp_path: Path) -> None:
-    trace = _traced(tmp_path, hog=True)
-    steps = find_steps(trace)
-    (prefill,) = [s for s in steps if s.kind == "prefill"]
+def test_a_prefill_held_by_a_blocking_call_is_a_gap_inside_it(tmp_path: Path) -> None:
+    trace = _traced(tmp_path, blocking=True)
+    (prefill,) = [s for s in find_steps(trace) if s.kind == "prefill"]
     gaps = [(f, g) for f in analyse(trace).findings if f.kind == "decode_gap" and f.evidence.get("where") == "inside_step"
             for g in f.evidence["worst_gaps"]]
     inside = [(f, g) for f, g in gaps if prefill.start_us <= g["start_us"] and g["end_us"] <= prefill.end_us]
     assert inside, [f.title for f, _g in gaps]
-    # (With the decode steps the other thread also held, the title says "model steps". Nothing on the
-    # hog's thread is recorded without stacks: the cause is untraced host time, at least info.)
     finding, gap = inside[0]
-    assert "prefill" in finding.title or "model steps" in finding.title, finding.title
-    assert gap["idle_us"] >= 0.25 * prefill.dur_us and gap["thread"] == prefill.tid
+    assert "prefill" in finding.title or "model steps" in finding.title, finding.title  # (a busy machine: decode too)
+    assert gap["idle_us"] >= BLOCK_S * 1e6 * 0.9 and gap["thread"] == prefill.tid
+    assert gap["cause"] == "untraced_host_time" and "with_stack" in finding.fix  # (a sleep without stacks: unnamed)
 
 
 def test_a_prefill_alone_is_no_gap(tmp_path: Path) -> None:
-    trace = _traced(tmp_path, hog=False)
+    """What a gap inside a clean prefill may hold is its thread's longer holes (a machine this busy
+    takes the CPU away: a real stall), never the interpreter's slivers between ops."""
+    trace = _traced(tmp_path, blocking=False)
     (prefill,) = [s for s in find_steps(trace) if s.kind == "prefill"]
+    stack = HostStacks(trace, int(trace.rank.min())).thread(prefill.tid)
+    hole = (stack.start >= prefill.start_us) & (stack.end <= prefill.end_us) & (stack.cls == UNTRACED)
+    lengths = stack.end[hole] - stack.start[hole]
+    long = float(lengths[lengths >= CPU_MIN_GAP_US].sum())
     findings = analyse(trace).findings
-    assert not [g for f in findings if f.kind == "decode_gap" for g in f.evidence.get("worst_gaps", [])
-                if prefill.start_us <= g["start_us"] < prefill.end_us], [f.title for f in findings]
+    inside = [g for f in findings if f.kind == "decode_gap" for g in f.evidence.get("worst_gaps", [])
+              if prefill.start_us <= g["start_us"] < prefill.end_us]
+    assert sum(g["idle_us"] for g in inside) <= long + 1.0, ([f.title for f in findings], long)
