@@ -112,17 +112,15 @@ def stalled_steps(steps: list[Step], index: dict[int, int], explainer: GapExplai
     # in length, and a prefill's thread records ops nearly all through it.
     # (Not a prefill in which its thread recorded no work at all: step ranges alone, nothing to judge.)
     bar = {id(s): max(CPU_MIN_GAP_US, RELATIVE_MIN_GAP * typical) for s in slow}
-    prefills = [s for s in steps if s.kind == "prefill"]
-    worked = _step_time(prefills, explainer)[1] > 0 if prefills else np.zeros(0, dtype=bool)
-    bar.update({id(s): max(CPU_MIN_GAP_US, RELATIVE_MIN_GAP * s.dur_us) for s, w in zip(prefills, worked.tolist(),
-                                                                                           strict=True) if w})
+    bar.update({id(s): max(CPU_MIN_GAP_US, RELATIVE_MIN_GAP * s.dur_us) for s in steps if s.kind == "prefill"})
     judged = [s for s in steps if id(s) in bar]
     out: list[Gap] = []
     for tid in {s.tid for s in judged}:
         mine = [s for s in judged if s.tid == tid]
         a, b = np.array([s.start_us for s in mine]), np.array([s.end_us for s in mine])
-        stalled = _unrecorded_us(mine, explainer)
-        keep = stalled >= np.array([bar[id(s)] for s in mine])
+        stalled, recorded = _step_time(mine, explainer)
+        worked = (recorded > 0) | np.array([s.kind != "prefill" for s in mine])
+        keep = (stalled >= np.array([bar[id(s)] for s in mine])) & worked
         if not keep.any():
             continue
         a, b, stalled = a[keep], b[keep], stalled[keep]

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from servprof.detect.steps import Step, step_index
+from servprof.detect.threads import thread_groups
 from servprof.trace.model import Trace, distinct, distinct_first_inverse
 
 # From this share of the decode steps' op time, the bytes counted are not a step's whole traffic.
@@ -45,11 +46,11 @@ def unmodelled_ops(trace: Trace, steps: list[Step], taken: np.ndarray, taken_tim
     if not steps:
         return {"op_time_ms": 0.0, "share_of_op_time": 0.0, "top_ops": []}
     # (Ops: "cpu_op"; "Operator" in 2021 Kineto's traces.)
-    ops = trace.mask_category("cpu_op", "Operator") & trace.complete() & (trace.stream < 0)
-    on_threads = np.zeros(ops.shape, dtype=bool)
+    rows = np.flatnonzero(trace.mask_category("cpu_op", "Operator") & trace.complete() & (trace.stream < 0))
+    on_threads = np.zeros(rows.shape, dtype=bool)
     for rank, tid in {(s.rank, s.tid) for s in steps}:
-        on_threads |= (trace.tid == tid) & (trace.rank == rank)
-    rows = np.flatnonzero(ops & on_threads)
+        on_threads |= (trace.tid[rows] == tid) & (trace.rank[rows] == rank)
+    rows = rows[on_threads]
     rows = rows[step_index(steps, trace.rank[rows], trace.ts[rows]) >= 0]
     # Ops only ("aten::mm", "quantized::linear_dynamic", "vllm::unified_attention"), not ranges
     # recorded in the same category ("servprof:decode_step|...", a record_function's name).
@@ -98,18 +99,20 @@ def missing_entry(entry: dict[str, Any]) -> dict[str, str]:
 
 
 def _outermost(trace: Trace, rows: np.ndarray) -> np.ndarray:
-    """The rows not inside another of them on their thread."""
+    """The rows not inside another of them on their thread, ordered by thread, then start."""
     if not rows.size:
         return rows
-    order = np.lexsort((-trace.dur[rows], trace.ts[rows], trace.tid[rows], trace.pid[rows], trace.rank[rows]))
-    rows = rows[order]
-    start, end = trace.ts[rows], trace.ts[rows] + trace.dur[rows]
-    first = _runs(_thread_of(trace, rows))
-    keep = np.ones(rows.size, dtype=bool)
-    for lo, hi in zip(np.flatnonzero(first).tolist(), [*np.flatnonzero(first)[1:].tolist(), rows.size], strict=True):
-        reach = np.maximum.accumulate(end[lo:hi])  # the furthest end of the ops begun so far on the thread
-        keep[lo + 1:hi] = start[lo + 1:hi] >= reach[:-1]
-    return rows[keep]
+    kept = []
+    threads, thread_of = thread_groups(trace.rank[rows], trace.pid[rows], trace.tid[rows])
+    for number in range(len(threads)):
+        mine = rows[thread_of == number]
+        mine = mine[np.lexsort((-trace.dur[mine], trace.ts[mine]))]
+        end = trace.ts[mine] + trace.dur[mine]
+        reach = np.maximum.accumulate(end)  # the furthest end of the ops begun so far on the thread
+        keep = np.ones(mine.size, dtype=bool)
+        keep[1:] = trace.ts[mine[1:]] >= reach[:-1]
+        kept.append(mine[keep])
+    return np.concatenate(kept)
 
 
 def _holders(trace: Trace, outer: np.ndarray, taken: np.ndarray) -> np.ndarray:
@@ -118,25 +121,14 @@ def _holders(trace: Trace, outer: np.ndarray, taken: np.ndarray) -> np.ndarray:
     out = np.full(taken.shape, -1, dtype=np.int64)
     if not outer.size or not taken.size:
         return out
-    thread = _thread_of(trace, outer)
-    for rank, pid, tid in {tuple(t) for t in thread[_runs(thread)].tolist()}:
-        mine = np.flatnonzero((trace.tid[outer] == tid) & (trace.pid[outer] == pid) & (trace.rank[outer] == rank))
-        at = np.flatnonzero((trace.tid[taken] == tid) & (trace.pid[taken] == pid) & (trace.rank[taken] == rank))
-        if not at.size:
-            continue
+    both = np.concatenate((outer, taken))
+    _threads, thread_of = thread_groups(trace.rank[both], trace.pid[both], trace.tid[both])
+    outer_thread, taken_thread = thread_of[:outer.size], thread_of[outer.size:]
+    for number in set(outer_thread.tolist()) & set(taken_thread.tolist()):
+        mine = np.flatnonzero(outer_thread == number)
+        at = np.flatnonzero(taken_thread == number)
         i = np.searchsorted(trace.ts[outer[mine]], trace.ts[taken[at]], side="right") - 1
         j = mine[np.maximum(i, 0)]
         ok = (i >= 0) & (trace.ts[taken[at]] + trace.dur[taken[at]] <= trace.ts[outer[j]] + trace.dur[outer[j]])
         out[at[ok]] = j[ok]
     return out
-
-
-def _thread_of(trace: Trace, rows: np.ndarray) -> np.ndarray:
-    return np.stack((trace.rank[rows], trace.pid[rows], trace.tid[rows]), axis=1)
-
-
-def _runs(thread: np.ndarray) -> np.ndarray:
-    """Where each run of rows of one thread begins (rows ordered by thread)."""
-    first = np.ones(len(thread), dtype=bool)
-    first[1:] = (thread[1:] != thread[:-1]).any(axis=1)
-    return first
