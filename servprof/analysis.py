@@ -36,6 +36,7 @@ from servprof.analysis_worker import (
     JobFailed,
 )
 from servprof.detect.missing import merged_missing
+from servprof.trace.allocator import keep_freed_memory_for_reuse
 
 
 def kill_running_analyses() -> None:
@@ -163,6 +164,7 @@ def analyse(trace_path: Path, session: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
+    keep_freed_memory_for_reuse()  # (a process that only analyses: trace/allocator.py)
     if argv == ["--serve"]:
         _lower_priority()
         replies = _own_stdout()

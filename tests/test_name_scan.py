@@ -33,6 +33,28 @@ def test_any_company_and_order(names: list[str]) -> None:
             assert text.search(guarded).tolist() == [guarded.search(n) is not None for n in subset]
 
 
+def test_guards_the_automaton_was_not_built_with() -> None:
+    """The literals are found in one automaton pass (made from every guard made so far): a guard
+    made after a NameText scanned, a case-sensitive literal in a non-ASCII name (the folded text
+    keeps those names as they are), and an empty literal are each answered as the guard does."""
+    import re
+
+    from servprof.detect.name_guard import Guarded
+
+    names = ["cudaLaunchKernel", "ÀcudaLaunchKernel", "launchpad", "LAUNCH", "Élan", "x"]
+    text = NameText(names)
+    for guarded in GUARDED.values():  # the automaton scans before the new guards exist
+        text.search(guarded)
+    late = [Guarded(re.compile(r"LaunchKernel"), "LaunchKernel"),  # upper case, a non-ASCII holder
+            Guarded(re.compile(r"élan", re.IGNORECASE), "élan"),  # a non-ASCII literal
+            Guarded(re.compile(r"pad|^x$"), "pad", "x"),
+            Guarded(re.compile(r"^"), "")]  # every name
+    for guarded in late:
+        for scanner in (text, NameText(names)):  # (scanned before the guard, and after it)
+            assert scanner.search(guarded).tolist() == [guarded.search(n) is not None for n in names], \
+                guarded.pattern
+
+
 def test_no_names() -> None:
     for guarded in GUARDED.values():
         assert NameText([]).search(guarded).size == 0

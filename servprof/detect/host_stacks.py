@@ -32,7 +32,7 @@ from servprof.detect.host_classes import (
 )
 from servprof.detect.name_scan import host_ids_matching
 from servprof.detect.nesting import depths, extend_ends, levels, nearest, parents, segments, start_order
-from servprof.trace.columns import give_back_freed_memory
+from servprof.trace.allocator import give_back_freed_memory
 from servprof.trace.model import Trace, distinct, distinct_first_inverse
 
 # torch's Python tracer, at its start: the most between two threads' first frames, and between a

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import re
 
+# Every literal of every guard made, lowered: name_scan finds them all in one pass over a trace's names.
+LITERALS: set[str] = set()
+
 
 class Guarded:
     """``pattern``'s ``search`` / ``match``, skipped (None) for a name holding none of ``literals``.
@@ -28,6 +31,7 @@ class Guarded:
         if self.fold and any(lit != lit.lower() for lit in literals):
             raise ValueError("literals of a case-insensitive pattern must be lower case")
         self.literals = literals
+        LITERALS.update(literal.lower() for literal in literals)
 
     def _may_match(self, name: str) -> bool:
         if self.fold:

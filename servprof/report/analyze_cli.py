@@ -21,6 +21,7 @@ from servprof.detect.analysis import Analysis, analyse
 from servprof.detect.devices import DEVICES, UnknownDevice
 from servprof.report.run_plan import Plan, Run, plan_runs, servprof_sessions_dir, session_records
 from servprof.trace import Trace, TraceError, load_trace, phase_events, request_phases
+from servprof.trace.allocator import keep_freed_memory_for_reuse
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -54,6 +55,7 @@ def build_report(analysis: Analysis, requests: dict[str, Any]) -> dict[str, Any]
 
 
 def run(args: argparse.Namespace) -> int:
+    keep_freed_memory_for_reuse()  # (this process only analyses: trace/allocator.py)
     paths = [args.path] if isinstance(args.path, str) else args.path
     try:
         sources = [servprof_sessions_dir(Path("/dev/stdin" if p == "-" else p)) for p in paths]

@@ -15,6 +15,7 @@ import msgspec
 import numpy as np
 import orjson
 
+from servprof.trace.allocator import give_back_freed_memory
 from servprof.trace.args import RawArgs, args_text, raw_args_of
 from servprof.trace.errors import TraceError
 from servprof.trace.model import distinct
@@ -227,23 +228,6 @@ COLUMN_ORDER = ("name_id", "cat_id", "ph", "pid", "tid", "ts", "dur", "stream", 
 
 
 TRIM_ROWS = 1_000_000  # a file this big gives freed memory back after each column
-
-
-def give_back_freed_memory() -> None:
-    """Return freed heap memory to the OS. glibc keeps the pages of freed blocks inside its heap,
-    and the RSS counts them: without this, a file's batch pieces would still count after being
-    joined into whole columns, and the peak would be the columns twice. (No-op elsewhere.)"""
-    global _malloc_trim
-    if _malloc_trim is None:
-        import ctypes
-
-        _malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", False)
-    if _malloc_trim:
-        _malloc_trim(0)
-
-
-_malloc_trim: Any = None
-
 
 _ARG_KEYS = (b'"stream"', b'"correlation"', b'"External id"')
 SAMPLE_BYTES = 64 * 1024
