@@ -74,11 +74,11 @@ class NameText:
         literals looked for (one automaton pass, the first time a guard is asked)."""
         if self._holders is None:
             automaton, self._scanned = literal_automaton()
-            ends: dict[str, list[int]] = {}
-            if self._scanned:
-                for end, literal in automaton.iter(self._folded_text()[0]):
-                    ends.setdefault(literal, []).append(end)
-            self._holders = {literal: self._name_at(at) for literal, at in ends.items()}
+            hits = list(automaton.iter(self._folded_text()[0])) if self._scanned else []
+            holders: dict[str, list[int]] = {}
+            for (_, literal), name in zip(hits, self._name_at([end for end, _ in hits]).tolist(), strict=True):
+                holders.setdefault(literal, []).append(name)
+            self._holders = {literal: np.array(names, dtype=np.int64) for literal, names in holders.items()}
         return self._holders, self._scanned
 
     def _name_at(self, positions: list[int]) -> np.ndarray:
