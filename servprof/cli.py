@@ -4,6 +4,7 @@ this file only dispatches, importing a module when its command runs."""
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import sys
 
@@ -37,7 +38,13 @@ def command_parser(command: str) -> argparse.ArgumentParser:
     """``servprof COMMAND``'s own parser, the same as its sub-parser in build_parser() (usage,
     help, errors), without the others' set-up (~0.15 ms each, a few percent of a small trace's
     whole analysis)."""
-    module_name, help_text = COMMANDS[command]
+    return _command_parser(command, *COMMANDS[command])
+
+
+@functools.cache
+def _command_parser(command: str, module_name: str, help_text: str) -> argparse.ArgumentParser:
+    # Made once per process: main() called again (a test, a benchmark, a script analysing many
+    # traces) reuses it; argparse's gettext look-ups stat locale files at every parser made.
     parser = argparse.ArgumentParser(prog=f"servprof {command}", description=help_text)
     parser.set_defaults(command=command, _module=module_name)
     _add_arguments(parser, module_name)
