@@ -5,7 +5,7 @@
   step is unrecorded, in hundreds of holes of a few µs between ops. Alone on its thread that is the
   interpreter running ``forward``, and the decode loop has no gap; beside another thread's
   generate() (two requests served at once) the same holes are also waits for the GIL, and the
-  gil_contention finding stays.
+  finding stays (concurrent_steps: the thread that held the GIL was in its own model steps).
 - Its int8 weights are packed in objects whose shapes the profiler does not record: the bandwidth
   figures leave those layers out, and the report says so (detect/unmodelled_ops.py).
 
@@ -103,12 +103,13 @@ def test_the_models_python_between_its_ops_is_no_gap_of_the_decode_loop(one_thre
 
 def test_beside_another_requests_thread_the_same_holes_are_waits_for_the_gil(tmp_path: Path) -> None:
     """(On an idle machine most of the waits are holes under 1 ms, 48% of each step on 2 cores: the
-    rule counts them; a busy one stretches them past 1 ms.)"""
+    rule counts them; a busy one stretches them past 1 ms.) The thread that held the GIL was in
+    its own model steps: the two requests' model calls compete (concurrent_steps)."""
     trace = _traced(tmp_path, threads=2)
     analysis = analyse(trace)
     causes = {f.evidence.get("cause") for f in analysis.findings if f.kind == "decode_gap"}
-    assert "gil_contention" in causes, [f.title for f in analysis.findings]
-    (gil,) = [f for f in analysis.findings if f.evidence.get("cause") == "gil_contention"]
+    assert "concurrent_steps" in causes, [f.title for f in analysis.findings]
+    (gil,) = [f for f in analysis.findings if f.evidence.get("cause") == "concurrent_steps"]
     threads = {g["thread"] for g in gil.evidence["worst_gaps"]}
     assert threads <= {s.tid for s in find_steps(trace)} and np.isfinite(gil.cost_ms)
 

@@ -52,6 +52,9 @@ __all__ = ["CAUSES", "Explained", "GapExplainer", "TOKENIZER_NAMES", "cause_fix"
 # overhead (a few µs): the launch itself was slow, typically loading the kernel's code.
 SLOW_LAUNCH_US = 50.0
 TIMED_FRAMES = ("slow_launch", "runtime_calls")  # causes whose frames are named with the time each took
+# What holds the GIL: Python frames' own time (tokenizers' and the compiler's included) and collections.
+GIL_CLASSES = (PYTHON, COMPILE, TOKENIZE, DETOKENIZE, GC)
+GIL_CLASS_NAMES = {CLASSES[c] for c in GIL_CLASSES}
 
 @dataclass
 class Explained:
@@ -65,13 +68,17 @@ class Explained:
     # µs of each gap other threads' model steps covered, and how many threads (concurrency.py)
     concurrent_us: np.ndarray | None = None
     concurrent_threads: np.ndarray | None = None
+    # µs of the launching thread's Python while another thread ran Python (HostStacks.gil_wait): out
+    # of class_us' "python", as the thread's own work is
+    gil_wait_us: np.ndarray | None = None
 
     def subset(self, gaps: np.ndarray) -> Explained:
         """These gaps only (a copy: the whole set's arrays can then be freed)."""
         return Explained([self.cause[i] for i in gaps.tolist()], self.tid[gaps], self.other_tid[gaps],
                          self.class_us[gaps], self.other_us[gaps],
                          None if self.concurrent_us is None else self.concurrent_us[gaps],
-                         None if self.concurrent_threads is None else self.concurrent_threads[gaps])
+                         None if self.concurrent_threads is None else self.concurrent_threads[gaps],
+                         None if self.gil_wait_us is None else self.gil_wait_us[gaps])
 
 
 class GapExplainer:
@@ -104,37 +111,45 @@ class GapExplainer:
         class_us = np.zeros((n, len(CLASSES)))
         at_start = np.full(n, UNTRACED)
         compiled = np.asarray(next_graph_launch, dtype=bool).copy()
+        gil_wait = np.zeros(n)
         for t in distinct(tid).tolist():
             sel = np.flatnonzero(tid == t)
             stack = self.stacks.thread(int(t))
             class_us[sel] = stack.class_times(a[sel], end[sel])
             at_start[sel] = stack.class_at(a[sel])
             compiled[sel] |= stack.compiled_at(end[sel])
+            gil_wait[sel] = self.stacks.gil_wait(int(t), a[sel], end[sel])
+        class_us[:, PYTHON] -= gil_wait  # (its Python beside another thread's: a wait for the GIL, not work)
         class_us[:, LAUNCH] += b - end  # after the launch call returned: the launch's own latency
         loading = loading_us(self.stacks.trace, self.loader_rows, a, b, tid)
-        other_tid, other_us = self._instead(a, b, tid, class_us, look_elsewhere)
+        other_tid, other_us = self._instead(a, b, tid, class_us, look_elsewhere, gil_wait)
         waited = np.zeros(n, dtype=bool) if stream_waited is None else np.asarray(stream_waited, dtype=bool)
         unframed = np.isin(tid, list(self.stacks.unframed)) if self.stacks.has_frames and self.stacks.unframed else None
         causes = self._decide(class_us, other_us, at_start, np.asarray(starved, dtype=bool),
                               np.asarray(small, dtype=bool), compiled, waited, b - a, self.light,
                               np.asarray(next_graph_launch, dtype=bool), loading,
-                              None if concurrent is None else concurrent[0], unframed)
-        return Explained(causes, tid, other_tid, class_us, other_us, *(concurrent or (None, None)))
+                              None if concurrent is None else concurrent[0], unframed, gil_wait)
+        return Explained(causes, tid, other_tid, class_us, other_us, *(concurrent or (None, None)), gil_wait)
 
     def busy_elsewhere(self, a: np.ndarray, b: np.ndarray, tid: np.ndarray) -> np.ndarray:
         """Per window, the work the busiest other thread (not servprof's) recorded in it."""
         _tid, other_us = self._instead(a, b, tid, np.zeros((a.size, len(CLASSES))), always=True)
         return other_us[:, list(BUSY_CLASSES)].sum(axis=1)
 
-    def _instead(self, a: np.ndarray, b: np.ndarray, tid: np.ndarray, class_us: np.ndarray, always: bool = False
-                 ) -> tuple[np.ndarray, np.ndarray]:
-        """For gaps the launching thread recorded nothing for: the busiest other (not sleeping) thread."""
+    def _instead(self, a: np.ndarray, b: np.ndarray, tid: np.ndarray, class_us: np.ndarray, always: bool = False,
+                 gil_wait: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """For gaps the launching thread recorded nothing for (or waited in Python beside another
+        thread's): the busiest other (not sleeping) thread."""
         best_tid = np.full(a.size, -1, dtype=np.int64)
         best_us = np.zeros((a.size, len(CLASSES)))
-        need = np.arange(a.size) if always else np.flatnonzero(class_us[:, UNTRACED] >= 0.5 * (b - a))
+        quiet = class_us[:, UNTRACED] + (0.0 if gil_wait is None else gil_wait)
+        need = np.arange(a.size) if always else np.flatnonzero(quiet >= 0.5 * (b - a))
         if need.size == 0:
             return best_tid, best_us
         best_busy = np.zeros(need.size)
+        # With Python frames recorded, the thread that held the GIL is the one in Python the longest
+        # (torch's ops run without it); without, its ops are all that shows of it.
+        ranked = list(GIL_CLASSES if self.stacks.has_frames else BUSY_CLASSES)
         for t in self.stacks.tids:
             if t in self.stacks.servprof_threads:
                 continue  # servprof's own work is its overhead, never the app's
@@ -142,7 +157,7 @@ class GapExplainer:
             if sel.size == 0:
                 continue
             us = self.stacks.thread(t).class_times(a[sel], b[sel])
-            busy = us[:, list(BUSY_CLASSES)].sum(axis=1)
+            busy = us[:, ranked].sum(axis=1)
             pos = np.searchsorted(need, sel)
             better = busy > best_busy[pos]
             best_busy[pos[better]] = busy[better]
@@ -154,7 +169,8 @@ class GapExplainer:
     def _decide(us: np.ndarray, other: np.ndarray, at_start: np.ndarray, starved: np.ndarray, small: np.ndarray,
                 compiled: np.ndarray, waited: np.ndarray, length: np.ndarray, light: bool = False,
                 graph_launch: np.ndarray | None = None, loading: np.ndarray | None = None,
-                concurrent: np.ndarray | None = None, unframed: np.ndarray | None = None) -> list[str]:
+                concurrent: np.ndarray | None = None, unframed: np.ndarray | None = None,
+                gil_wait: np.ndarray | None = None) -> list[str]:
         """Each gap's cause: the first rule (most specific first) that holds, vectorised over gaps.
         A graph launch's cost grows with the graph: a long one is not a slow launch of a kernel.
         On a light trace the rules that read the absence of ops (a GIL held elsewhere while this
@@ -169,7 +185,9 @@ class GapExplainer:
         concurrent = np.zeros(len(us)) if concurrent is None else concurrent  # other threads' steps
         python = us[:, PYTHON] + us[:, COMPILE]
         host_busy = busy.sum(axis=1) >= 0.5 * length
-        gil = (us[:, UNTRACED] >= 0.5 * length) & (other_busy >= 0.2 * length)
+        # Nothing recorded, or in Python while another thread was (gil_wait: out of "python" already).
+        quiet = us[:, UNTRACED] + (0.0 if gil_wait is None else gil_wait)
+        gil = (quiet >= 0.5 * length) & (other_busy >= 0.2 * length)
         if unframed is not None:  # its Python was not recorded: what it did not record may be its own
             gil &= ~unframed
         # (mask, cause, read from what the thread did not record: never concluded on a light trace)
@@ -236,14 +254,15 @@ class GapExplainer:
         return [[{"name": n, "class": c, "self_us": round(us, 1)}
                  for (n, c), us in sorted(total.items(), key=lambda kv: -kv[1])[:limit]] for total in totals]
 
-    def described_later(self, explained: Explained, i: int, a: float, b: float
+    def described_later(self, explained: Explained, i: int, a: float, b: float, inside_step: bool = False
                         ) -> Callable[[], tuple[str, dict[str, Any]]]:
         """describe(), when the gap's explanation is first read (a copy of its row: the rest of the
-        gaps' arrays can be freed)."""
+        gaps' arrays can be freed). ``inside_step``: a stall inside one of the thread's steps."""
         own = explained.subset(np.array([i]))
-        return lambda: self.describe(own, 0, a, b)
+        return lambda: self.describe(own, 0, a, b, inside_step)
 
-    def describe(self, explained: Explained, i: int, a: float, b: float) -> tuple[str, dict[str, Any]]:
+    def describe(self, explained: Explained, i: int, a: float, b: float,
+                 inside_step: bool = False) -> tuple[str, dict[str, Any]]:
         """One gap's explanation (a sentence) and its evidence: self time by class on the thread it
         was read from, the top frames by self time, and the thread that ran instead."""
         cause = explained.cause[i]
@@ -268,6 +287,10 @@ class GapExplainer:
                   "compiling": "compiling", "runtime_calls": "runtime"}.get(cause)
         elsewhere = cause in ("gil_contention",) or (cause in ("tokenization", "python_gc") and other >= 0)
         frames = evidence["ran_instead"]["top_frames"] if elsewhere else top
+        if cause == "gil_contention" and self.stacks.has_frames:  # what held the GIL, not its ops
+            held = [f for f in self.stacks.thread(other).top(a, b, self.names, limit=1 << 30)
+                    if f["class"] in GIL_CLASS_NAMES][:3]
+            frames = held or frames
         named = [f for f in frames if wanted is None or f["class"] == wanted]
         if wanted is not None and not named and not elsewhere:
             # The frame that makes the cause (a sync at the gap's start, a slow launch) can hold
@@ -283,8 +306,8 @@ class GapExplainer:
             text = (f"{label}: {float(collected) / 1000:.2f} ms collecting on thread {label_of(other if elsewhere else tid)}"
                     + (f" while thread {label_of(tid)} (the one driving the model) waited" if elsewhere else ""))
         elif elsewhere:
-            text = (f"{label}: thread {label_of(other)} ran {names} while thread {label_of(tid)} (the one driving "
-                    "the model) recorded nothing")
+            text = f"{label}: thread {label_of(other)} ran {names} while thread {label_of(tid)} (the one driving the model) "
+            text += _waited_text(explained, i, evidence)
         elif cause in ("kernel_wait", "stream_wait"):
             text = label
             blocked = [f for f in top if f["class"] == "sync"]
@@ -314,8 +337,9 @@ class GapExplainer:
                 and explained.concurrent_threads is not None:
             cover, threads = float(explained.concurrent_us[i]), int(explained.concurrent_threads[i])
             evidence["other_steps"] = {"us": round(cover, 1), "threads": threads}
-            text = (f"{label}: {threads} other thread(s) ran model steps for {cover / 1000:.2f} of {(b - a) / 1000:.2f} "
-                    f"ms while thread {label_of(tid)} was between its own")
+            text = f"{label}: {threads} other thread(s) ran model steps for {cover / 1000:.2f} of {(b - a) / 1000:.2f} ms "
+            text += (f"of a step of thread {label_of(tid)}'s, which {_waited_text(explained, i, evidence)}" if inside_step
+                     else f"while thread {label_of(tid)} was between its own")
         else:
             text = f"{label} on thread {label_of(tid)}: {names}"
         if cause == "tokenization":
@@ -323,6 +347,19 @@ class GapExplainer:
             if ids:
                 evidence["tokenize_request_ids"] = ids[:20]
         return text, evidence
+
+
+def _waited_text(explained: Explained, i: int, evidence: dict[str, Any]) -> str:
+    """What the thread driving the model did meanwhile: recorded nothing, or was in Python frames
+    at the same time as another thread (evidence "gil_wait_us": only one runs Python at a time)."""
+    waited = 0.0 if explained.gil_wait_us is None else float(explained.gil_wait_us[i])
+    if waited < 0.05:
+        return "recorded nothing"
+    evidence["gil_wait_us"] = round(waited, 1)
+    quiet = float(explained.class_us[i][UNTRACED])
+    text = (f"was in its Python frames for {waited / 1000:.2f} ms at the same time (only one thread runs Python at "
+            "a time: for that time one of the two waited for the GIL)")
+    return text + (f" and recorded nothing for {quiet / 1000:.2f} ms" if quiet >= 0.05 * waited else "")
 
 
 def _frame_text(frame: dict[str, Any], cause: str) -> str:

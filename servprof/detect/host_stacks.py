@@ -20,6 +20,7 @@ from servprof.detect.host_classes import (
     CLASSES,
     COMPILE,
     DEVICE_TO_HOST,
+    GC,
     HOST_CATEGORIES,
     OP,
     PYTHON,
@@ -30,6 +31,7 @@ from servprof.detect.host_classes import (
     base_classes,
     in_categories,
 )
+from servprof.detect.intervals import covered, intersect, merge
 from servprof.detect.name_scan import host_ids_matching
 from servprof.detect.nesting import depths, extend_ends, levels, nearest, parents, segments, start_order
 from servprof.trace.allocator import give_back_freed_memory
@@ -121,6 +123,11 @@ class ThreadStack:
         j = np.maximum(i, 0)
         inside = (i >= 0) & (t < self.end[j]) if self.start.size else np.zeros(t.shape, dtype=bool)
         return np.where(inside, self.cls[j] if self.start.size else 0, UNTRACED)
+
+    def segments_of(self, *classes: int) -> tuple[np.ndarray, np.ndarray]:
+        """(starts, ends) of the thread's segments of these classes, in time order."""
+        mine = np.sort(np.concatenate([self._by_class[c][0] for c in classes]))
+        return self.start[mine], self.end[mine]
 
     def compiled_at(self, t: np.ndarray) -> np.ndarray:
         if self.start.size == 0:
@@ -218,6 +225,7 @@ class HostStacks:
         self.servprof_threads: set[int] = set(distinct(tids[python][own]).tolist())
         self._d2h = _device_to_host_launches(trace)
         self._stacks: dict[int, ThreadStack] = {}
+        self._python_elsewhere: dict[int, tuple[np.ndarray, np.ndarray] | None] = {}
         # torch's Python tracer records the frames on every thread's stack when it starts, thread
         # after thread (tens of µs apart): where that burst of threads' first frames ends.
         framed_ts, framed_tids = trace.ts[rows[python]], tids[python]
@@ -228,6 +236,30 @@ class HostStacks:
         if tid not in self._stacks:
             self._stacks[tid] = self._sweep(tid, self._rows.pop(tid, np.zeros(0, dtype=np.int64)))
         return self._stacks[tid]
+
+    def gil_wait(self, tid: int, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """Per window [a, b], the time thread ``tid`` was in a Python frame's own time while another
+        thread (not servprof's) was in one too, or collecting garbage. Only one thread runs Python
+        at a time (the GIL), and the tracer cannot see a thread waiting for it: the wait is in the
+        frame's own time. So for that time one of the two waited; for the thread whose steps it
+        slowed, all of it but the little Python it ran (zeros when fewer than two threads' frames
+        were recorded)."""
+        others = self._others_in_python(tid)
+        if others is None:
+            return np.zeros(np.shape(a))
+        both = intersect(*self.thread(tid).segments_of(PYTHON), *others)
+        return covered(*both, np.asarray(a, dtype=float), np.asarray(b, dtype=float))
+
+    def _others_in_python(self, tid: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """When any other framed thread but servprof's was in Python or a collection (disjoint blocks)."""
+        if tid not in self._python_elsewhere:
+            others = [t for t in self.tids if t != tid and t not in self.servprof_threads and t not in self.unframed]
+            blocks = None
+            if others and tid not in self.unframed and self.has_frames:
+                spans = [self.thread(t).segments_of(PYTHON, GC) for t in others]
+                blocks = merge(np.concatenate([s for s, _ in spans]), np.concatenate([e for _, e in spans]))
+            self._python_elsewhere[tid] = blocks
+        return self._python_elsewhere[tid]
 
     def _sweep(self, tid: int, rows: np.ndarray) -> ThreadStack:
         """The thread's self-time segments: at every instant, the innermost event open (nesting.py)."""

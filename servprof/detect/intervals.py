@@ -19,6 +19,21 @@ def merge(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     return s[new_block], e[last]
 
 
+def intersect(s1: np.ndarray, e1: np.ndarray, s2: np.ndarray, e2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where two sets of disjoint, sorted intervals overlap, as disjoint, sorted intervals: each
+    interval of the first against the second's that may overlap it (those ending after it starts
+    and starting before it ends), never all pairs."""
+    first = np.searchsorted(e2, s1, side="right")
+    count = np.maximum(np.searchsorted(s2, e1, side="left") - first, 0)
+    if not count.any():
+        return np.zeros(0), np.zeros(0)
+    one = np.repeat(np.arange(s1.size), count)
+    two = np.arange(one.size) - np.repeat(np.cumsum(count) - count - first, count)
+    start, end = np.maximum(s1[one], s2[two]), np.minimum(e1[one], e2[two])
+    keep = end > start
+    return start[keep], end[keep]
+
+
 def starts_within(times: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """For sorted times: how many fall in each window [a, b)."""
     return np.searchsorted(times, b, side="left") - np.searchsorted(times, a, side="left")

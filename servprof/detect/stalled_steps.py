@@ -1,5 +1,7 @@
 """Stalls inside steps on a CPU trace: the time a step's own thread recorded no work in it (it
-waited for the GIL, slept, or was off the CPU), each a gap inside the step with its cause.
+waited for the GIL, slept, or was off the CPU), each a gap inside the step with its cause. With
+Python frames recorded, a wait for the GIL shows as the thread's Python at the same time as
+another thread's (HostStacks.gil_wait): that time is not the step's work either.
 
 Prefills are judged each against itself (a quarter of it unrecorded: a stall of the time to first
 token). Decode steps are judged when 1.5x slower than their median, and all of them when the median
@@ -18,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from servprof.detect.causes import GapExplainer
+from servprof.detect.concurrency import other_steps_during
 from servprof.detect.gap import CPU_MIN_GAP_US, RELATIVE_MIN_GAP, Gap
 from servprof.detect.host_classes import BUSY_CLASSES, GC, TOKENIZE
 from servprof.detect.steps import Step
@@ -30,13 +33,20 @@ UNKNOWN_OUTLIER = 4.0
 STEP_WORK = [c for c in BUSY_CLASSES if c != GC]
 
 
+def _in_steps(steps: list[Step], tid: int, a: float, b: float) -> bool:
+    """Whether thread ``tid`` was in model steps of its own for half of [a, b] at least (the thread
+    that held the GIL was running another request's model call)."""
+    spans = np.array([(s.start_us, s.end_us) for s in steps if s.tid == tid]).reshape(-1, 2)
+    return bool(np.clip(np.minimum(spans[:, 1], b) - np.maximum(spans[:, 0], a), 0.0, None).sum() >= 0.5 * (b - a))
+
+
 def _unrecorded_us(steps: list[Step], explainer: GapExplainer) -> np.ndarray:
     return _step_time(steps, explainer)[0]
 
 
 def _step_time(steps: list[Step], explainer: GapExplainer) -> tuple[np.ndarray, np.ndarray]:
-    """Per step, the time its own thread recorded no work of the step's in it (nothing, or a collection),
-    and the time it recorded work.
+    """Per step, the time its own thread recorded no work of the step's in it (nothing, a collection,
+    or its Python while another thread's ran: HostStacks.gil_wait), and the time it recorded work.
     Holes under CPU_MIN_GAP_US between two recorded events are left out where no other thread recorded
     work for half as long meanwhile: alone, the thread was running the model's Python between its ops
     (not recorded without with_stack; a fast model's ops, int8 ones, left 38% of each step so), not
@@ -49,7 +59,8 @@ def _step_time(steps: list[Step], explainer: GapExplainer) -> tuple[np.ndarray, 
         stack = explainer.stacks.thread(tid)
         short = stack.short_holes(a, b, CPU_MIN_GAP_US)
         alone = explainer.busy_elsewhere(a, b, np.full(a.size, tid, dtype=np.int64)) < 0.5 * short
-        recorded[at] = stack.class_times(a, b)[:, STEP_WORK].sum(axis=1)
+        # (Its Python beside another thread's is a wait for the GIL, not the step's work.)
+        recorded[at] = stack.class_times(a, b)[:, STEP_WORK].sum(axis=1) - explainer.stacks.gil_wait(tid, a, b)
         out[at] = (b - a) - recorded[at] - np.where(alone, short, 0.0)
     return out, recorded
 
@@ -127,7 +138,8 @@ def stalled_steps(steps: list[Step], index: dict[int, int], explainer: GapExplai
         mine = [s for s, k in zip(mine, keep.tolist(), strict=True) if k]
         ones = np.ones(a.size, dtype=bool)
         explained = explainer.explain(a, b, np.full(a.size, tid, dtype=np.int64), ones, ~ones, ~ones,
-                                      look_elsewhere=True)
+                                      look_elsewhere=True,
+                                      concurrent=other_steps_during(steps, a, b, np.full(a.size, tid, dtype=np.int64)))
         for i, step in enumerate(mine):
             # Its own recorded work is not what made it slow: the time it recorded nothing is, and
             # the thread that ran meanwhile (holding the GIL), if one did.
@@ -138,12 +150,14 @@ def stalled_steps(steps: list[Step], index: dict[int, int], explainer: GapExplai
                 explained.other_tid[i] = -1
             elif explained.other_tid[i] >= 0 and busy_other >= 0.5 * stalled[i]:
                 cause = "tokenization" if other[TOKENIZE] >= 0.5 * busy_other else \
-                    "python_gc" if other[GC] >= 0.5 * busy_other else "gil_contention"
+                    "python_gc" if other[GC] >= 0.5 * busy_other else \
+                    "concurrent_steps" if _in_steps(steps, int(explained.other_tid[i]), a[i], b[i]) else \
+                    "gil_contention"
             else:
                 cause = "untraced_host_time"
                 explained.other_tid[i] = -1
             explained.cause[i] = cause
             out.append(Gap(step.rank, float(a[i]), float(b[i]), float(stalled[i]), "inside_step", cause,
-                           explainer.described_later(explained, i, float(a[i]), float(b[i])),
+                           explainer.described_later(explained, i, float(a[i]), float(b[i]), inside_step=True),
                            list(step.request_ids), step=index[id(step)]))
     return out
