@@ -225,7 +225,7 @@ class HostStacks:
         self.servprof_threads: set[int] = set(distinct(tids[python][own]).tolist())
         self._d2h = _device_to_host_launches(trace)
         self._stacks: dict[int, ThreadStack] = {}
-        self._python_elsewhere: dict[int, tuple[np.ndarray, np.ndarray] | None] = {}
+        self._crowded_blocks: tuple[np.ndarray | None, np.ndarray | None] | None = None
         # torch's Python tracer records the frames on every thread's stack when it starts, thread
         # after thread (tens of µs apart): where that burst of threads' first frames ends.
         framed_ts, framed_tids = trace.ts[rows[python]], tids[python]
@@ -244,22 +244,32 @@ class HostStacks:
         frame's own time. So for that time one of the two waited; for the thread whose steps it
         slowed, all of it but the little Python it ran (zeros when fewer than two threads' frames
         were recorded)."""
-        others = self._others_in_python(tid)
-        if others is None:
+        crowded = self._crowded()
+        if crowded is None or tid in self.unframed or tid in self.servprof_threads:
             return np.zeros(np.shape(a))
-        both = intersect(*self.thread(tid).segments_of(PYTHON), *others)
+        both = intersect(*self.thread(tid).segments_of(PYTHON), *crowded)
         return covered(*both, np.asarray(a, dtype=float), np.asarray(b, dtype=float))
 
-    def _others_in_python(self, tid: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """When any other framed thread but servprof's was in Python or a collection (disjoint blocks)."""
-        if tid not in self._python_elsewhere:
-            others = [t for t in self.tids if t != tid and t not in self.servprof_threads and t not in self.unframed]
-            blocks = None
-            if others and tid not in self.unframed and self.has_frames:
-                spans = [self.thread(t).segments_of(PYTHON, GC) for t in others]
-                blocks = merge(np.concatenate([s for s, _ in spans]), np.concatenate([e for _, e in spans]))
-            self._python_elsewhere[tid] = blocks
-        return self._python_elsewhere[tid]
+    def _crowded(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """When two or more framed threads (not servprof's) were in Python or a collection at once:
+        disjoint blocks, made once (a thread's own segments are disjoint, so inside one of its
+        Python segments another thread is in Python exactly where two are)."""
+        if self._crowded_blocks is None:
+            threads = [t for t in self.tids if t not in self.servprof_threads and t not in self.unframed]
+            blocks = (np.zeros(0), np.zeros(0))
+            if self.has_frames and len(threads) > 1:
+                spans = [self.thread(t).segments_of(PYTHON, GC) for t in threads]
+                starts = np.concatenate([s for s, _ in spans])
+                ends = np.concatenate([e for _, e in spans])
+                at = np.concatenate([starts, ends])
+                step = np.concatenate([np.ones(starts.size, dtype=np.int32), -np.ones(ends.size, dtype=np.int32)])
+                order = np.lexsort((step, at))  # (an end before a start at the same time: touching is not at once)
+                at, level = at[order], np.cumsum(step[order])
+                two = np.flatnonzero(level[:-1] >= 2)  # from each such change to the next, two or more
+                keep = at[two + 1] > at[two]
+                blocks = merge(at[two][keep], at[two + 1][keep])
+            self._crowded_blocks = blocks if blocks[0].size else (None, None)
+        return None if self._crowded_blocks[0] is None else self._crowded_blocks  # type: ignore[return-value]
 
     def _sweep(self, tid: int, rows: np.ndarray) -> ThreadStack:
         """The thread's self-time segments: at every instant, the innermost event open (nesting.py)."""
