@@ -45,8 +45,9 @@ def _llama() -> torch.nn.Module:
     return transformers.LlamaForCausalLM(config).eval()
 
 
-def crunch_numbers() -> None:
+def crunch_numbers(running: threading.Event) -> None:
     """Pure Python for BUSY_S: no call the tracer records inside its loop, the GIL held throughout."""
+    running.set()
     end, total = time.perf_counter() + BUSY_S, 0
     while time.perf_counter() < end:
         for i in range(20000):
@@ -61,8 +62,11 @@ def _traced(tmp_path: Path, beside: str, with_stack: bool = True) -> Trace:
             model.generate(PROMPT, **GENERATE)
 
     generate()  # (warm-up, not traced)
-    go = threading.Event()
-    work = [generate, crunch_numbers if beside == "python" else generate]
+    go, running = threading.Event(), threading.Event()
+    if beside == "python":  # (the model's call begins once the other thread runs: they overlap however busy the CPUs)
+        work = [lambda: (running.wait(), generate()), lambda: crunch_numbers(running)]
+    else:
+        work = [generate, generate]
     workers = [threading.Thread(target=lambda fn=fn: (go.wait(), fn())) for fn in work]
     for worker in workers:
         worker.start()  # (before the profiler: the threads it records are those alive when it starts)
@@ -91,10 +95,11 @@ def test_a_step_held_by_another_threads_python_is_a_wait_for_the_gil(beside_pyth
     steps = find_steps(trace)
     stacks = HostStacks(trace, int(trace.rank.min()))
     waited = sum(float(stacks.gil_wait(s.tid, np.array([s.start_us]), np.array([s.end_us]))[0]) for s in steps)
-    assert waited >= 0.25 * BUSY_S * 1e6, waited  # the trace shows it: the steps' Python beside crunch_numbers'
+    # The trace shows it: much of the steps' time is their Python beside crunch_numbers'.
+    assert waited >= 0.25 * sum(s.dur_us for s in steps), waited
     stalls = _stalls(trace)
-    assert [f.evidence["cause"] for f in stalls] == ["gil_contention"], [f.title for f in stalls]
-    (finding,) = stalls
+    assert "gil_contention" in {f.evidence["cause"] for f in stalls}, [f.title for f in stalls]
+    (finding,) = [f for f in stalls if f.evidence["cause"] == "gil_contention"]
     assert finding.severity == "critical" and "crunch_numbers" in finding.title, finding.title
     worst = finding.evidence["worst_gaps"][0]
     step_threads = {s.tid for s in steps}

@@ -133,13 +133,14 @@ class GapExplainer:
 
     def busy_elsewhere(self, a: np.ndarray, b: np.ndarray, tid: np.ndarray) -> np.ndarray:
         """Per window, the work the busiest other thread (not servprof's) recorded in it."""
-        _tid, other_us = self._instead(a, b, tid, np.zeros((a.size, len(CLASSES))), always=True)
+        _tid, other_us = self._instead(a, b, tid, np.zeros((a.size, len(CLASSES))), always=True, by_gil=False)
         return other_us[:, list(BUSY_CLASSES)].sum(axis=1)
 
     def _instead(self, a: np.ndarray, b: np.ndarray, tid: np.ndarray, class_us: np.ndarray, always: bool = False,
-                 gil_wait: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                 gil_wait: np.ndarray | None = None, by_gil: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """For gaps the launching thread recorded nothing for (or waited in Python beside another
-        thread's): the busiest other (not sleeping) thread."""
+        thread's): the busiest other (not sleeping) thread; ``by_gil``: the one that held the GIL
+        longest, where the trace shows it."""
         best_tid = np.full(a.size, -1, dtype=np.int64)
         best_us = np.zeros((a.size, len(CLASSES)))
         quiet = class_us[:, UNTRACED] + (0.0 if gil_wait is None else gil_wait)
@@ -148,9 +149,11 @@ class GapExplainer:
             return best_tid, best_us
         best_busy = np.zeros(need.size)
         # With Python frames recorded, the thread that held the GIL is the one in Python the longest
-        # (torch's ops run without it); without, its ops are all that shows of it.
-        ranked = list(GIL_CLASSES if self.stacks.has_frames else BUSY_CLASSES)
+        # (torch's ops run without it); without (or on a thread the tracer did not follow), its ops
+        # are all that shows of it.
+        by_gil = by_gil and self.stacks.has_frames
         for t in self.stacks.tids:
+            ranked = list(GIL_CLASSES if by_gil and t not in self.stacks.unframed else BUSY_CLASSES)
             if t in self.stacks.servprof_threads:
                 continue  # servprof's own work is its overhead, never the app's
             sel = need[tid[need] != t]
