@@ -23,6 +23,7 @@ from servprof.detect.causes import GapExplainer
 from servprof.detect.concurrency import other_steps_during
 from servprof.detect.gap import CPU_MIN_GAP_US, RELATIVE_MIN_GAP, Gap
 from servprof.detect.host_classes import BUSY_CLASSES, GC, TOKENIZE
+from servprof.detect.intervals import covered_within
 from servprof.detect.steps import Step
 from servprof.trace.model import median
 
@@ -36,8 +37,8 @@ STEP_WORK = [c for c in BUSY_CLASSES if c != GC]
 def _in_steps(steps: list[Step], tid: int, a: float, b: float) -> bool:
     """Whether thread ``tid`` was in model steps of its own for half of [a, b] at least (the thread
     that held the GIL was running another request's model call)."""
-    spans = np.array([(s.start_us, s.end_us) for s in steps if s.tid == tid]).reshape(-1, 2)
-    return bool(np.clip(np.minimum(spans[:, 1], b) - np.maximum(spans[:, 0], a), 0.0, None).sum() >= 0.5 * (b - a))
+    mine = [s for s in steps if s.tid == tid]
+    return covered_within(np.array([s.start_us for s in mine]), np.array([s.end_us for s in mine]), a, b) >= 0.5 * (b - a)
 
 
 def _unrecorded_us(steps: list[Step], explainer: GapExplainer) -> np.ndarray:
