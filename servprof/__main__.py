@@ -1,7 +1,5 @@
 """`python -m servprof ...`: the `servprof` command."""
 
-import sys
+from servprof.cli import console_main
 
-from servprof.cli import main
-
-sys.exit(main())
+console_main()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import os
 import sys
 
 # command -> (module with add_arguments(parser) and run(args) -> int, one-line help)
@@ -15,6 +16,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "analyze": ("servprof.report.analyze_cli", "analyse a torch.profiler / Kineto trace and report findings"),
     "calibrate": ("servprof.detect.calibrate", "measure this device's memory bandwidth and FLOP/s"),
 }
+# Commands that only read files and write a report: no thread, exporter or server of theirs has
+# anything left to do at exit, so they skip the interpreter's teardown (console_main).
+ONE_SHOT_COMMANDS = frozenset({"analyze"})
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -82,5 +86,23 @@ def main(argv: list[str] | None = None) -> int:
     return int(module.run(args) or 0)
 
 
+def console_main() -> None:
+    """The `servprof` command (and `python -m servprof`). A one-shot command exits without the
+    interpreter's teardown once its output is flushed, as mypy's command does: freeing numpy's,
+    rich's and the trace's objects one by one, and a last collection over them, took 19 of the
+    157 ms `servprof analyze` spends on a small trace. Others exit normally: `servprof demo`'s
+    exit handlers still flush spans and stop servers."""
+    argv = sys.argv[1:]
+    code = main(argv)
+    if not (argv and argv[0] in ONE_SHOT_COMMANDS):
+        sys.exit(code)
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):  # a reader that hung up, or a stream closed: nothing left to tell it
+        code = code or 1
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

@@ -254,6 +254,56 @@ def test_the_command_says_its_version_and_runs_as_a_module(command: list[str]) -
     assert done.returncode == 0 and orjson.loads(done.stdout)["summary"]["events"] > 0
 
 
+def test_the_command_prints_its_whole_report_through_a_pipe_before_it_exits(tmp_path: Path) -> None:
+    """`servprof analyze` skips the interpreter's teardown (cli.console_main): what it wrote to a
+    pipe (the JSON, and the terminal report beside a JSON file) arrives whole, and the exit status is
+    the command's."""
+    script = str(Path(sys.executable).with_name("servprof"))
+    trace = PUBLIC_TRACES / "resnet_ddp_training_v100.json.gz"
+    done = subprocess.run([script, "analyze", str(trace), "--json", "-"], capture_output=True, timeout=120)
+    assert done.returncode == 0 and orjson.loads(done.stdout)["summary"]["events"] > 0
+    out = tmp_path / "r.json"
+    done = subprocess.run([script, "analyze", str(trace), "--json", str(out)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and orjson.loads(out.read_bytes())["findings"] is not None
+    assert done.stdout.rstrip().endswith("┘") or "no findings" in done.stdout.lower(), done.stdout[-500:]
+    done = subprocess.run([script, "analyze", str(tmp_path / "absent.json")], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.startswith("servprof analyze: ")
+
+
+def test_only_one_shot_commands_skip_the_teardown(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`servprof demo` exits normally (its exit handlers flush spans); `servprof analyze` flushes its
+    output and leaves with its status, or 1 when the reader hung up before the flush."""
+    import servprof.cli as cli
+
+    class Left(Exception):
+        pass
+
+    def leave(code: int) -> None:
+        raise Left(code)
+
+    monkeypatch.setattr(cli, "main", lambda argv: 3)
+    monkeypatch.setattr(cli.os, "_exit", leave)
+    monkeypatch.setattr(sys, "argv", ["servprof", "demo"])
+    with pytest.raises(SystemExit) as exited:
+        cli.console_main()
+    assert exited.value.code == 3
+    monkeypatch.setattr(sys, "argv", ["servprof", "analyze", "t.json"])
+    with pytest.raises(Left) as left:
+        cli.console_main()
+    assert left.value.args == (3,)
+
+    class HungUp(io.StringIO):
+        def flush(self) -> None:
+            raise BrokenPipeError
+
+    monkeypatch.setattr(cli, "main", lambda argv: 0)
+    monkeypatch.setattr(sys, "stdout", HungUp())
+    with pytest.raises(Left) as left:
+        cli.console_main()
+    assert left.value.args == (1,)
+
+
 def test_servprofs_own_files_are_named_with_the_trace_to_analyse(tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     """People point `servprof analyze` at the report, or a session's files beside its trace."""
