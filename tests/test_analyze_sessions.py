@@ -1,5 +1,5 @@
 """`servprof analyze` on folders: servprof's own output folder (several sessions, sidecar JSON
-files beside the traces), and per-rank folders where two files claim the same rank."""
+files beside the traces), and folders whose files are not one job's ranks."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ from pathlib import Path
 
 import orjson
 import pytest
-from _analyze_helpers import fixture
+from _analyze_helpers import PUBLIC_TRACES, fixture
 
 from servprof.cli import main
+from servprof.detect.analysis import analyse
+from servprof.trace import load_trace
 
 
 def _servprof_out(root: Path) -> Path:
@@ -75,18 +77,63 @@ def _rank_file(path: Path, rank: int | None) -> Path:
     return path
 
 
-def test_two_files_claiming_one_rank_are_a_warning_not_a_silent_merge(tmp_path: Path, capsys):
+def test_two_files_claiming_one_rank_are_analysed_one_by_one(tmp_path: Path, capsys):
+    """Two files that claim rank 0 are not one job's ranks (a folder of downloaded traces, one
+    worker's windows renamed): each is analysed on its own, and the report says why. A library
+    caller that loads the folder as one trace still gets the warning."""
     run = tmp_path / "run"
     run.mkdir()
     _rank_file(run / "a.json.gz", 0)
     _rank_file(run / "b.json.gz", 0)
     out = tmp_path / "r.json"
     assert main(["analyze", str(run), "--json", str(out)]) == 0
-    summary = orjson.loads(out.read_bytes())["summary"]
-    assert summary["ranks"] == [0, 1]  # kept apart
-    (warning,) = [w for w in summary["warnings"] if "claim rank" in w]
+    printed = capsys.readouterr().out
+    assert "2 traces that are not one job's ranks (a.json.gz, b.json.gz all claim rank 0), each analysed on its own" \
+        in " ".join(printed.split())
+    report = orjson.loads(out.read_bytes())
+    assert report["summary"]["sessions"] == [str(run / "a.json.gz"), str(run / "b.json.gz")]
+    for one in report["sessions"]:
+        assert one["summary"]["ranks"] == [0] and one["summary"]["events"] > 0
+        assert not [w for w in one["summary"]["warnings"] if "claim rank" in w]
+    merged = analyse(load_trace(run)).summary
+    assert merged["ranks"] == [0, 1]  # kept apart
+    (warning,) = [w for w in merged["warnings"] if "claim rank" in w]
     assert "2 files claim rank 0 (a.json.gz, b.json.gz)" in warning
-    assert "warning:" in capsys.readouterr().out
+
+
+def _public_rank(path: Path, name: str, rank: int, world_size: int) -> Path:
+    document = orjson.loads(gzip.decompress((PUBLIC_TRACES / name).read_bytes()))
+    document["distributedInfo"] = {"rank": rank, "world_size": world_size}
+    path.write_bytes(gzip.compress(orjson.dumps(document)))
+    return path
+
+
+def test_ranks_of_different_devices_or_world_sizes_are_not_one_job(tmp_path: Path):
+    """Each file is judged against the device it ran on: an MI300X's kernels against a V100's
+    peak bandwidth would be "faster than the device can go"."""
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    _public_rank(mixed / "r0.json.gz", "hta_cuda_event_sync_a100.json.gz", 0, 2)
+    _public_rank(mixed / "r1.json.gz", "sglang_qwen3_8b_decode_bs32_mi300x.json.gz", 1, 2)
+    out = tmp_path / "r.json"
+    assert main(["analyze", str(mixed), "--json", str(out)]) == 0
+    report = orjson.loads(out.read_bytes())
+    assert [s["summary"]["bandwidth"]["device"]["name"] for s in report["sessions"]] == \
+        ["NVIDIA A100 SXM4 80GB", "AMD Instinct MI300X"]
+    sizes = tmp_path / "sizes"
+    sizes.mkdir()
+    _rank_file(sizes / "r0.json.gz", 0)
+    document = orjson.loads(gzip.decompress((sizes / "r0.json.gz").read_bytes()))
+    document["distributedInfo"] = {"rank": 1, "world_size": 4}
+    (sizes / "r1.json.gz").write_bytes(gzip.compress(orjson.dumps(document)))
+    assert main(["analyze", str(sizes), "--json", str(out)]) == 0
+    assert len(orjson.loads(out.read_bytes())["sessions"]) == 2
+    same = tmp_path / "same"
+    same.mkdir()
+    _public_rank(same / "r0.json.gz", "hta_cuda_event_sync_a100.json.gz", 0, 2)
+    _public_rank(same / "r1.json.gz", "hta_cuda_event_sync_a100.json.gz", 1, 2)
+    assert main(["analyze", str(same), "--json", str(out)]) == 0
+    assert orjson.loads(out.read_bytes())["summary"]["ranks"] == [0, 1]  # one job: one run
 
 
 def test_distinct_ranks_and_unranked_files_give_no_warning(tmp_path: Path):

@@ -19,9 +19,17 @@ import orjson
 
 from servprof.detect.analysis import Analysis, analyse
 from servprof.detect.devices import DEVICES, UnknownDevice
-from servprof.report.run_plan import Plan, Run, plan_runs, servprof_sessions_dir, session_records
+from servprof.report.run_plan import (
+    Plan,
+    Run,
+    apart_reason,
+    plan_runs,
+    servprof_sessions_dir,
+    session_records,
+)
 from servprof.trace import Trace, TraceError, load_trace, phase_events, request_phases
 from servprof.trace.allocator import keep_freed_memory_for_reuse
+from servprof.trace.loader import trace_files
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -34,6 +42,7 @@ RUNS_TEXT = {
     "window": "{n} profiler windows (torch.profiler cycles of the same workers, not ranks), each analysed on its "
               "own (oldest first)",
     "run": "{n} runs, each analysed on its own",
+    "apart": "{n} traces that are not one job's ranks ({why}), each analysed on its own",
     "paths": "{n} traces, each analysed on its own (give a directory to analyse the per-rank files of one job "
              "together)",
 }
@@ -69,15 +78,28 @@ def run(args: argparse.Namespace) -> int:
         progress = _progress() if show else None
         with progress or nullcontext():
             # Three stages per file (read, parse, columns), then the detectors once per run.
-            task = progress.add_task("reading", total=3 * len(files) + len(runs)) if progress else None
+            total = 3 * len(files) + len(runs)
+            task = progress.add_task("reading", total=total) if progress else None
 
             def advance(stage: str) -> None:
                 if progress is not None and task is not None:
                     following = {"read": "parsing JSON", "parse": "building columns", "columns": "reading"}[stage]
                     progress.update(task, advance=1, description=following)
 
-            for item in runs:
+            apart: str | None = None  # why a directory's files were analysed one by one
+            index = 0
+            while index < len(runs):
+                item = runs[index]
                 item.trace = load_trace(item.path, progress=advance, files=item.files)
+                before = len(runs)
+                why = _not_one_job(runs, index)
+                if why is not None:  # its files are analysed one by one instead, from runs[index] on
+                    apart, again = why, len(runs) - before + 1
+                    total += 3 * again + again - 1  # (each file read again, and one analysis each)
+                    if progress is not None and task is not None:
+                        progress.update(task, total=total)
+                    continue
+                index += 1
                 if progress is not None and task is not None:
                     progress.update(task, description=f"analysing {len(item.trace)} events")
                 records = session_records(item.path) if item.files is None and item.path.is_file() else None
@@ -86,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
                     progress.update(task, advance=1)
                 requests = {rid: {"phases": phases} for rid, phases in request_phases(item.trace).items()}
                 item.report = build_report(item.analysis, requests)
+        if apart and plan.kind == "run":
+            plan.kind = "apart"
         report = runs[0].report if len(runs) == 1 else sessions_report(source, runs)
         if args.json_out:
             document = orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
@@ -99,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
 
             pages = [(item.label, item.analysis, _tokenize_spans(item.trace)) for item in runs]
             html = render(pages[0][1], pages[0][2]) if len(runs) == 1 else \
-                render_sessions(source, pages, RUNS_TEXT[plan.kind].format(n=len(runs)),
+                render_sessions(source, pages, RUNS_TEXT[plan.kind].format(n=len(runs), why=apart),
                                 [_heading(plan.kind, item.label) for item in runs])
             Path(args.html_out).write_text(html, encoding="utf-8")
     except (TraceError, UnknownDevice) as exc:
@@ -127,12 +151,25 @@ def run(args: argparse.Namespace) -> int:
     # Piped output gets a fixed, readable width instead of 80 columns.
     console = Console() if sys.stdout.isatty() else Console(width=160)
     if len(runs) > 1:
-        console.print(Text.assemble((source, "bold"), f": {RUNS_TEXT[plan.kind].format(n=len(runs))}"))
+        console.print(Text.assemble((source, "bold"), f": {RUNS_TEXT[plan.kind].format(n=len(runs), why=apart)}"))
     for item in runs:
         # (A trace named on the command line heads its report with its path already.)
-        named = len(runs) > 1 and not (plan.kind == "paths" and item.label == item.report["summary"]["source"])
+        named = len(runs) > 1 and not (plan.kind in ("paths", "apart") and item.label == item.report["summary"]["source"])
         print_analysis(item.analysis, console, session=_heading(plan.kind, item.label) if named else None)
     return 0
+
+
+def _not_one_job(runs: list[Run], index: int) -> str | None:
+    """A directory loaded as one job's ranks whose files are not (run_plan.apart_reason): its run
+    is replaced by one run per file (each read again: the merged columns cannot be told apart
+    cheaply, and such folders are rare), and the reason returned."""
+    item = runs[index]
+    if item.files is not None or item.trace is None or len(item.trace.metadata) < 2 or not item.path.is_dir():
+        return None
+    why = apart_reason(item.trace)
+    if why is not None:
+        runs[index:index + 1] = [Run(str(f), f) for f in trace_files(item.path)]
+    return why
 
 
 def _heading(kind: str, label: str) -> str:

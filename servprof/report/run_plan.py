@@ -8,6 +8,10 @@ and which are successive windows of one process, each analysed on its own.
 - torch.profiler's ``tensorboard_trace_handler`` output, ``<worker>.<time_ns>.pt.trace.json[.gz]``:
   a worker with several files recorded several profiler cycles (successive windows, not ranks):
   window k is each worker's k-th file, its workers the ranks.
+
+A directory's files are only known to be one job once they are read: files that claim the same
+rank, say different world sizes or ran on different devices are not one job's ranks (a folder of
+downloaded traces, one worker's windows renamed), and are then analysed one by one (apart_reason).
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from servprof.trace.loader import SIDECAR_SUFFIXES, trace_files
+from servprof.detect.devices import device_name, match_device_properties, trace_device_properties
+from servprof.trace.loader import SIDECAR_SUFFIXES, SOURCE_FILE_KEY, trace_files
+from servprof.trace.meta import claimed_rank, whole_int
 
 if TYPE_CHECKING:
     from servprof.detect.analysis import Analysis
@@ -73,6 +79,43 @@ def plan_runs(path: Path) -> Plan:
         return Plan([Run(label, group[0] if len(group) == 1 else path, group) for label, group in windows], files,
                     "window")
     return Plan([Run(str(path), path)], files)
+
+
+def apart_reason(trace: Trace) -> str | None:
+    """Why the files a directory's trace was loaded from are not one job's ranks, or None. One job's
+    ranks each claim their own rank, agree on the world size, and ran on one kind of device (a rank
+    judged against another rank's device would get another peak bandwidth)."""
+    claims: dict[int, list[str]] = {}
+    sizes: dict[int, list[str]] = {}
+    devices: dict[frozenset[str], list[str]] = {}
+    for rank, document in sorted(trace.metadata.items()):
+        name = document.get(SOURCE_FILE_KEY)
+        name = name if isinstance(name, str) else f"the file loaded as rank {rank}"
+        claimed = claimed_rank(document)
+        if claimed is not None:
+            claims.setdefault(claimed, []).append(name)
+        info = document.get("distributedInfo")
+        size = whole_int(info.get("world_size")) if isinstance(info, dict) else None
+        if size is not None:
+            sizes.setdefault(size, []).append(name)
+        kinds = frozenset(match_device_properties(p) or device_name(p) or "" for p in
+                          trace_device_properties({rank: document})) - {""}
+        if kinds:
+            devices.setdefault(kinds, []).append(name)
+    shared = next(((r, files) for r, files in sorted(claims.items()) if len(files) > 1), None)
+    if shared is not None:
+        return f"{_listed(shared[1])} all claim rank {shared[0]}"
+    if len(sizes) > 1:
+        return "they name different world sizes (" + "; ".join(
+            f"{size}: {_listed(files)}" for size, files in sorted(sizes.items())) + ")"
+    if len(devices) > 1:
+        return "they ran on different devices (" + "; ".join(
+            f"{', '.join(sorted(kinds))}: {_listed(files)}" for kinds, files in devices.items()) + ")"
+    return None
+
+
+def _listed(files: list[str], shown: int = 3) -> str:
+    return ", ".join(files[:shown]) + (f" and {len(files) - shown} more" if len(files) > shown else "")
 
 
 def session_records(path: Path) -> list[dict[str, Any]] | None:
