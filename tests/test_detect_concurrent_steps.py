@@ -80,3 +80,50 @@ def test_a_gap_between_steps_on_the_event_loop_is_the_loops_own_work(tmp_path: P
     (finding,) = [f for f in analysis.findings if f.kind == "decode_gap"]
     assert "event loop" in finding.title and finding.evidence["worst_gaps"][0]["event_loop_tid"] == loop_tid
     assert "off the event loop" in finding.fix
+
+
+def _pool(threads: int, calls: int, step_us: float = 3000.0, every_us: float = 12_000.0) -> KinetoTrace:
+    """A pool's threads, each running one call of unknown kind (a user's record_function range around
+    a whole request's model call, with an op inside) every ``every_us``, the threads staggered by a
+    third of a step: the calls overlap. No servprof metadata, no request records: a user's trace."""
+    trace = KinetoTrace()
+    for tid in range(1, threads + 1):
+        for k in range(calls):
+            start = (tid - 1) * step_us / 3 + k * every_us
+            trace.annotation("Worker::run_task", start, step_us, tid=tid)
+            trace.host("aten::linear", start + 10.0, step_us - 20.0, tid=tid)
+    return trace
+
+
+def test_the_time_between_a_pools_calls_of_unknown_kind_is_not_judged(tmp_path: Path) -> None:
+    """Steps of unknown kind on several threads at once (a thread pool, each step maybe a whole
+    request's call: an MTIA inference server's trace in HTA's tests): the time between two on one
+    thread is as likely its wait for work as the loop's own, so it is not a decode gap, and the
+    report says why. One thread running the same calls in a loop keeps its gaps judged."""
+    analysis = analyse(load_trace(_pool(threads=4, calls=6).write(tmp_path / "pool.json")))
+    assert all(s.kind == "step" for s in analysis.steps) and len(analysis.steps) == 24
+    assert not [g for g in analysis.gaps if g.where == "between_steps"]
+    assert not [f for f in analysis.findings if f.kind == "decode_gap"]
+    assert analysis.summary["decode_gap"]["unknown_steps_in_parallel"] == 24
+    (entry,) = [m for m in analysis.summary["missing"] if "at once" in m["message"]]
+    assert entry["what"] == "step kinds" and "24 step(s) of unknown kind ran on 4 threads at once" in entry["message"]
+    alone = analyse(load_trace(_pool(threads=1, calls=6).write(tmp_path / "alone.json")))
+    assert len([g for g in alone.gaps if g.where == "between_steps"]) == 5
+    assert alone.summary["decode_gap"]["unknown_steps_in_parallel"] == 0
+    assert not [m for m in alone.summary["missing"] if "at once" in m["message"]]
+
+
+def test_threads_handing_work_on_are_not_a_pool(tmp_path: Path) -> None:
+    """Two threads whose calls follow one another (one hands the work to the next, a few µs of
+    clock skew over) are one loop's, not a pool's: the gaps stay judged."""
+    trace = KinetoTrace()
+    for k in range(6):
+        start = k * 12_000.0
+        tid = 1 + k % 2
+        trace.annotation("Worker::run_task", start, 3005.0, tid=tid)  # 5 µs past the next one's start
+        trace.host("aten::linear", start + 10.0, 2980.0, tid=tid)
+        trace.annotation("Worker::run_task", start + 3000.0, 3000.0, tid=3 - tid)
+        trace.host("aten::linear", start + 3010.0, 2980.0, tid=3 - tid)
+    analysis = analyse(load_trace(trace.write(tmp_path / "handoff.json")))
+    assert analysis.summary["decode_gap"]["unknown_steps_in_parallel"] == 0
+    assert [g for g in analysis.gaps if g.where == "between_steps"]

@@ -26,9 +26,16 @@ def test_a_model_loaded_by_the_first_request_is_named_before_its_model_call(tmp_
     assert wait["own_model_call"] and finding["cost_ms"] == pytest.approx(wait["idle_ms"], abs=0.01)
     assert wait["idle_ms"] <= wait["wait_ms"] <= wait["to_first_byte_ms"]
     if tier == "deep":  # what the thread ran, named, and the compute fix
-        names = " ".join(f["name"] for f in finding["evidence"]["handler_threads"]["top_frames"])
+        seen = finding["evidence"]["handler_threads"]
+        names = " ".join(f["name"] for f in seen["top_frames"])
         assert "aten::" in names, names
-        assert "or do it once up front" in finding["fix"]
+        if seen["seen"] == "computing":
+            assert "or do it once up front" in finding["fix"]
+        else:  # a busy machine kept the loading thread off a CPU for over half of the wait (the suite
+            # on 2 cores, once): its ops were recorded over under half of it, and the fix says the rest
+            # is not in the trace
+            assert seen["seen"] == "not_recorded" and seen["busy_ms"] < 0.5 * seen["window_ms"], seen
+            assert "SERVPROF_WITH_STACK=1" in finding["fix"]
     else:
         assert "load models once for the app's life" in finding["fix"]
 

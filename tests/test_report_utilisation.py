@@ -74,3 +74,25 @@ def test_servprofs_overhead_is_shown_as_such(tmp_path: Path, capsys: pytest.Capt
     printed = " ".join(capsys.readouterr().out.split())
     assert "servprof overhead: servprof's own stop() began 2.5 ms into the trace" in printed
     assert "servprof's own overhead" in page.read_text()
+
+
+def test_a_host_table_beside_device_events_it_could_not_tie_does_not_say_there_are_none(tmp_path: Path):
+    """Steps read on the host while the trace has device events no launch of theirs links to (an
+    accelerator whose runtime calls servprof does not read, as HTA's MTIA traces): the caption says
+    that, not "no device events in this trace"."""
+    from servprof.detect.analysis import analyse
+    from servprof.report.utilisation import utilisation_caption
+    from servprof.trace import load_trace
+
+    trace = KinetoTrace()
+    for k in range(4):
+        trace.annotation(f"ProfilerStep#{k}", k * 5000.0, 4000.0)
+        trace.host("aten::linear", k * 5000.0 + 10.0, 3900.0)
+        trace.device(k * 5000.0 + 100.0, 3000.0, "gemv_kernel", correlation=10_000 + k)  # no launch records it
+    summary = analyse(load_trace(trace.write(tmp_path / "t.json"))).summary
+    assert summary["device_events"] and summary["utilisation"]["mode"] == "host"
+    caption = utilisation_caption(summary)
+    assert "no launch it records ties the trace's device events to these steps" in caption
+    assert "no device events" not in caption
+    summary["device_events"] = False
+    assert "no device events in this trace" in utilisation_caption(summary)

@@ -9,6 +9,11 @@ from typing import Any
 
 CPU_MIN_GAP_US = 1000.0  # host gaps below 1 ms are the ordinary cost of a Python engine loop
 RELATIVE_MIN_GAP = 0.25  # ... and a host gap must be at least this share of the median step
+# How to give steps of unknown kind one, said wherever a rule left them unjudged.
+STEP_KIND_HINT = ("To have them judged, mark the steps (servprof.phase(\"decode_step\"), or torch.profiler."
+                  "record_function ranges such as \"prefill\" and \"decode_step\" around each step), or record with "
+                  "record_shapes=True (the embedding's input shape tells a prefill from a decode step); with_stack=True "
+                  "names what the thread was in.")
 
 
 Description = tuple[str, dict[str, Any]]  # (explanation, evidence)

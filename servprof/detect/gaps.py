@@ -23,7 +23,7 @@ import numpy as np
 
 from servprof.detect.causes import CAUSES, Explained, GapExplainer
 from servprof.detect.concurrency import other_steps_during
-from servprof.detect.gap import CPU_MIN_GAP_US, RELATIVE_MIN_GAP, Description, Gap
+from servprof.detect.gap import CPU_MIN_GAP_US, RELATIVE_MIN_GAP, STEP_KIND_HINT, Description, Gap
 from servprof.detect.graph_capture import (
     NO_WINDOWS,
     capture_windows,
@@ -67,6 +67,12 @@ def find_gaps(trace: Any, steps: list[Step], requests_us: list[tuple[float, floa
     stats: dict[str, Any] = {"steps": len(steps), "mode": "cpu"}
     fresh = after_arrival(steps, requests_us)
     stats["unknown_steps_after_arrival"] = len(fresh)
+    if not requests_us:  # (with a session's records, after_arrival tells the waits apart)
+        parallel = parallel_calls(steps)
+        stats["unknown_steps_in_parallel"] = len(parallel)
+        if parallel:
+            fresh |= parallel
+            stats.setdefault("missing", []).append(parallel_missing(steps, parallel))
     light = is_light(trace)
     classes = NameClasses(trace) if steps else None
     cutoffs = stop_cutoffs(trace)
@@ -120,6 +126,48 @@ def after_arrival(steps: list[Step], requests_us: list[tuple[float, float]] | No
             if in_flight <= others_busy:
                 fresh.add(id(step))
     return fresh
+
+
+def parallel_calls(steps: list[Step]) -> set[int]:
+    """id() of each step of unknown kind ("step") on a rank where such steps ran on two threads or
+    more at once: a pool whose threads each run one call per step (a request's model call, a task),
+    where the time between two steps on one thread is its wait for the next call as often as the
+    loop's own. Threads whose transformers generate() calls say where each call begins (a step
+    that opens a request) keep their steps' gaps judged. For traces without request records."""
+    out: set[int] = set()
+    by_rank: dict[int, list[Step]] = {}
+    for step in steps:
+        by_rank.setdefault(step.rank, []).append(step)
+    for mine in by_rank.values():
+        told = {s.tid for s in mine if s.opens_request}
+        unknown = sorted((s for s in mine if s.kind == "step" and s.tid not in told), key=lambda s: s.start_us)
+        if _threads_overlap(unknown):
+            out.update(id(s) for s in unknown)
+    return out
+
+
+def _threads_overlap(steps: list[Step]) -> bool:
+    """Two of these steps (in start order), on different threads, overlap by half the shorter one
+    at least (not a hand-off between threads, which clocks may show a few µs over)."""
+    open_steps: dict[int, Step] = {}  # per thread, its step that ends last so far
+    for step in steps:
+        for tid, other in open_steps.items():
+            if tid != step.tid and min(other.end_us, step.end_us) - step.start_us >= 0.5 * min(other.dur_us, step.dur_us) > 0:
+                return True
+        latest = open_steps.get(step.tid)
+        if latest is None or step.end_us > latest.end_us:
+            open_steps[step.tid] = step
+    return False
+
+
+def parallel_missing(steps: list[Step], parallel: set[int]) -> dict[str, str]:
+    """summary["missing"] entry for the gaps parallel_calls() left unjudged."""
+    threads = {(s.rank, s.tid) for s in steps if id(s) in parallel}
+    return {"what": "step kinds", "message": (
+        f"{len(parallel)} step(s) of unknown kind ran on {len(threads)} threads at once (a pool's calls, each "
+        "maybe a whole request's): the time between two of them on one thread was not judged, since without "
+        "step kinds or servprof's request records the wait for the next request cannot be told from the "
+        f"loop's own time. {STEP_KIND_HINT}")}
 
 
 def continues(step: Step, fresh: set[int]) -> bool:

@@ -21,7 +21,7 @@ import numpy as np
 
 from servprof.detect.causes import GapExplainer
 from servprof.detect.concurrency import other_steps_during
-from servprof.detect.gap import CPU_MIN_GAP_US, RELATIVE_MIN_GAP, Gap
+from servprof.detect.gap import CPU_MIN_GAP_US, RELATIVE_MIN_GAP, STEP_KIND_HINT, Gap
 from servprof.detect.host_classes import BUSY_CLASSES, GC, TOKENIZE
 from servprof.detect.intervals import covered_within
 from servprof.detect.steps import Step
@@ -95,10 +95,7 @@ def unjudged_missing(unjudged: list[tuple[Step, float]], typical_us: float) -> d
         f"{len(unjudged)} step(s) of unknown kind recorded nothing on their thread for {total / 1000:.1f} ms in all "
         f"(up to {longest / 1000:.1f} ms in one; the median step takes {typical_us / 1000:.2f} ms), and were not "
         "judged: without step kinds servprof cannot tell a stall inside the model loop from the wait between "
-        "two requests or generate() calls (the last forward of one runs to the next one's first). To have them "
-        "judged, mark the steps (servprof.phase(\"decode_step\"), or torch.profiler.record_function ranges such "
-        "as \"prefill\" and \"decode_step\" around each step), or record with record_shapes=True (the embedding's "
-        "input shape tells a prefill from a decode step); with_stack=True names what the thread was in.")}
+        f"two requests or generate() calls (the last forward of one runs to the next one's first). {STEP_KIND_HINT}")}
 
 
 def _usual_unrecorded(steps: list[Step], explainer: GapExplainer, typical: float) -> tuple[float | None, np.ndarray]:

@@ -36,8 +36,12 @@ def utilisation_caption(summary: dict[str, Any]) -> str:
         where = ("device timeline (busy = any kernel, copy or memset running; the step is its device span, "
                  "idle between = since the previous step's device work ended)")
     else:
-        where = ("host timeline: no device events in this trace (busy = work recorded on the step's thread; "
-                 "idle = time it recorded nothing)")
+        # (A trace can hold device events that no launch of the steps' threads links to them: an
+        # accelerator whose runtime calls servprof does not read, or device work outside every step.)
+        why = ("no launch it records ties the trace's device events to these steps" if summary.get("device_events")
+               else "no device events in this trace")
+        where = (f"host timeline: {why} (busy = work recorded on the step's thread; idle = time it recorded "
+                 "nothing)")
     note = f" ({util['note']})" if util.get("note") else ""
     return (f"Per-step utilisation on the {where}{note}. Median per step, and share of all steps' time. "
             f"Steps from {sources}.")
