@@ -129,6 +129,44 @@ def test_broadcasting_reads_each_input_once_and_writes_the_broadcast_shape():
     assert op_cost("aten::add", [[3, 4], [5, 4]], [F32, F32]) is None  # not broadcastable
 
 
+def test_a_python_number_does_not_widen_a_tensor_of_its_category():
+    """torch's promotion, as record_shapes writes it: ``x * 0.125`` records the Python float as a
+    0-dim "double". It leaves a bf16 tensor's result bf16 (TimeSformer's attention scaling,
+    [8, 12, 3137, 3137], was modelled as writing float64: 9.4 GB a call, "faster than an H100's
+    peak"); a higher category raises an int tensor's result to the default dtype."""
+    n = 8 * 12 * 3137 * 3137
+    assert bytes_of("aten::mul", [[8, 12, 3137, 3137], []], [BF16, "double"]) == n * 2 + 8 + n * 2
+    assert bytes_of("aten::mul", [[100], []], ["int", "double"]) == 100 * 4 + 8 + 100 * 4  # -> float32
+    assert bytes_of("aten::add", [[100], [], []], ["bool", I64, "Scalar"]) == 100 + 8 + 100 * 8  # -> int64
+    assert bytes_of("aten::add", [[100], [], []], ["int", I64, "Scalar"]) == 100 * 4 + 8 + 100 * 4  # stays int32
+    assert bytes_of("aten::mul", [[], []], ["double", "double"]) == 24  # 0-dim alone: as they are
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.ones(64, 32, dtype=torch.bfloat16) * 0.125,
+    lambda: torch.ones(64, 32, dtype=torch.int32) * 0.5,
+    lambda: torch.ones(64, 32, dtype=torch.bool) + 1,
+    lambda: torch.ones(64, 32, dtype=torch.int32) + 3,
+    lambda: torch.ones(64, 32, dtype=torch.float16) + torch.ones(64, 32, dtype=torch.float32),
+    lambda: torch.ones(64, 32, dtype=torch.bfloat16) * torch.tensor(2.0, dtype=torch.bfloat16),
+], ids=["bf16*float", "int*float", "bool+int", "int+int", "f16+f32", "bf16*0dim-bf16"])
+def test_the_result_bytes_match_what_torch_wrote(tmp_path: Path, make) -> None:
+    """The op recorded by the real profiler, and its model's write: the bytes of the tensor torch
+    returned (the model's total less what it reads, each input at its own recorded size)."""
+    with torch.profiler.profile(record_shapes=True) as prof:
+        result = make()
+    prof.export_chrome_trace(str(tmp_path / "t.json"))
+    trace = load_trace(tmp_path / "t.json")
+    (row,) = [r for r in range(len(trace)) if trace.name(r) in ("aten::mul", "aten::add")]
+    args = trace.args(row)
+    cost = op_cost(trace.name(row), args["Input Dims"], args["Input type"], args.get("Concrete Inputs"))
+    assert cost is not None
+    sizes = {"c10::BFloat16": 2, "c10::Half": 2, "float": 4, "double": 8, "int": 4, "long int": 8, "bool": 1}
+    reads = sum(max(1, int(torch.tensor(dims).prod())) * sizes[kind]
+                for dims, kind in zip(args["Input Dims"], args["Input type"], strict=False) if kind in sizes)
+    assert cost[1] - reads == result.numel() * result.element_size()
+
+
 # --- GEMMs and attention -------------------------------------------------------------------------
 
 def test_gemm_forms():

@@ -319,15 +319,37 @@ def _elementwise(name: str, tensors: list[_Tensor | None], concrete: Any, types:
     if shape is None:
         return None
     out = math.prod(shape)
-    if name in _BOOL_OUTPUT:
-        out_elem = 1
-    else:  # type promotion, roughly: the widest floating input, else the widest input
-        floating = [t.elem for t in inputs if t.type_name in _FLOAT_TYPES]
-        out_elem = max(floating or [t.elem for t in inputs])
+    out_elem = 1 if name in _BOOL_OUTPUT else _promoted_elem(inputs)
     return float(out), reads + out * out_elem
 
 
+def _promoted_elem(inputs: list[_Tensor]) -> int:
+    """Element size of an elementwise op's result, by torch's type promotion: the tensors with
+    dims decide within their category (bf16 * 0.125 is bf16: the Python float is recorded as a
+    0-dim "double"); a 0-dim input of a higher category (an int tensor * 0.5) raises it, to that
+    category's default dtype (a wrapped Python number, which record_shapes cannot tell from a
+    0-dim tensor, is the usual case)."""
+    dimensioned = [t for t in inputs if t.dims] or inputs
+    top = max(_category(t) for t in dimensioned)
+    elem = max(t.elem for t in dimensioned if _category(t) == top)
+    higher = [t for t in inputs if not t.dims and _category(t) > top]
+    if higher and dimensioned is not inputs:
+        elem = _DEFAULT_ELEM[max(_category(t) for t in higher)]
+    return elem
+
+
+def _category(tensor: _Tensor) -> int:
+    """torch's promotion categories: bool 0 < integer 1 < floating 2 < complex 3."""
+    name = tensor.type_name
+    if name.startswith("c10::complex"):
+        return 3
+    if name in _FLOAT_TYPES or name.startswith("c10::Float8"):
+        return 2
+    return 0 if name == "bool" else 1
+
+
 _FLOAT_TYPES = frozenset({"double", "float", "c10::Half", "c10::BFloat16"})
+_DEFAULT_ELEM = {1: 8, 2: 4, 3: 8}  # int64, float32 (torch's default dtype), complex64
 
 _MODELS = {
     **dict.fromkeys(GEMMS, _gemm), **dict.fromkeys(ATTENTION, _attention), **dict.fromkeys(REDUCTIONS, _reduction),
