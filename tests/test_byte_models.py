@@ -167,6 +167,33 @@ def test_the_result_bytes_match_what_torch_wrote(tmp_path: Path, make) -> None:
     assert cost[1] - reads == result.numel() * result.element_size()
 
 
+_X, _OUT = torch.ones(64, 32), torch.empty(64, 32)
+_MASK = torch.ones(64, 32, dtype=torch.bool)
+F32_TENSOR = 64 * 32 * 4
+
+
+@pytest.mark.parametrize(("name", "call", "expected"), [
+    # out= is the last tensor torch records: written once, never read (the optimiser-style
+    # torch.mul(x, s, out=y) of a profiled training step read as three tensors, "over an A100's peak")
+    ("aten::mul", lambda: torch.mul(_X, 0.5, out=_OUT), F32_TENSOR + 8 + F32_TENSOR),
+    ("aten::add", lambda: torch.add(_X, _X, out=_OUT), 3 * F32_TENSOR),
+    ("aten::exp", lambda: torch.exp(_X, out=_OUT), 2 * F32_TENSOR),
+    ("aten::where", lambda: torch.where(_MASK, _X, _X, out=_OUT), 64 * 32 + 3 * F32_TENSOR),
+    ("aten::addcmul", lambda: torch.addcmul(_X, _X, _X, value=2, out=_OUT), 4 * F32_TENSOR),
+    # tensors that are inputs, wherever they sit: clamp's bounds, masked_fill's 0-dim value
+    ("aten::clamp", lambda: torch.clamp(_X, min=torch.zeros(64, 32), max=torch.ones(64, 32)), 4 * F32_TENSOR),
+    ("aten::masked_fill", lambda: torch.masked_fill(_X, _MASK, torch.tensor(1.0)), F32_TENSOR + 64 * 32 + 4 + F32_TENSOR),
+], ids=["mul-out", "add-out", "exp-out", "where-out", "addcmul-out", "clamp-tensors", "masked_fill-tensor"])
+def test_an_out_argument_is_written_not_read(tmp_path: Path, name: str, call, expected: int) -> None:
+    with torch.profiler.profile(record_shapes=True) as prof:
+        call()
+    prof.export_chrome_trace(str(tmp_path / "t.json"))
+    trace = load_trace(tmp_path / "t.json")
+    (row,) = [r for r in range(len(trace)) if trace.name(r) == name]
+    args = trace.args(row)
+    assert bytes_of(name, args["Input Dims"], args["Input type"], args.get("Concrete Inputs")) == expected
+
+
 # --- GEMMs and attention -------------------------------------------------------------------------
 
 def test_gemm_forms():

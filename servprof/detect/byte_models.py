@@ -310,7 +310,10 @@ def _gather(name: str, tensors: list[_Tensor | None], concrete: Any, types: list
 
 
 def _elementwise(name: str, tensors: list[_Tensor | None], concrete: Any, types: list[Any]) -> Cost | None:
-    inputs = [t for t in tensors if t is not None]
+    # A tensor past the op's inputs is its out= argument (mul.out: [self, other, out]): written, not read.
+    arity = _INPUT_TENSORS.get(name.rstrip("_"), len(tensors))
+    inputs = [t for t in tensors[:arity] if t is not None]
+    given = next((t for t in tensors[arity:] if t is not None), None)
     reads = sum(t.nbytes for t in inputs)
     if name.endswith("_"):  # in place: the first argument is read and written back
         self_ = inputs[0]
@@ -319,6 +322,8 @@ def _elementwise(name: str, tensors: list[_Tensor | None], concrete: Any, types:
     if shape is None:
         return None
     out = math.prod(shape)
+    if given is not None:
+        return float(out), reads + given.numel * given.elem
     out_elem = 1 if name in _BOOL_OUTPUT else _promoted_elem(inputs)
     return float(out), reads + out * out_elem
 
@@ -349,6 +354,20 @@ def _category(tensor: _Tensor) -> int:
 
 
 _FLOAT_TYPES = frozenset({"double", "float", "c10::Half", "c10::BFloat16"})
+# How many leading arguments of each element-wise op can be tensors it reads (their schemas, less
+# out=): add's alpha and addcmul's value are scalars, masked_fill's value and clamp's bounds may be
+# 0-dim or full tensors. Ops not listed: every argument is read.
+_INPUT_TENSORS = {
+    **dict.fromkeys(("aten::neg", "aten::abs", "aten::exp", "aten::log", "aten::sqrt", "aten::rsqrt",
+                     "aten::reciprocal", "aten::sin", "aten::cos", "aten::tanh", "aten::sigmoid", "aten::erf",
+                     "aten::silu", "aten::gelu", "aten::relu", "aten::square", "aten::isnan", "aten::isinf",
+                     "aten::logical_not"), 1),
+    **dict.fromkeys(("aten::add", "aten::sub", "aten::mul", "aten::div", "aten::pow", "aten::maximum",
+                     "aten::minimum", "aten::clamp_min", "aten::clamp_max", "aten::eq", "aten::ne", "aten::lt",
+                     "aten::le", "aten::gt", "aten::ge", "aten::logical_and", "aten::logical_or"), 2),
+    **dict.fromkeys(("aten::where", "aten::masked_fill", "aten::addcmul", "aten::addcdiv", "aten::lerp",
+                     "aten::clamp"), 3),
+}
 _DEFAULT_ELEM = {1: 8, 2: 4, 3: 8}  # int64, float32 (torch's default dtype), complex64
 
 _MODELS = {
