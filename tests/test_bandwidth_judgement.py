@@ -317,3 +317,30 @@ def test_shapes_however_written_are_modelled_alike_and_unreadable_args_are_not_g
     assert analysis.summary["bandwidth"]["ops_modelled"] == 3
     assert [p["bytes"] for p in analysis.kernels] == [ADD_BYTES] * 3
     assert all(p["shapes"] == ADD[1] for p in analysis.kernels)
+
+
+def test_to_that_changes_nothing_leaves_no_bytes_out(tmp_path: Path, no_saved_calibration):
+    """A decode loop's .to(float32) of float32 tensors returns them (no copy): however long those
+    calls take on a busy CPU, no bytes are left out with them, so they neither count as unmodelled
+    op time nor keep the step's bytes from being said to fit in the cache. A gather whose indices
+    the profiler does not record (aten::index) still does."""
+    synth = SynthTrace([])
+    for step in range(4):
+        synth.span("servprof:decode_step|r1", step * 16000.0, 15500.0)
+        synth.op(*ADD[:1], step * 16000.0 + 100, 3000.0, *ADD[1:])
+        for k in range(30):  # 9 ms of no-op to() calls a step: three times the add
+            synth.op("aten::to", step * 16000.0 + 3200 + k * 320, 300.0, [[1, 4, 1, 16], [], [], [], []],
+                     ["float", "Scalar", "Scalar", "Scalar", ""], ["", "6", "False", "False", ""])
+    calibrate.save({"name": "CPU Test", "torch_device": "cpu", "memory_bandwidth_gbs": 40.0, "peak_tflops": 1.0,
+                    "measured_at": 1.0, "cache_bytes": 64 * 1024**2})
+    analysis = analyse(load_trace(synth.write(tmp_path / "cpu.json.gz")))
+    (finding,) = [f for f in analysis.findings if f.kind == "bandwidth_bound_decode"]
+    assert analysis.summary["bandwidth"]["unmodelled"]["share_of_op_time"] == 0.0
+    assert finding.severity == "info" and "last-level cache" in finding.evidence["severity_capped"]
+    gather = SynthTrace([])
+    for step in range(4):
+        gather.span("servprof:decode_step|r1", step * 16000.0, 15500.0)
+        gather.op(*ADD[:1], step * 16000.0 + 100, 3000.0, *ADD[1:])
+        gather.op("aten::index", step * 16000.0 + 3200, 9000.0, [[16, 2, 1498, 16], []], ["float", ""], ["", ""])
+    left_out = analyse(load_trace(gather.write(tmp_path / "gather.json.gz"))).summary["bandwidth"]["unmodelled"]
+    assert left_out["share_of_op_time"] == pytest.approx(0.75) and left_out["top_ops"][0]["name"] == "aten::index"

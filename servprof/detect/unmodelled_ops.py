@@ -24,8 +24,11 @@ UNMODELLED_SHARE = 0.25
 MAX_NAMED = 5
 # Ops that move no data (views, allocations, dtype queries): nothing of a step's bytes is left out
 # with them; their time is per-op overhead. (An op among them that copies, as reshape or contiguous
-# of a strided tensor, does it in a modelled op inside: copy_, clone.)
+# of a strided tensor, does it in a modelled op inside: copy_, clone; so does to() when it converts,
+# and to() to the dtype and device a tensor has returns it: a decode loop's many .to(dtype) calls,
+# whose overhead on a busy CPU once held 13% of a demo's op time and tipped the share past the bar.)
 NO_BYTES = frozenset({
+    "aten::to", "aten::_to_copy", "aten::type_as",
     "aten::view", "aten::_unsafe_view", "aten::reshape", "aten::_reshape_alias", "aten::as_strided", "aten::slice",
     "aten::select", "aten::narrow", "aten::transpose", "aten::t", "aten::permute", "aten::expand", "aten::expand_as",
     "aten::unsqueeze", "aten::squeeze", "aten::flatten", "aten::unflatten", "aten::view_as", "aten::split",
