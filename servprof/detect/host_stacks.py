@@ -119,10 +119,17 @@ class ThreadStack:
                 - self._subset_before(subset, a, np.searchsorted(self.start, a, side="right")))
 
     def class_at(self, t: np.ndarray) -> np.ndarray:
+        return self.class_and_start_at(t)[0]
+
+    def class_and_start_at(self, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The class of the segment each time falls in (UNTRACED outside every one), and when that
+        segment began (the time itself outside)."""
         i = np.searchsorted(self.start, t, side="right") - 1
         j = np.maximum(i, 0)
         inside = (i >= 0) & (t < self.end[j]) if self.start.size else np.zeros(t.shape, dtype=bool)
-        return np.where(inside, self.cls[j] if self.start.size else 0, UNTRACED)
+        if not self.start.size:
+            return np.full(t.shape, UNTRACED), t.copy()
+        return np.where(inside, self.cls[j], UNTRACED), np.where(inside, self.start[j], t)
 
     def segments_of(self, *classes: int) -> tuple[np.ndarray, np.ndarray]:
         """(starts, ends) of the thread's segments of these classes, in time order."""
