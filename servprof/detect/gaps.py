@@ -149,8 +149,10 @@ def parallel_calls(steps: list[Step]) -> set[int]:
 def _threads_overlap(steps: list[Step]) -> bool:
     """Two of these steps (in start order), on different threads, overlap by half the shorter one
     at least (not a hand-off between threads, which clocks may show a few µs over)."""
-    open_steps: dict[int, Step] = {}  # per thread, its step that ends last so far
+    open_steps: dict[int, Step] = {}  # per thread, its step that ends last so far, while it runs
     for step in steps:
+        for tid in [t for t, other in open_steps.items() if other.end_us <= step.start_us]:
+            del open_steps[tid]  # (ended before this one began: none after it can overlap it)
         for tid, other in open_steps.items():
             if tid != step.tid and min(other.end_us, step.end_us) - step.start_us >= 0.5 * min(other.dur_us, step.dur_us) > 0:
                 return True
