@@ -137,6 +137,28 @@ def test_recording_a_cuda_graph_is_not_called_a_compile(tmp_path: Path, inside_a
     assert "?" not in finding.title and "reduce-overhead" in finding.fix and "start-up" in finding.fix
 
 
+@pytest.mark.parametrize("session", [False, True])
+def test_a_graph_recorded_in_a_traces_first_step_may_be_its_warm_up(tmp_path: Path, session: bool):
+    """A user's trace whose first step records a CUDA graph for 600 ms (TraceLens's xDiT Flux capture
+    traces: one step, its first run) cannot say whether a server was serving: the finding says it
+    was the trace's first step, at most a warning, and how to read it either way. A servprof
+    session's trace is of a server serving: there it stays "while serving", critical by its length."""
+    trace = KinetoTrace(metadata={"servprof": {"tier": "deep"}} if session else {})
+    for step, (start, length) in enumerate([(0.0, 700_000.0), (701_000.0, 900.0), (702_000.0, 900.0)]):
+        trace.annotation(f"ProfilerStep#{step}", start, length)
+        trace.host("aten::mm", start + 10.0, 50.0)
+    trace.annotation("CUDAGraphNode.record (dynamo_timed)", 100.0, 600_000.0)
+    (finding,) = _kind(analyse(load_trace(trace.write(tmp_path / "t.json"))), "recompilation")
+    if session:
+        assert "while serving" in finding.title and finding.severity == "critical"
+        assert "first_step_only" not in finding.evidence
+        return
+    assert finding.title.startswith("torch.compile recorded a CUDA graph of a function the trace does not name "
+                                    "1 time(s) in the trace's first model step")
+    assert finding.severity == "warning" and finding.evidence["first_step_only"] is True
+    assert "warm-up" in finding.fix and "start-up" in finding.fix
+
+
 @pytest.mark.parametrize(("reason", "batch", "cause"), [
     ("0/0: tensor 'x' size mismatch at index 0. expected 2, actual 3", 3, "batch_size"),
     ("0/0: tensor 'x' size mismatch at index 1. expected 128, actual 256", 3, "dimension"),

@@ -176,7 +176,12 @@ def detect_recompilation(trace: Trace, steps: list[Step]) -> tuple[list[Finding]
                                    stall.get("graph_recording", False))
         function = stall["function"] or (f"frame {stall['compile_id'].split('/')[0]}" if stall["compile_id"] else None)
         groups.setdefault((function, stall["detail"]["cause"]), []).append(stall)
-    findings = [_recompile_finding(function, group) for (function, _), group in groups.items()]
+    # Outside servprof's sessions nothing says the trace is of a server serving: a first compile or
+    # CUDA-graph recording in a rank's first step may be its warm-up (a one-step trace of a first call).
+    first_steps = {} if trace.servprof_metadata() else _first_step_per_rank(steps)
+    findings = [_recompile_finding(function, group, first_step=_in_first_steps(group, _index_of(group, stalls, index),
+                                                                                first_steps))
+                for (function, _), group in groups.items()]
     before = _before_session(meta, float(trace.ts.min()) if len(trace) else 0.0)
     findings.extend(_recompile_finding(function, group, before_session=True) for (function, _), group in before.items())
     regions = _regions_per_step(trace, steps, frames) if not light else {"steps_with_compiled_code": None}
@@ -195,6 +200,27 @@ def detect_recompilation(trace: Trace, steps: list[Step]) -> tuple[list[Finding]
         **regions, "missing": _missing(stalls, regions, bool(meta), light),
     }
     return findings, summary
+
+
+def _first_step_per_rank(steps: list[Step]) -> dict[int, int]:
+    """rank -> the index of its first step (steps are in (rank, start) order)."""
+    first: dict[int, int] = {}
+    for i, step in enumerate(steps):
+        first.setdefault(step.rank, i)
+    return first
+
+
+def _index_of(group: list[dict[str, Any]], stalls: list[dict[str, Any]], index: np.ndarray) -> list[int]:
+    """The step index of each stall of a group."""
+    position = {id(s): i for i, s in enumerate(stalls)}
+    return [int(index[position[id(s)]]) for s in group]
+
+
+def _in_first_steps(group: list[dict[str, Any]], where: list[int], first_steps: dict[int, int]) -> bool:
+    """Every stall a first compile or graph recording inside its rank's first step."""
+    return bool(first_steps) and all(
+        s["detail"]["cause"] in ("first_compile", "cudagraph_record") and w >= 0 and first_steps.get(s["rank"]) == w
+        for s, w in zip(group, where, strict=True))
 
 
 def _request_windows(trace: Trace) -> dict[str, tuple[float, float]]:
@@ -221,8 +247,8 @@ def _before_session(meta: dict[str, Any], at_us: float) -> dict[tuple[str | None
     return groups
 
 
-def _recompile_finding(function: str | None, stalls: list[dict[str, Any]], before_session: bool = False
-                       ) -> Finding:
+def _recompile_finding(function: str | None, stalls: list[dict[str, Any]], before_session: bool = False,
+                       first_step: bool = False) -> Finding:
     in_steps = [s for s in stalls if s["in_step"]]
     cost = sum(s["ms"] for s in stalls)
     detail = stalls[0]["detail"]
@@ -236,6 +262,9 @@ def _recompile_finding(function: str | None, stalls: list[dict[str, Any]], befor
     if before_session:
         title = (f"torch.compile {did} {subject} {len(stalls)} time(s) while serving before this session "
                  f"({cost:,.0f} ms stalled, torch's own records): {what}")
+    elif first_step:
+        title = (f"torch.compile {did} {subject} {len(stalls)} time(s) in the trace's first model step (its first "
+                 f"run here: a warm-up, or the first request of this shape), {cost:,.0f} ms stalled")
     else:
         where = f"{len(in_steps)} inside model steps" if in_steps else "outside any model step found"
         cut = " (at least: still compiling when the capture stopped)" if any(s.get("cut_at_stop") for s in stalls) else ""
@@ -252,9 +281,14 @@ def _recompile_finding(function: str | None, stalls: list[dict[str, Any]], befor
                    for s in stalls[:MAX_STALLS_LISTED]],
     }
     severity = severity_for(cost, WARNING_MS, CRITICAL_MS) if in_steps or before_session else "info"
+    fix = fix_for(detail)
+    if first_step:  # at most a warning: a warm-up's compile is where it belongs
+        evidence["first_step_only"] = True
+        severity = "warning" if severity == "critical" else severity
+        fix += (" If this trace is of the server's warm-up, the compile is where it belongs; if a request paid "
+                "it, warm that shape up before taking traffic.")
     return Finding("recompilation", severity, cost, min(s["start_us"] for s in stalls),
-                   max(s["end_us"] for s in stalls), title, request_ids=requests[:100], evidence=evidence,
-                   fix=fix_for(detail))
+                   max(s["end_us"] for s in stalls), title, request_ids=requests[:100], evidence=evidence, fix=fix)
 
 
 def _regions_per_step(trace: Trace, steps: list[Step], frames: dict[str, Any]) -> dict[str, Any]:
