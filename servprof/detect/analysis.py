@@ -24,8 +24,8 @@ from servprof.detect.steps import Step, find_steps
 from servprof.detect.tier import NEEDS_DEEP_CAUSE, budget_missing, light_missing, tier_of
 from servprof.detect.tokenization_stall import detect_tokenization_stalls
 from servprof.detect.utilisation import utilisation
-from servprof.trace.loader import SOURCE_FILE_KEY, paused_gc
-from servprof.trace.meta import claimed_rank
+from servprof.trace.loader import paused_gc
+from servprof.trace.meta import files_by_claimed_rank
 from servprof.trace.model import Trace
 
 
@@ -120,12 +120,7 @@ def sampled_request_ids(trace: Trace, requests: list[dict[str, Any]] | None) -> 
 
 def rank_warnings(trace: Trace) -> list[str]:
     """Two files that claim the same distributedInfo.rank are not one run's ranks: say so."""
-    claims: dict[int, list[str]] = {}
-    for rank, document in sorted(trace.metadata.items()):
-        claimed = claimed_rank(document)
-        if claimed is not None:
-            name = document.get(SOURCE_FILE_KEY)
-            claims.setdefault(claimed, []).append(name if isinstance(name, str) else f"the file loaded as rank {rank}")
+    claims = files_by_claimed_rank(trace.metadata)
     return [f"{len(files)} files claim rank {rank} ({', '.join(files)}): they were kept apart as separate ranks, not "
             "merged; if they come from different runs or sessions, analyse each file on its own"
             for rank, files in sorted(claims.items()) if len(files) > 1]

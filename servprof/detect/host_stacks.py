@@ -233,6 +233,7 @@ class HostStacks:
         self._d2h = _device_to_host_launches(trace)
         self._stacks: dict[int, ThreadStack] = {}
         self._crowded_blocks: tuple[np.ndarray | None, np.ndarray | None] | None = None
+        self._waits: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # per thread: its Python beside another's
         # torch's Python tracer records the frames on every thread's stack when it starts, thread
         # after thread (tens of µs apart): where that burst of threads' first frames ends.
         framed_ts, framed_tids = trace.ts[rows[python]], tids[python]
@@ -254,7 +255,9 @@ class HostStacks:
         crowded = self._crowded()
         if crowded is None or tid in self.unframed or tid in self.servprof_threads:
             return np.zeros(np.shape(a))
-        both = intersect(*self.thread(tid).segments_of(PYTHON), *crowded)
+        both = self._waits.get(tid)
+        if both is None:  # (made once per thread: stalls and gaps ask it for many windows, in batches)
+            both = self._waits[tid] = intersect(*self.thread(tid).segments_of(PYTHON), *crowded)
         return covered(*both, np.asarray(a, dtype=float), np.asarray(b, dtype=float))
 
     def _crowded(self) -> tuple[np.ndarray, np.ndarray] | None:

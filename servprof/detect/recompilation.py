@@ -165,7 +165,7 @@ def detect_recompilation(trace: Trace, steps: list[Step]) -> tuple[list[Finding]
         # Requests in flight across the stall (queued, or between their steps) waited for it too.
         waiting = [rid for rid, (lo, hi) in windows.items()
                    if lo < stall["start_us"] and hi > stall["end_us"] and rid not in in_step]
-        stall.update({"in_step": step is not None, "step_kind": step.kind if step else None,
+        stall.update({"in_step": step is not None, "step": where, "step_kind": step.kind if step else None,
                       "batch": step.batch if step else None, "request_ids": in_step + waiting,
                       "waiting_request_ids": waiting,
                       "function": (record or {}).get("co_name"),
@@ -179,8 +179,7 @@ def detect_recompilation(trace: Trace, steps: list[Step]) -> tuple[list[Finding]
     # Outside servprof's sessions nothing says the trace is of a server serving: a first compile or
     # CUDA-graph recording in a rank's first step may be its warm-up (a one-step trace of a first call).
     first_steps = {} if trace.servprof_metadata() else _first_step_per_rank(steps)
-    findings = [_recompile_finding(function, group, first_step=_in_first_steps(group, _index_of(group, stalls, index),
-                                                                                first_steps))
+    findings = [_recompile_finding(function, group, first_step=_in_first_steps(group, first_steps))
                 for (function, _), group in groups.items()]
     before = _before_session(meta, float(trace.ts.min()) if len(trace) else 0.0)
     findings.extend(_recompile_finding(function, group, before_session=True) for (function, _), group in before.items())
@@ -210,17 +209,11 @@ def _first_step_per_rank(steps: list[Step]) -> dict[int, int]:
     return first
 
 
-def _index_of(group: list[dict[str, Any]], stalls: list[dict[str, Any]], index: np.ndarray) -> list[int]:
-    """The step index of each stall of a group."""
-    position = {id(s): i for i, s in enumerate(stalls)}
-    return [int(index[position[id(s)]]) for s in group]
-
-
-def _in_first_steps(group: list[dict[str, Any]], where: list[int], first_steps: dict[int, int]) -> bool:
+def _in_first_steps(group: list[dict[str, Any]], first_steps: dict[int, int]) -> bool:
     """Every stall a first compile or graph recording inside its rank's first step."""
     return bool(first_steps) and all(
-        s["detail"]["cause"] in ("first_compile", "cudagraph_record") and w >= 0 and first_steps.get(s["rank"]) == w
-        for s, w in zip(group, where, strict=True))
+        s["detail"]["cause"] in ("first_compile", "cudagraph_record") and s["step"] >= 0
+        and first_steps.get(s["rank"]) == s["step"] for s in group)
 
 
 def _request_windows(trace: Trace) -> dict[str, tuple[float, float]]:

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from servprof.detect.devices import device_name, match_device_properties, trace_device_properties
-from servprof.trace.loader import SIDECAR_SUFFIXES, SOURCE_FILE_KEY, trace_files
-from servprof.trace.meta import claimed_rank, whole_int
+from servprof.trace.loader import SIDECAR_SUFFIXES, trace_files
+from servprof.trace.meta import file_name, files_by_claimed_rank, whole_int
 
 if TYPE_CHECKING:
     from servprof.detect.analysis import Analysis
@@ -85,15 +85,11 @@ def apart_reason(trace: Trace) -> str | None:
     """Why the files a directory's trace was loaded from are not one job's ranks, or None. One job's
     ranks each claim their own rank, agree on the world size, and ran on one kind of device (a rank
     judged against another rank's device would get another peak bandwidth)."""
-    claims: dict[int, list[str]] = {}
+    claims = files_by_claimed_rank(trace.metadata)
     sizes: dict[int, list[str]] = {}
     devices: dict[frozenset[str], list[str]] = {}
     for rank, document in sorted(trace.metadata.items()):
-        name = document.get(SOURCE_FILE_KEY)
-        name = name if isinstance(name, str) else f"the file loaded as rank {rank}"
-        claimed = claimed_rank(document)
-        if claimed is not None:
-            claims.setdefault(claimed, []).append(name)
+        name = file_name(rank, document)
         info = document.get("distributedInfo")
         size = whole_int(info.get("world_size")) if isinstance(info, dict) else None
         if size is not None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from servprof.trace.source import SOURCE_FILE_KEY
+
 # servprof's session metadata (capture.py writes it): key -> the type it must have.
 SERVPROF_FIELDS: dict[str, type] = {
     "session_id": str, "request_ids": list, "wall_start_ns": int, "perf_start_ns": int, "stop_reason": str,
@@ -49,6 +51,22 @@ def base_time_ns(metadata: dict[int, dict[str, Any]]) -> int | None:
 
 
 MAX_RANK = 2**31 - 1  # ranks are stored as int32
+
+
+def file_name(rank: int, document: Any) -> str:
+    """The name of the file a rank was loaded from, for messages about it."""
+    name = document.get(SOURCE_FILE_KEY) if isinstance(document, dict) else None
+    return name if isinstance(name, str) else f"the file loaded as rank {rank}"
+
+
+def files_by_claimed_rank(metadata: dict[int, dict[str, Any]]) -> dict[int, list[str]]:
+    """distributedInfo.rank -> the files that claim it (one job's ranks each claim their own)."""
+    claims: dict[int, list[str]] = {}
+    for rank, document in sorted(metadata.items()):
+        claimed = claimed_rank(document)
+        if claimed is not None:
+            claims.setdefault(claimed, []).append(file_name(rank, document))
+    return claims
 
 
 def claimed_rank(document: Any) -> int | None:
