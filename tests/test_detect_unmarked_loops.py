@@ -164,3 +164,54 @@ def test_per_token_python_on_a_cpu_trace_is_named_in_host_words(tmp_path: Path):
     assert HOST_CAUSES["host_python"][0] in finding.title and "device waited" not in finding.title
     assert "test_detect_unmarked_loops.py" in finding.title  # the processor's own frame
     assert finding.fix == HOST_CAUSES["host_python"][1]
+
+
+def _training_loop(batches: object) -> object:  # noqa: ANN001 - an iterable of (x, y)
+    """The PyTorch tutorials' loop over batches the caller makes (tensors in memory, a generator of
+    its own): no torch DataLoader, so no enumerate(DataLoader)# fetch opens the iterations."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def train() -> None:
+        for x, y in batches():  # type: ignore[operator]
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+
+    return train
+
+
+ITERATIONS = 5
+
+
+def test_a_training_loop_without_a_data_loader_steps_at_each_optimizer_step(tmp_path: Path):
+    """Each iteration's optimizer step (torch records Optimizer.step#SGD.step for every optimizer)
+    opens a training step that runs to the next one: the trace is no longer "no model step"."""
+    x, y = torch.randn(32, 64), torch.randn(32, 8)
+    trace = _trace_of(_training_loop(lambda: [(x, y)] * ITERATIONS), tmp_path / "t.json")
+    analysis = analyse(trace)
+    optimizer_steps = trace.ts[trace.mask_name(lambda s: s.startswith("Optimizer.step#")) & trace.complete()]
+    assert optimizer_steps.size == ITERATIONS
+    assert [(s.source, s.kind) for s in analysis.steps] == [("optimizer", "train")] * ITERATIONS
+    assert [s.start_us for s in analysis.steps] == sorted(optimizer_steps.tolist())
+    assert all(a.end_us == b.start_us for a, b in zip(analysis.steps, analysis.steps[1:], strict=False))
+    assert "model steps" not in {m["what"] for m in analysis.summary["missing"]}
+
+
+def test_a_slow_batch_source_in_a_training_loop_is_a_gap_in_its_steps(tmp_path: Path):
+    """The user's own batch generator sleeps before each batch (a slow read from disk or the network):
+    the wait lies in every step between two optimizer steps, and is said, with its time."""
+    x, y = torch.randn(32, 64), torch.randn(32, 8)
+
+    def slow_batches():  # noqa: ANN202
+        for _ in range(ITERATIONS):
+            time.sleep(SLEEP_S)
+            yield x, y
+
+    analysis = analyse(_trace_of(_training_loop(slow_batches), tmp_path / "t.json"))
+    assert [s.source for s in analysis.steps] == ["optimizer"] * ITERATIONS
+    (finding,) = _inside_step_gaps(analysis)
+    assert finding.evidence["cause"] == "untraced_host_time" and finding.evidence["gaps"] >= ITERATIONS - 1
+    assert finding.evidence["median_gap_ms"] >= SLEEP_S * 1000
+    assert "training" in finding.title and "decode" not in finding.title

@@ -4,7 +4,7 @@ Python frames recorded, a wait for the GIL shows as the thread's Python at the s
 another thread's (HostStacks.gil_wait): that time is not the step's work either.
 
 Prefills are judged each against itself (a quarter of it unrecorded: a stall of the time to first
-token). Decode steps are judged when 1.5x slower than their median, and all of them when the median
+token). Decode steps, and a training loop's, are judged when 1.5x slower than their kind's median, and all of them when the median
 one left as much of itself unrecorded as a host gap must be (a wait in every iteration slows no
 step more than the others). Steps of unknown kind (a landmark's: an unmarked trace without
 shapes) only in that second case, and not those far past the median: without step kinds, the
@@ -27,6 +27,8 @@ from servprof.detect.intervals import covered_within
 from servprof.detect.steps import Step
 from servprof.trace.model import median
 
+# A loop's steps, each like the others: judged against their kind's median.
+LOOP_KINDS = ("decode", "train")
 # Of unknown kind, steps past this many times the median unrecorded time are not judged.
 UNKNOWN_OUTLIER = 4.0
 # The step's own work: what its thread recorded, but Python's garbage collector (a collection that
@@ -66,25 +68,29 @@ def _step_time(steps: list[Step], explainer: GapExplainer) -> tuple[np.ndarray, 
     return out, recorded
 
 
-def _candidates(steps: list[Step], explainer: GapExplainer) -> tuple[list[Step], float, list[tuple[Step, float]]]:
-    """The steps to judge (the module's rules), the typical step they are judged against, and the
-    steps of unknown kind left unjudged that would be stalls if judged (with their unrecorded µs)."""
-    decode = [s for s in steps if s.kind == "decode"]
-    if len(decode) >= 3:
-        typical = median([s.dur_us for s in decode])
-        if _usual_unrecorded(decode, explainer, typical)[0] is not None:  # a wait in every step: all of them
-            return decode, typical, []
-        return [s for s in decode if s.dur_us >= 1.5 * typical], typical, []
+def _candidates(steps: list[Step], explainer: GapExplainer
+                ) -> tuple[dict[int, float], list[tuple[Step, float]], float]:
+    """The steps to judge (the module's rules), each (by id()) with the typical step of its kind it
+    is judged against; the steps of unknown kind left unjudged that would be stalls if judged (with
+    their unrecorded µs), and the typical one of those."""
+    judged: dict[int, float] = {}
+    loops = [loop for kind in LOOP_KINDS if len(loop := [s for s in steps if s.kind == kind]) >= 3]
+    for loop in loops:  # each kind against its own median
+        typical = median([s.dur_us for s in loop])
+        every = _usual_unrecorded(loop, explainer, typical)[0] is not None  # a wait in every step: all
+        judged.update((id(s), typical) for s in loop if every or s.dur_us >= 1.5 * typical)
+    if loops:
+        return judged, [], 0.0
     unknown = [s for s in steps if s.kind == "step"]
     if len(unknown) < 3:
-        return [], 0.0, []
+        return {}, [], 0.0
     typical = median([s.dur_us for s in unknown])
     usual, unrecorded = _usual_unrecorded(unknown, explainer, typical)
-    judged = [u <= UNKNOWN_OUTLIER * usual if usual is not None else False for u in unrecorded.tolist()]
+    fits = [u <= UNKNOWN_OUTLIER * usual if usual is not None else False for u in unrecorded.tolist()]
     stall = max(CPU_MIN_GAP_US, RELATIVE_MIN_GAP * typical)
-    unjudged = [(s, u) for s, u, j in zip(unknown, unrecorded.tolist(), judged, strict=True)
+    unjudged = [(s, u) for s, u, j in zip(unknown, unrecorded.tolist(), fits, strict=True)
                 if not j and u >= stall and s.dur_us >= 1.5 * typical]
-    return [s for s, j in zip(unknown, judged, strict=True) if j], typical, unjudged
+    return {id(s): typical for s, j in zip(unknown, fits, strict=True) if j}, unjudged, typical
 
 
 def unjudged_missing(unjudged: list[tuple[Step, float]], typical_us: float) -> dict[str, str]:
@@ -114,13 +120,13 @@ def stalled_steps(steps: list[Step], index: dict[int, int], explainer: GapExplai
     """Steps whose own thread recorded no work for much of the step (it waited for the GIL, slept,
     or was off the CPU): the unrecorded time is a gap inside the step. ``stats``: find_gaps' summary,
     where the steps left unjudged are said (``missing``)."""
-    slow, typical, unjudged = _candidates(steps, explainer)
+    typical_of, unjudged, typical_unknown = _candidates(steps, explainer)
     if unjudged and stats is not None:
-        stats.setdefault("missing", []).append(unjudged_missing(unjudged, typical))
+        stats.setdefault("missing", []).append(unjudged_missing(unjudged, typical_unknown))
     # A stall is a quarter of the typical step (1 ms at least); a prefill's, of itself: prompts differ
     # in length, and a prefill's thread records ops nearly all through it.
     # (Not a prefill in which its thread recorded no work at all: step ranges alone, nothing to judge.)
-    bar = {id(s): max(CPU_MIN_GAP_US, RELATIVE_MIN_GAP * typical) for s in slow}
+    bar = {key: max(CPU_MIN_GAP_US, RELATIVE_MIN_GAP * typical) for key, typical in typical_of.items()}
     bar.update({id(s): max(CPU_MIN_GAP_US, RELATIVE_MIN_GAP * s.dur_us) for s in steps if s.kind == "prefill"})
     judged = [s for s in steps if id(s) in bar]
     out: list[Gap] = []

@@ -62,6 +62,7 @@ SOURCE_LABELS = {
     "profiler_step": "ProfilerStep#N",
     "forward": "outermost model forward",
     "data_loader": "each DataLoader fetch (no step marked)",
+    "optimizer": "each optimizer step (no step or DataLoader fetch marked)",
     "embedding": "each forward's first aten::embedding (no step marked)",
     "compiled": "each call of the torch.compile'd model (no step marked)",
 }

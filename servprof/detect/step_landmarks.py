@@ -7,7 +7,10 @@ Such a trace still holds one landmark per iteration:
 - a language model's forward starts by looking its input ids up, ``aten::embedding`` (models
   with learned positions or token types look two or three tables up back to back: those
   lookups are one forward);
-- a training loop's iteration starts by fetching its batch, ``enumerate(DataLoader)#...``.
+- a training loop's iteration starts by fetching its batch, ``enumerate(DataLoader)#...``;
+- a training loop that fetches none (tensors already in memory, a synthetic batch) still steps
+  its optimizer once an iteration, ``Optimizer.step#SGD.step`` (torch records it for every
+  optimizer): that iteration runs from one optimizer step to the next.
 
 Each step runs on its thread from one landmark to the next. The last one, which no landmark
 closes, ends with the thread's last host op after it, at most ``LAST_STEP_MEDIANS`` median
@@ -17,9 +20,12 @@ kinds are known (``end_before_prefills``: the wait for the next request lies bet
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from servprof.detect.data_loading import loader_rows
+from servprof.detect.name_guard import Guarded
 from servprof.detect.step_forms import EMBEDDING_ROWS, Step, host_rows, outermost, step_from_row
 from servprof.trace.model import Trace, median
 
@@ -29,7 +35,8 @@ from servprof.trace.model import Trace, median
 SAME_ITERATION_SHARE = 0.25
 SAME_ITERATION_EVENTS = 64
 LAST_STEP_MEDIANS = 2.0
-LANDMARK_SOURCES = ("embedding", "data_loader")
+LANDMARK_SOURCES = ("embedding", "data_loader", "optimizer")
+OPTIMIZER_STEP = Guarded(re.compile(r"^Optimizer\.step#"), "Optimizer.step#")
 
 
 def embedding_steps(trace: Trace) -> list[Step]:
@@ -41,6 +48,13 @@ def loader_steps(trace: Trace) -> list[Step]:
     """One step per training-loop iteration: from its DataLoader fetch to the next one."""
     rows = loader_rows(trace)  # (the ranges data_loading.py names as a cause)
     return _landmark_steps(trace, outermost(trace, rows[np.argsort(trace.ts[rows], kind="stable")]), "data_loader")
+
+
+def optimizer_steps(trace: Trace) -> list[Step]:
+    """One step per training-loop iteration that fetches no batch the trace shows: from one
+    optimizer step to the next (find_steps reads these only where no DataLoader fetch opens
+    the iterations)."""
+    return _landmark_steps(trace, outermost(trace, host_rows(trace, OPTIMIZER_STEP)), "optimizer")  # (in time order)
 
 
 def _landmark_steps(trace: Trace, rows: np.ndarray, source: str) -> list[Step]:

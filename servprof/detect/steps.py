@@ -35,7 +35,7 @@ from servprof.detect.step_forms import (
     vllm_steps,
 )
 from servprof.detect.step_kinds import label_unknown_kinds, mark_prefix_recompute, mark_request_openers
-from servprof.detect.step_landmarks import embedding_steps, end_before_prefills, loader_steps
+from servprof.detect.step_landmarks import embedding_steps, end_before_prefills, loader_steps, optimizer_steps
 from servprof.trace.model import Trace
 
 __all__ = ["SOURCE_LABELS", "Step", "StepList", "device_segments", "find_steps", "is_step_annotation", "step_index"]
@@ -66,7 +66,7 @@ def find_steps(trace: Trace) -> StepList:
     found = StepList()
     found.ranks_without_steps = []
     readers = (servprof_steps, sglang_steps, vllm_steps, vllm_frame_steps, profiler_steps, forward_steps,
-               loader_steps, embedding_steps, compiled_steps)
+               loader_steps, embedding_steps, compiled_steps, optimizer_steps)
     read: dict[int, list[Step]] = {}
 
     def of_rank(i: int, rank: int) -> list[Step]:
@@ -84,7 +84,7 @@ def find_steps(trace: Trace) -> StepList:
     for rank in trace.ranks:
         chosen = next((mine for i in range(4) if (mine := of_rank(i, rank))), [])
         if not chosen:  # a step marked around the loop's body, else one its landmarks open
-            outer = of_rank(4, rank) or of_rank(6, rank)
+            outer = of_rank(4, rank) or of_rank(6, rank) or of_rank(9, rank)
             forwards = of_rank(5, rank) or of_rank(7, rank) or of_rank(8, rank)
             # The user's own record_function ranges around each step, else the forwards.
             marked = annotation_steps(trace, annotations(), rank, forwards) if annotations().size else []
