@@ -100,6 +100,25 @@ def test_bad_input_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureF
         assert "export_chrome_trace" in err
 
 
+def test_an_execution_trace_is_named_and_its_kineto_trace_asked_for(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]):
+    """torch's ExecutionTraceObserver writes a JSON of op nodes that people mistake for the profiler's
+    trace (Chakra and PARAM read the two side by side): said what it is, and which file to give."""
+    import torch
+    from torch.profiler import ExecutionTraceObserver
+
+    path = tmp_path / "rank0_et.json"
+    observer = ExecutionTraceObserver().register_callback(str(path))
+    observer.start()
+    torch.nn.Linear(8, 8)(torch.randn(2, 8)).sum()
+    observer.stop()
+    observer.unregister_callback()
+    assert "nodes" in orjson.loads(path.read_bytes())  # (what the observer really wrote)
+    assert main(["analyze", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "a PyTorch execution trace" in err and "export_chrome_trace" in err and len(err.splitlines()) == 1
+
+
 def _zipped(name: str, data: bytes) -> bytes:
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as archive:

@@ -83,6 +83,11 @@ def _what_json(document: Any) -> str:
     if {"segments", "device_traces"} <= document.keys():
         return ("a CUDA memory snapshot (torch.cuda.memory._snapshot()), not a trace: it opens at "
                 "https://pytorch.org/memory_viz")
+    if {"nodes", "schema"} <= document.keys():
+        return ("a PyTorch execution trace (ExecutionTraceObserver, as Chakra and PARAM's et_replay read it): its "
+                "nodes are the ops and tensors, without the time each took, so it cannot show where time went; "
+                "analyse the Kineto trace recorded beside it (torch.profiler's chrome trace: "
+                "prof.export_chrome_trace('trace.json'), or a tensorboard_trace_handler's *.pt.trace.json)")
     keys = ", ".join(repr(k) for k in list(document)[:6]) + (", ..." if len(document) > 6 else "")
     return f"no 'traceEvents' key (its keys: {keys or 'none'}); not a chrome trace: {RECORD_HOW}"
 
