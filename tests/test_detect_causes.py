@@ -432,6 +432,51 @@ def test_straggler_collective(tmp_path: Path):
     assert gap.evidence["gaps"] == 1 and not _gaps(analysis, "kernel_wait")
 
 
+ALL_REDUCE = "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevComm*)"
+
+
+def _ranks_folder(tmp_path: Path, late_rank: int, late_by: float, clock_offset: dict[int, float]) -> Path:
+    """Three rank files of eight steps, each ending in one all-reduce: ``late_rank`` reaches the
+    fifth one ``late_by`` µs after the others, who wait for it; every call ends at the same instant
+    on all ranks (plus a rank's ``clock_offset``: its host's clock disagreeing with the others')."""
+    folder = tmp_path / "ranks"
+    folder.mkdir()
+    for rank in range(3):
+        trace = KinetoTrace(metadata={"distributedInfo": {"rank": rank, "world_size": 3, "backend": "nccl"}})
+        shift = clock_offset.get(rank, 0.0)
+        for k in range(8):
+            t = k * 5000.0 + shift
+            trace.host(DECODE, t, 60)
+            ready = eager_step(trace, t, kernels=5)
+            late = late_by if k == 5 else 0.0
+            arrive = ready + (late if rank == late_rank else 0.0)
+            trace.launch(t + 30, arrive, ready + late + 100 - arrive, name=ALL_REDUCE)
+        trace.write(folder / f"rank-{rank}.json")
+    return folder
+
+
+def test_a_folder_of_ranks_names_the_rank_a_collective_waited_for(tmp_path: Path):
+    """With every rank's trace, the wait is pinned on the rank that reached the collective last:
+    the others' calls of it end together with theirs, and it started its call last."""
+    analysis = analyse(load_trace(_ranks_folder(tmp_path, late_rank=2, late_by=4000.0, clock_offset={})))
+    gaps = [g for g in analysis.gaps if g.cause == "collective_straggler"]
+    assert sorted(g.rank for g in gaps) == [0, 1]  # (rank 2 waited for no one)
+    for gap in gaps:
+        assert gap.evidence["arrived_last"] == {"ranks": [2], "after_us": 4000.0, "ranks_compared": 3}
+        assert "rank 2 arrived last, 4.00 ms after this rank" in gap.explanation
+    (finding,) = [f for f in analysis.findings if f.evidence.get("cause") == "collective_straggler"]
+    assert finding.fix.startswith("Rank 2 arrived last at 2 of these 2 collectives")
+
+
+def test_a_rank_whose_clock_disagrees_is_not_named(tmp_path: Path):
+    """Rank 2's host clock runs 3 ms ahead: its calls do not end with the others', so nothing says
+    they are the same collective, and its start cannot be compared; no rank is named."""
+    analysis = analyse(load_trace(_ranks_folder(tmp_path, late_rank=2, late_by=2000.0, clock_offset={2: 3000.0})))
+    gaps = [g for g in analysis.gaps if g.cause == "collective_straggler"]
+    assert sorted(g.rank for g in gaps) == [0, 1]
+    assert all("arrived_last" not in g.evidence and "arrived last" not in g.explanation for g in gaps)
+
+
 def test_overlapping_step_windows_count_each_idle_stretch_once(tmp_path: Path):
     """Step k's last kernel (on a second stream) runs past step k+1's first kernels: the device
     spans overlap. Every hole of the device timeline belongs to exactly one step or gap."""

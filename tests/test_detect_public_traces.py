@@ -372,3 +372,51 @@ def test_the_hf_trace_recorded_without_stack_or_schedule_finds_the_same_step(tmp
     keep = ("step_ms", "busy_ms", "idle_inside_ms", "idle_between_ms")
     assert [{k: r[k] for k in keep} for r in unmarked.summary["utilisation"]["steps"]] == \
         [{k: r[k] for k in keep} for r in marked.summary["utilisation"]["steps"]]
+
+
+DLRM_RANKS = PUBLIC_TRACES / "param_dlrm_8ranks_v100"
+
+
+def test_a_folder_of_eight_ranks_names_the_rank_each_collective_waited_for():
+    """PARAM's DLRM traces, one file per rank of 8 on one V100 host: ranks sat up to 7.6 ms in an
+    all-to-all (SendRecv) kernel. The rank named as the one that arrived last is, in the raw JSON,
+    the last of the 8 to start that call (the k-th of its name on every rank), and all 8 calls end
+    together (within 10 µs: one clock)."""
+    starts: dict[int, dict[str, list[tuple[float, float]]]] = {}
+    for path in DLRM_RANKS.glob("*.json.gz"):
+        with gzip.open(path) as f:
+            document = json.load(f)
+        calls = starts.setdefault(document["distributedInfo"]["rank"], {})
+        for e in document["traceEvents"]:
+            if e.get("cat") == "kernel" and e["name"].startswith("nccl"):
+                calls.setdefault(e["name"], []).append((e["ts"], e["ts"] + e["dur"]))
+    assert sorted(starts) == list(range(8))
+    analysis = analyse(load_trace(DLRM_RANKS))
+    waits = [g for g in analysis.gaps if g.cause == "collective_straggler"]
+    assert len(waits) >= 7
+    named = 0
+    for gap in waits:
+        name, start = gap.evidence["collective"], gap.end_us - gap.evidence["duration_us"]
+        k = sorted(starts[gap.rank][name]).index(next(c for c in starts[gap.rank][name] if c[0] == start))
+        same_call = {rank: sorted(calls[name])[k] for rank, calls in starts.items()}
+        assert max(e for _, e in same_call.values()) - min(e for _, e in same_call.values()) <= 10
+        last = max(same_call, key=lambda rank: same_call[rank][0])
+        assert gap.evidence["arrived_last"]["ranks"] == [last]
+        assert gap.evidence["arrived_last"]["after_us"] == pytest.approx(same_call[last][0] - start, abs=0.1)
+        named += 1
+    assert named == len(waits)
+    (finding,) = [f for f in analysis.findings if f.evidence.get("cause") == "collective_straggler"]
+    assert finding.fix.startswith("Rank 7 arrived last")
+
+
+def test_a_training_loop_with_no_data_loader_steps_at_its_optimizer():
+    """PARAM's linear-layer training trace (RTX 2080 Ti): no ProfilerStep, no DataLoader, no
+    annotation but torch's own Optimizer.step#SGD.step, 40 times. Each opens a training step (it
+    was "no model step" while the GPU sat idle 630 ms of 2 s); the idle is then judged."""
+    trace = load_trace(public_trace("param_linear_train_2080ti.json.gz"))
+    analysis = analyse(trace)
+    optimizer = np.sort(trace.ts[trace.mask_name(lambda s: s.startswith("Optimizer.step#")) & trace.complete()])
+    assert optimizer.size == 40
+    assert [(s.source, s.kind) for s in analysis.steps] == [("optimizer", "train")] * 40
+    assert [s.start_us for s in analysis.steps] == optimizer.tolist()
+    assert any(f.kind == "decode_gap" and "training steps" in f.title for f in analysis.findings)

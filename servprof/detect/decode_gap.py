@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from servprof.detect.cause_texts import cause_fix, untraced_fix
+from servprof.detect.collective_arrivals import last_arrivals_text
 from servprof.detect.finding import WARNING_SHARE, Finding, severity_for_share
 from servprof.detect.gaps import Gap, find_gaps
 from servprof.detect.steps import Step
@@ -172,7 +173,8 @@ def detect_decode_gaps(trace: Any, steps: list[Step], found: tuple[list[Gap], di
                 "worst_gaps": [g.to_dict() for g in worst[:10]],
             },
             fix=untraced_fix(worst[0].evidence, bool(trace.servprof_metadata())) if cause == "untraced_host_time" else
-            cause_fix(cause, training=words == "training steps", on_device=stats.get("mode") == "device"),
+            (last_arrivals_text(group) if cause == "collective_straggler" else "")
+            + cause_fix(cause, training=words == "training steps", on_device=stats.get("mode") == "device"),
         ))
     _add_host_reads(trace, steps, step_span_us(steps), findings, summary)
     return findings, summary

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from servprof.detect.causes import CAUSES, Explained, GapExplainer
+from servprof.detect.collective_arrivals import name_last_arrivals
 from servprof.detect.concurrency import other_steps_during
 from servprof.detect.gap import CPU_MIN_GAP_US, RELATIVE_MIN_GAP, STEP_KIND_HINT, Description, Gap
 from servprof.detect.graph_capture import (
@@ -96,6 +97,7 @@ def find_gaps(trace: Any, steps: list[Step], requests_us: list[tuple[float, floa
             gaps.extend(_on_the_loop(trace, steps, _host_gaps(rank_steps, index, explainer, fresh)))
             if not light:  # a light trace records no work inside a step: no stall can be told from work
                 gaps.extend(stalled_steps(rank_steps, index, explainer, stats))
+    name_last_arrivals(trace, gaps)  # (a folder of ranks: the one each straggler waited for)
     stats["median_step_us"] = round(median([s.time_us for s in steps]), 1) if steps else None
     return gaps, stats
 

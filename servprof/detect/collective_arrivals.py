@@ -1,0 +1,97 @@
+"""Which rank a collective waited for, where the trace holds the other ranks too.
+
+A rank whose collective kernel ran far longer than its median waited in it for a slower rank
+(gaps.py's ``collective_straggler``). With the other ranks' traces loaded (a folder of rank
+files), the same call on each rank is the one of the same kernel name at the same place in that
+rank's calls of it (ranks that made as many of them). Members of one collective finish it
+together: ranks whose call ended within ``END_TOLERANCE_US`` (or ``END_TOLERANCE_SHARE`` of the
+waiting call) of this one's took part in it with clocks that agree (one host's ranks, or hosts in
+sync), and the last of them to start it arrived last: the rank everyone waited for. A rank whose
+call ended elsewhere (another process group's call of the same kernel, or a host whose clock is
+off) is left out, and with none left the rank is not named.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from servprof.detect.gap import Gap
+
+END_TOLERANCE_US = 10.0
+END_TOLERANCE_SHARE = 0.02
+CAUSE = "collective_straggler"
+
+
+def name_last_arrivals(trace: Any, gaps: list[Gap]) -> None:
+    """Add the rank that arrived last to each straggler gap's explanation and evidence
+    (``arrived_last``), where the trace shows it."""
+    waits = [g for g in gaps if g.cause == CAUSE and not callable(g.description)]
+    if not waits or len(trace.ranks) < 2:
+        return
+    calls: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+    ids = {name: trace.string_id(name) for name in {g.evidence["collective"] for g in waits}}
+    for gap in waits:
+        text, evidence = gap.description  # type: ignore[misc]
+        name_id = ids[evidence["collective"]]
+        if name_id < 0:
+            continue
+        if name_id not in calls:
+            calls[name_id] = _calls_by_rank(trace, name_id)
+        end = gap.end_us
+        arrived = _last_arrival(calls[name_id], gap.rank, end - evidence["duration_us"], end)
+        if arrived is None:
+            continue
+        evidence["arrived_last"] = arrived
+        ranks = arrived["ranks"]
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+        text += (f"; {who} arrived last, {arrived['after_us'] / 1000:.2f} ms after this rank (of the "
+                 f"{arrived['ranks_compared']} ranks whose call ended with this one's)")
+        gap.description = (text, evidence)
+
+
+def _calls_by_rank(trace: Any, name_id: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Per rank, the (starts, ends) of its device calls of this kernel, in time order."""
+    rows = np.flatnonzero(trace.device_mask() & (trace.name_id == name_id))
+    out = {}
+    for rank in np.unique(trace.rank[rows]).tolist():
+        mine = rows[trace.rank[rows] == rank]
+        mine = mine[np.argsort(trace.ts[mine], kind="stable")]
+        out[int(rank)] = (trace.ts[mine], trace.ts[mine] + trace.dur[mine])
+    return out
+
+
+def _last_arrival(by_rank: dict[int, tuple[np.ndarray, np.ndarray]], rank: int, start: float,
+                  end: float) -> dict[str, Any] | None:
+    """The ranks that started this call last (within the tolerance of the latest), among those
+    whose same call ended with this rank's; None when no other rank's did."""
+    if rank not in by_rank:
+        return None
+    starts, _ = by_rank[rank]
+    ordinal = int(np.searchsorted(starts, start, side="left"))
+    if ordinal >= starts.size or starts[ordinal] != start:
+        return None
+    tolerance = max(END_TOLERANCE_US, END_TOLERANCE_SHARE * (end - start))
+    together = {other: float(s[ordinal]) for other, (s, e) in by_rank.items()
+                if other != rank and s.size == starts.size and abs(float(e[ordinal]) - end) <= tolerance}
+    if not together:
+        return None
+    latest = max(together.values())
+    if latest - start <= tolerance:  # (no one arrived measurably later than this rank)
+        return None
+    return {"ranks": sorted(r for r, s in together.items() if latest - s <= tolerance),
+            "after_us": round(latest - start, 1), "ranks_compared": len(together) + 1}
+
+
+def last_arrivals_text(gaps: list[Gap]) -> str:
+    """The rank these waits were for most often, for a finding's fix ("" when none was named)."""
+    counts: dict[int, int] = {}
+    for gap in gaps:
+        for rank in gap.evidence.get("arrived_last", {}).get("ranks", []):
+            counts[rank] = counts.get(rank, 0) + 1
+    if not counts:
+        return ""
+    rank, times = max(counts.items(), key=lambda kv: (kv[1], -kv[0]))
+    return (f"Rank {rank} arrived last at {times} of these {len(gaps)} collectives: start from its trace, in the "
+            "time before each of them. ")
