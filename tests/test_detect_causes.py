@@ -428,6 +428,8 @@ def test_straggler_collective(tmp_path: Path):
     assert gap.cost_ms == pytest.approx(1.9)
     assert gap.evidence["worst_gaps"][0]["median_us"] == pytest.approx(100.0)
     assert "straggler rank" in gap.fix
+    (missing,) = [m for m in analysis.summary["missing"] if m["what"] == "other ranks"]
+    assert "holds 1 rank(s) and names no world size" in missing["message"]
     # It is waiting, but the device shows it busy: it is never counted as idle too.
     assert gap.evidence["gaps"] == 1 and not _gaps(analysis, "kernel_wait")
 
@@ -466,6 +468,7 @@ def test_a_folder_of_ranks_names_the_rank_a_collective_waited_for(tmp_path: Path
         assert "rank 2 arrived last, 4.00 ms after this rank" in gap.explanation
     (finding,) = [f for f in analysis.findings if f.evidence.get("cause") == "collective_straggler"]
     assert finding.fix.startswith("Rank 2 arrived last at 2 of these 2 collectives")
+    assert "other ranks" not in {m["what"] for m in analysis.summary["missing"]}
 
 
 def test_a_rank_whose_clock_disagrees_is_not_named(tmp_path: Path):

@@ -409,6 +409,16 @@ def test_a_folder_of_eight_ranks_names_the_rank_each_collective_waited_for():
     assert finding.fix.startswith("Rank 7 arrived last")
 
 
+def test_one_rank_of_eight_says_the_others_would_name_whom_it_waited_for():
+    """One DLRM rank's file alone: its all-to-all waited 7.1 ms, and the report says that the trace
+    holds one of the job's 8 ranks and what would name the one it waited for."""
+    analysis = analyse(load_trace(next(DLRM_RANKS.glob("worker1_*.json.gz"))))
+    waits = [g for g in analysis.gaps if g.cause == "collective_straggler"]
+    assert waits and all("arrived_last" not in g.evidence for g in waits)
+    (entry,) = [m for m in analysis.summary["missing"] if m["what"] == "other ranks"]
+    assert "holds 1 of the job's 8 ranks" in entry["message"] and "servprof analyze DIR" in entry["message"]
+
+
 def test_a_training_loop_with_no_data_loader_steps_at_its_optimizer():
     """PARAM's linear-layer training trace (RTX 2080 Ti): no ProfilerStep, no DataLoader, no
     annotation but torch's own Optimizer.step#SGD.step, 40 times. Each opens a training step (it

@@ -18,18 +18,23 @@ from typing import Any
 import numpy as np
 
 from servprof.detect.gap import Gap
+from servprof.trace.meta import claimed_world_size
 
 END_TOLERANCE_US = 10.0
 END_TOLERANCE_SHARE = 0.02
 CAUSE = "collective_straggler"
 
 
-def name_last_arrivals(trace: Any, gaps: list[Gap]) -> None:
+def name_last_arrivals(trace: Any, gaps: list[Gap]) -> list[dict[str, str]]:
     """Add the rank that arrived last to each straggler gap's explanation and evidence
-    (``arrived_last``), where the trace shows it."""
+    (``arrived_last``), where the trace shows it. Returns summary["missing"] entries: waits whose
+    rank's peers the trace does not hold."""
     waits = [g for g in gaps if g.cause == CAUSE and not callable(g.description)]
-    if not waits or len(trace.ranks) < 2:
-        return
+    if not waits:
+        return []
+    sizes = [size for document in trace.metadata.values() if (size := claimed_world_size(document)) is not None]
+    if len(trace.ranks) < max(sizes, default=2):
+        return [_peers_missing(waits, len(trace.ranks), max(sizes, default=None))]
     calls: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
     ids = {name: trace.string_id(name) for name in {g.evidence["collective"] for g in waits}}
     for gap in waits:
@@ -49,6 +54,15 @@ def name_last_arrivals(trace: Any, gaps: list[Gap]) -> None:
         text += (f"; {who} arrived last, {arrived['after_us'] / 1000:.2f} ms after this rank (of the "
                  f"{arrived['ranks_compared']} ranks whose call ended with this one's)")
         gap.description = (text, evidence)
+    return []
+
+
+def _peers_missing(waits: list[Gap], ranks: int, world_size: int | None) -> dict[str, str]:
+    held = f"{ranks} of the job's {world_size} ranks" if world_size else f"{ranks} rank(s) and names no world size"
+    return {"what": "other ranks", "message": (
+        f"{len(waits)} collective call(s) waited {sum(g.idle_us for g in waits) / 1000:.2f} ms in all for a slower rank, "
+        f"and this trace holds {held}: with every rank's trace file in one folder (`servprof analyze DIR`), "
+        "servprof names the rank each call waited for (the last to start it).")}
 
 
 def _calls_by_rank(trace: Any, name_id: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:

@@ -97,7 +97,10 @@ def find_gaps(trace: Any, steps: list[Step], requests_us: list[tuple[float, floa
             gaps.extend(_on_the_loop(trace, steps, _host_gaps(rank_steps, index, explainer, fresh)))
             if not light:  # a light trace records no work inside a step: no stall can be told from work
                 gaps.extend(stalled_steps(rank_steps, index, explainer, stats))
-    name_last_arrivals(trace, gaps)  # (a folder of ranks: the one each straggler waited for)
+    # (a folder of ranks: the one each straggler waited for; else that the other ranks are missing)
+    peers_missing = name_last_arrivals(trace, gaps)
+    if peers_missing:
+        stats.setdefault("missing", []).extend(peers_missing)
     stats["median_step_us"] = round(median([s.time_us for s in steps]), 1) if steps else None
     return gaps, stats
 

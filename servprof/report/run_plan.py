@@ -25,7 +25,7 @@ import orjson
 
 from servprof.detect.devices import device_name, match_device_properties, trace_device_properties
 from servprof.trace.loader import SIDECAR_SUFFIXES, trace_files
-from servprof.trace.meta import file_name, files_by_claimed_rank, whole_int
+from servprof.trace.meta import claimed_world_size, file_name, files_by_claimed_rank
 
 if TYPE_CHECKING:
     from servprof.detect.analysis import Analysis
@@ -90,8 +90,7 @@ def apart_reason(trace: Trace) -> str | None:
     devices: dict[frozenset[str], list[str]] = {}
     for rank, document in sorted(trace.metadata.items()):
         name = file_name(rank, document)
-        info = document.get("distributedInfo")
-        size = whole_int(info.get("world_size")) if isinstance(info, dict) else None
+        size = claimed_world_size(document)
         if size is not None:
             sizes.setdefault(size, []).append(name)
         kinds = frozenset(match_device_properties(p) or device_name(p) or "" for p in

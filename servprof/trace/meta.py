@@ -80,6 +80,12 @@ def claimed_rank(document: Any) -> int | None:
     return rank if rank is not None and 0 <= rank <= MAX_RANK else None
 
 
+def claimed_world_size(document: Any) -> int | None:
+    """distributedInfo.world_size of one file, when it names a whole number."""
+    info = document.get("distributedInfo") if isinstance(document, dict) else None
+    return whole_int(info.get("world_size")) if isinstance(info, dict) else None
+
+
 def servprof_fields(raw: Any) -> dict[str, Any]:
     """servprof's session block with every known field of the right type (others dropped); keys
     servprof does not know are passed on as they are."""
