@@ -437,16 +437,18 @@ def test_straggler_collective(tmp_path: Path):
 ALL_REDUCE = "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevComm*)"
 
 
-def _ranks_folder(tmp_path: Path, late_rank: int, late_by: float, clock_offset: dict[int, float]) -> Path:
+def _ranks_folder(tmp_path: Path, late_rank: int, late_by: float, clock_offset: dict[int, float],
+                  first_step: dict[int, int] | None = None) -> Path:
     """Three rank files of eight steps, each ending in one all-reduce: ``late_rank`` reaches the
-    fifth one ``late_by`` µs after the others, who wait for it; every call ends at the same instant
-    on all ranks (plus a rank's ``clock_offset``: its host's clock disagreeing with the others')."""
+    sixth one ``late_by`` µs after the others, who wait for it; every call ends at the same instant
+    on all ranks (plus a rank's ``clock_offset``: its host's clock disagreeing with the others').
+    ``first_step``: a rank whose profiler started that many steps late (its file has fewer calls)."""
     folder = tmp_path / "ranks"
     folder.mkdir()
     for rank in range(3):
         trace = KinetoTrace(metadata={"distributedInfo": {"rank": rank, "world_size": 3, "backend": "nccl"}})
         shift = clock_offset.get(rank, 0.0)
-        for k in range(8):
+        for k in range((first_step or {}).get(rank, 0), 8):
             t = k * 5000.0 + shift
             trace.host(DECODE, t, 60)
             ready = eager_step(trace, t, kernels=5)
@@ -469,6 +471,16 @@ def test_a_folder_of_ranks_names_the_rank_a_collective_waited_for(tmp_path: Path
     (finding,) = [f for f in analysis.findings if f.evidence.get("cause") == "collective_straggler"]
     assert finding.fix.startswith("Rank 2 arrived last at 2 of these 2 collectives")
     assert "other ranks" not in {m["what"] for m in analysis.summary["missing"]}
+
+
+def test_ranks_whose_profilers_started_apart_are_matched_by_when_the_call_ended(tmp_path: Path):
+    """Rank 2's profiler started two steps after the others' (each vLLM worker starts its own): its
+    k-th all-reduce is not theirs, but the one ending with theirs is, and it is still named."""
+    analysis = analyse(load_trace(_ranks_folder(tmp_path, late_rank=2, late_by=4000.0, clock_offset={},
+                                                first_step={2: 2})))
+    gaps = [g for g in analysis.gaps if g.cause == "collective_straggler"]
+    assert sorted(g.rank for g in gaps) == [0, 1]
+    assert all(g.evidence["arrived_last"]["ranks"] == [2] for g in gaps)
 
 
 def test_a_rank_whose_clock_disagrees_is_not_named(tmp_path: Path):

@@ -2,13 +2,14 @@
 
 A rank whose collective kernel ran far longer than its median waited in it for a slower rank
 (gaps.py's ``collective_straggler``). With the other ranks' traces loaded (a folder of rank
-files), the same call on each rank is the one of the same kernel name at the same place in that
-rank's calls of it (ranks that made as many of them). Members of one collective finish it
-together: ranks whose call ended within ``END_TOLERANCE_US`` (or ``END_TOLERANCE_SHARE`` of the
-waiting call) of this one's took part in it with clocks that agree (one host's ranks, or hosts in
-sync), and the last of them to start it arrived last: the rank everyone waited for. A rank whose
-call ended elsewhere (another process group's call of the same kernel, or a host whose clock is
-off) is left out, and with none left the rank is not named.
+files), the same call on each rank is found by when it ended: members of one collective finish
+it together, so a rank's call of the same kernel name that ended within ``END_TOLERANCE_US`` (or
+``END_TOLERANCE_SHARE`` of the waiting call) of this one's is its part in it, on a clock that
+agrees (one host's ranks, or hosts in sync). Matching by end, not by the k-th call of the name,
+keeps ranks whose profilers started or stopped a few calls apart (each vLLM worker starts its own
+on an RPC). The last of them to start it arrived last: the rank everyone waited for. A rank with
+no call ending then (another process group's calls of the same kernel, a host whose clock is
+off) is left out, and with none left no rank is named.
 """
 
 from __future__ import annotations
@@ -66,29 +67,30 @@ def _peers_missing(waits: list[Gap], ranks: int, world_size: int | None) -> dict
 
 
 def _calls_by_rank(trace: Any, name_id: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """Per rank, the (starts, ends) of its device calls of this kernel, in time order."""
+    """Per rank, the (starts, ends) of its device calls of this kernel, in order of their ends."""
     rows = np.flatnonzero(trace.device_mask() & (trace.name_id == name_id))
     out = {}
     for rank in np.unique(trace.rank[rows]).tolist():
         mine = rows[trace.rank[rows] == rank]
-        mine = mine[np.argsort(trace.ts[mine], kind="stable")]
-        out[int(rank)] = (trace.ts[mine], trace.ts[mine] + trace.dur[mine])
+        ends = trace.ts[mine] + trace.dur[mine]
+        order = np.argsort(ends, kind="stable")
+        out[int(rank)] = (trace.ts[mine][order], ends[order])
     return out
 
 
 def _last_arrival(by_rank: dict[int, tuple[np.ndarray, np.ndarray]], rank: int, start: float,
                   end: float) -> dict[str, Any] | None:
     """The ranks that started this call last (within the tolerance of the latest), among those
-    whose same call ended with this rank's; None when no other rank's did."""
-    if rank not in by_rank:
-        return None
-    starts, _ = by_rank[rank]
-    ordinal = int(np.searchsorted(starts, start, side="left"))
-    if ordinal >= starts.size or starts[ordinal] != start:
-        return None
+    with a call of it that ended with this rank's; None when no other rank's did."""
     tolerance = max(END_TOLERANCE_US, END_TOLERANCE_SHARE * (end - start))
-    together = {other: float(s[ordinal]) for other, (s, e) in by_rank.items()
-                if other != rank and s.size == starts.size and abs(float(e[ordinal]) - end) <= tolerance}
+    together: dict[int, float] = {}
+    for other, (starts, ends) in by_rank.items():
+        if other == rank or not ends.size:
+            continue
+        at = int(np.searchsorted(ends, end))
+        nearest = min((i for i in (at - 1, at) if 0 <= i < ends.size), key=lambda i: abs(float(ends[i]) - end))
+        if abs(float(ends[nearest]) - end) <= tolerance:
+            together[other] = float(starts[nearest])
     if not together:
         return None
     latest = max(together.values())
