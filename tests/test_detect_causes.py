@@ -466,7 +466,9 @@ def test_a_folder_of_ranks_names_the_rank_a_collective_waited_for(tmp_path: Path
     gaps = [g for g in analysis.gaps if g.cause == "collective_straggler"]
     assert sorted(g.rank for g in gaps) == [0, 1]  # (rank 2 waited for no one)
     for gap in gaps:
-        assert gap.evidence["arrived_last"] == {"ranks": [2], "after_us": 4000.0, "ranks_compared": 3}
+        arrived = gap.evidence["arrived_last"]
+        assert arrived == {"ranks": [2], "after_us": 4000.0, "at_us": arrived["at_us"], "ranks_compared": 3}
+        assert arrived["at_us"] == gap.end_us - gap.evidence["duration_us"] + 4000.0  # (rank 2's start, on the shared clock)
         assert "rank 2 arrived last, 4.00 ms after this rank" in gap.explanation
     (finding,) = [f for f in analysis.findings if f.evidence.get("cause") == "collective_straggler"]
     assert finding.fix.startswith("Rank 2 arrived last at 2 of these 2 collectives")

@@ -97,7 +97,7 @@ def _last_arrival(by_rank: dict[int, tuple[np.ndarray, np.ndarray]], rank: int, 
     if latest - start <= tolerance:  # (no one arrived measurably later than this rank)
         return None
     return {"ranks": sorted(r for r, s in together.items() if latest - s <= tolerance),
-            "after_us": round(latest - start, 1), "ranks_compared": len(together) + 1}
+            "after_us": round(latest - start, 1), "at_us": latest, "ranks_compared": len(together) + 1}
 
 
 def last_arrivals_text(gaps: list[Gap]) -> str:
