@@ -72,6 +72,31 @@ def test_an_op_faster_than_the_peak_is_a_model_error_never_a_finding(tmp_path: P
         assert all(op["shapes"] != BIG_ADD[1] for op in finding.evidence.get("top_ops", []))
 
 
+def test_an_op_the_l2_cache_can_account_for_is_no_model_error(tmp_path: Path):
+    # 144 MB in 30 us = 4800 GB/s on a 3350 GB/s H100: above the DRAM peak, but DRAM at peak moves
+    # 100.5 MB in 30 us, and the other 43.5 MB fit in its 50 MiB L2: data that was there already.
+    analysis = analyse(load_trace(_gpu_trace(tmp_path, kernel_us=30.0, span_us=1200.0)))
+    above = analysis.summary["bandwidth"]["above_peak"]
+    assert above["ops"] == above["cache_may_serve"] == 1 and above["error"] == "cache"
+    assert BIG_BYTES - 3350e9 * 30e-6 <= 50 * 1024**2 < BIG_BYTES - 3350e9 * 24e-6  # (24 us: the model error above)
+    assert not any("faster than" in w for w in analysis.summary["warnings"])
+    for finding in analysis.findings:  # still left out of every finding
+        assert all(op["shapes"] != BIG_ADD[1] for op in finding.evidence.get("top_ops", []))
+
+
+def test_public_v100_training_gradients_read_back_from_l2_are_no_model_error():
+    """Kineto's ResNet-50 sample: AccumulateGrad's aten::add_ of two 2 MiB gradients (6 MiB moved)
+    in 4-5 µs on a V100 (900 GB/s): the gradient the backward kernel just wrote is read back from
+    the 6 MiB L2. Every such call is within what DRAM at peak and the L2 could move; none is
+    reported as servprof's error, and none is judged."""
+    analysis = analyse(load_trace(public_trace("kineto_resnet50_dataloader_v100.json.gz")))
+    above = analysis.summary["bandwidth"]["above_peak"]
+    assert above["ops"] > 100 and above["cache_may_serve"] == above["ops"] and above["error"] == "cache"
+    for example in above["examples"]:
+        assert example["bytes"] - 900e9 * example["time_us"] * 1e-6 <= 6 * 1024**2
+    assert not any("faster than" in w for w in analysis.summary["warnings"])
+
+
 def test_a_peak_the_trace_contradicts_is_a_device_error_and_a_warning(tmp_path: Path, capsys):
     path = _gpu_trace(tmp_path, kernel_us=24.0, span_us=1200.0)
     # Judged against an L4 (300 GB/s) although the trace ran on an H100.

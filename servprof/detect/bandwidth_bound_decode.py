@@ -29,6 +29,7 @@ from servprof.detect.bandwidth_points import PointTally, group_key, op_floor_us
 from servprof.detect.byte_models import MODELLED, op_cost
 from servprof.detect.devices import (
     BASIS_ASSUMED,
+    MIB,
     MIN_GPU_RIDGE,
     DeviceSpec,
     device_warnings,
@@ -236,12 +237,22 @@ def _point(same: _Shared, cost: OpCost, time_us: float, spec: DeviceSpec) -> dic
     flops, nbytes = cost.flops, cost.bytes
     achieved_gbs = nbytes / (time_us * 1e-6) / 1e9
     share = achieved_gbs / spec.memory_bandwidth_gbs if spec.memory_bandwidth_gbs else None
+    above = share is not None and share > 1.0
     return {
         "op": same.op, "shapes": cost.shapes, "types": cost.types,
         "flops": flops, "bytes": nbytes, "time_us": time_us, "intensity": same.intensity,
         "achieved_gbs": achieved_gbs, "achieved_tflops": flops / (time_us * 1e-6) / 1e12, "bandwidth_share": share,
-        "bound": same.bound, "roofline_us": same.roofline_us, "above_peak": share is not None and share > 1.0,
+        "bound": same.bound, "roofline_us": same.roofline_us, "above_peak": above,
+        "cache_may_serve": above and _cache_may_serve(nbytes, time_us, spec),
     }
+
+
+def _cache_may_serve(nbytes: float, time_us: float, spec: DeviceSpec) -> bool:
+    """Whether the device's last-level cache can account for an op measured faster than the DRAM
+    peak: what DRAM at peak could not have moved in its time fits in the cache (its data was there
+    before it ran: the tensor the op before it wrote, a weight read twice)."""
+    peak = spec.memory_bandwidth_gbs
+    return bool(spec.cache_bytes and peak) and nbytes - peak * 1e9 * time_us * 1e-6 <= spec.cache_bytes  # type: ignore[operator]
 
 
 def _bound(intensity: float, spec: DeviceSpec) -> str:
@@ -261,16 +272,24 @@ def _roofline_us(flops: float, nbytes: float, spec: DeviceSpec) -> float | None:
 def _above_peak_summary(points: PointTally, spec: DeviceSpec) -> dict[str, Any] | None:
     if not points.above_count:
         return None
+    cached = points.above_cache_count
     if not spec.identified:
         error, why = "device", (f"the peak used ({spec.memory_bandwidth_gbs:g} GB/s, {spec.basis}) is not this "
                                 f"device's: {spec.source}")
     elif spec.kind == "cpu":
         error, why = "model", ("the ops' data is small enough to stay in the CPU's caches, which are faster than "
                                "the DRAM bandwidth `servprof calibrate` measured; the roofline does not model caches")
+    elif cached == points.above_count:
+        error, why = "cache", (f"each moved no more than DRAM at peak could in its time plus what fits in the "
+                               f"device's {spec.cache_bytes / MIB:g} MiB last-level cache (L2): their data may have "  # type: ignore[operator]
+                               "been there already (a tensor the op before wrote, one read twice); the roofline "
+                               "models DRAM only")
     else:
-        error, why = "model", ("servprof's byte model, or the time it gave these ops, is wrong for them (or their "
-                               "data was already in the device's cache); please report the op and shapes")
-    return {"ops": points.above_count, "error": error, "why": why,
+        beyond = (f" (more than DRAM at peak and the device's {spec.cache_bytes / MIB:g} MiB cache together could "
+                  "have moved)" if spec.cache_bytes else " (or their data was already in the device's cache)")
+        error, why = "model", f"servprof's byte model, or the time it gave these ops, is wrong for them{beyond}; " \
+                              "please report the op and shapes"
+    return {"ops": points.above_count, "cache_may_serve": cached, "error": error, "why": why,
             "examples": [{"op": p["op"], "shapes": p["shapes"], "types": p["types"], "bytes": p["bytes"],
                           "time_us": round(p["time_us"], 3), "achieved_gbs": round(p["achieved_gbs"], 1)}
                          for p in points.worst_above()],
@@ -306,10 +325,12 @@ def _summarise(points: PointTally, spec: DeviceSpec, scope: str, trace: Trace, w
     if above:
         summary["above_peak"] = above
     # Said out loud where someone can act on it: a peak the trace contradicts, a model error on a
-    # GPU. An assumed peak is already said (summary["missing"]); a CPU's caches are no one's error.
-    if above and spec.basis != BASIS_ASSUMED and spec.kind != "cpu":
+    # GPU that its cache cannot account for. An assumed peak is already said (summary["missing"]); caches are
+    # no one's error.
+    if above and spec.basis != BASIS_ASSUMED and spec.kind != "cpu" and above["error"] != "cache":
+        unexplained = above["ops"] - above["cache_may_serve"] if above["error"] == "model" else above["ops"]
         summary.setdefault("warnings", []).append(
-            f"{above['ops']} op call(s) measured faster than {spec.name}'s {spec.memory_bandwidth_gbs:g} GB/s peak "
+            f"{unexplained} op call(s) measured faster than {spec.name}'s {spec.memory_bandwidth_gbs:g} GB/s peak "
             f"were left out of the findings: a {above['error']} error ({above['why']})")
     if not spec.memory_bandwidth_gbs:
         summary["note"] = f"peak bandwidth unknown, so no op is judged: {spec.source}"

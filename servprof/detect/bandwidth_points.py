@@ -39,6 +39,7 @@ class PointTally:
         self.memory_time_us: float = 0
         self.bytes: float = 0
         self.above_count = 0
+        self.above_cache_count = 0  # of those, the ones the device's cache can account for
         self._worst_above: list[_Worst] = []  # a heap: the least bad of those kept on top
 
     def add(self, point: dict[str, Any], key: str | None = None) -> None:
@@ -50,6 +51,7 @@ class PointTally:
             self._plottable_kept += plottable
         if point["above_peak"]:
             self.above_count += 1
+            self.above_cache_count += bool(point.get("cache_may_serve"))
             worst = _Worst(-point["bandwidth_share"], self.count, point)
             if len(self._worst_above) < WORST_ABOVE_PEAK:
                 heapq.heappush(self._worst_above, worst)

@@ -36,7 +36,9 @@ class DeviceSpec:
     source: str
     kind: str = "gpu"  # "gpu" | "cpu"
     basis: str = BASIS_DATASHEET
-    cache_bytes: int | None = None  # last-level cache, where measured (CPU calibrations)
+    # Last-level cache: a GPU's L2 (AMD Instinct MI300's Infinity Cache) from its datasheet or
+    # architecture whitepaper, a CPU's where `servprof calibrate` measured it; None: not known.
+    cache_bytes: int | None = None
 
     @property
     def ridge_flops_per_byte(self) -> float | None:
@@ -56,24 +58,25 @@ class DeviceSpec:
                 "identified": self.identified}
 
 
+MIB = 1024 * 1024
 DEVICES: dict[str, DeviceSpec] = {
-    "h100-sxm": DeviceSpec("NVIDIA H100 SXM5 80GB", 3350.0, 989.4, "NVIDIA H100 datasheet: HBM3 3.35 TB/s, BF16 1979 TFLOPS with sparsity"),
-    "h100-pcie": DeviceSpec("NVIDIA H100 PCIe 80GB", 2000.0, 756.0, "NVIDIA H100 datasheet: HBM2e 2 TB/s, BF16 1513 TFLOPS with sparsity"),
-    "h100-nvl": DeviceSpec("NVIDIA H100 NVL 94GB", 3900.0, 835.5, "NVIDIA H100 datasheet: HBM3 3.9 TB/s, BF16 1671 TFLOPS with sparsity"),
-    "h200": DeviceSpec("NVIDIA H200 SXM 141GB", 4800.0, 989.4, "NVIDIA H200 datasheet: HBM3e 4.8 TB/s, BF16 1979 TFLOPS with sparsity"),
+    "h100-sxm": DeviceSpec("NVIDIA H100 SXM5 80GB", 3350.0, 989.4, "NVIDIA H100 datasheet: HBM3 3.35 TB/s, BF16 1979 TFLOPS with sparsity", cache_bytes=50 * MIB),
+    "h100-pcie": DeviceSpec("NVIDIA H100 PCIe 80GB", 2000.0, 756.0, "NVIDIA H100 datasheet: HBM2e 2 TB/s, BF16 1513 TFLOPS with sparsity", cache_bytes=50 * MIB),
+    "h100-nvl": DeviceSpec("NVIDIA H100 NVL 94GB", 3900.0, 835.5, "NVIDIA H100 datasheet: HBM3 3.9 TB/s, BF16 1671 TFLOPS with sparsity", cache_bytes=50 * MIB),
+    "h200": DeviceSpec("NVIDIA H200 SXM 141GB", 4800.0, 989.4, "NVIDIA H200 datasheet: HBM3e 4.8 TB/s, BF16 1979 TFLOPS with sparsity", cache_bytes=50 * MIB),
     "h20": DeviceSpec("NVIDIA H20 96GB", 4000.0, 148.0, "NVIDIA H20: HBM3 4.0 TB/s, BF16 148 TFLOPS dense"),
-    "a100": DeviceSpec("NVIDIA A100 SXM4 80GB", 2039.0, 312.0, "NVIDIA A100 datasheet: HBM2e 2039 GB/s, BF16 312 TFLOPS dense"),
-    "a100-40gb": DeviceSpec("NVIDIA A100 40GB", 1555.0, 312.0, "NVIDIA A100 datasheet: HBM2 1555 GB/s, BF16 312 TFLOPS dense"),
+    "a100": DeviceSpec("NVIDIA A100 SXM4 80GB", 2039.0, 312.0, "NVIDIA A100 datasheet: HBM2e 2039 GB/s, BF16 312 TFLOPS dense", cache_bytes=40 * MIB),
+    "a100-40gb": DeviceSpec("NVIDIA A100 40GB", 1555.0, 312.0, "NVIDIA A100 datasheet: HBM2 1555 GB/s, BF16 312 TFLOPS dense", cache_bytes=40 * MIB),
     "b200": DeviceSpec("NVIDIA B200", 8000.0, 2250.0, "NVIDIA HGX B200 datasheet: HBM3e 8 TB/s, BF16 4.5 PFLOPS with sparsity"),
     "gb200": DeviceSpec("NVIDIA GB200 (per GPU)", 8000.0, 2500.0, "NVIDIA GB200 NVL72 datasheet: HBM3e 8 TB/s and BF16 5 PFLOPS with sparsity per GPU"),
-    "mi300x": DeviceSpec("AMD Instinct MI300X", 5300.0, 1307.4, "AMD MI300X datasheet: HBM3 5.3 TB/s, BF16 1307.4 TFLOPS dense"),
-    "mi325x": DeviceSpec("AMD Instinct MI325X", 6000.0, 1307.4, "AMD MI325X datasheet: HBM3e 6 TB/s, BF16 1307.4 TFLOPS dense"),
-    "mi250x": DeviceSpec("AMD Instinct MI250X", 3276.8, 383.0, "AMD MI250X datasheet: HBM2e 3.2768 TB/s, BF16 383 TFLOPS dense"),
-    "mi210": DeviceSpec("AMD Instinct MI210", 1638.4, 181.0, "AMD MI210 datasheet: HBM2e 1.6384 TB/s, BF16 181 TFLOPS dense"),
-    "l40s": DeviceSpec("NVIDIA L40S", 864.0, 362.05, "NVIDIA L40S datasheet: GDDR6 864 GB/s, BF16 733 TFLOPS with sparsity"),
-    "l4": DeviceSpec("NVIDIA L4", 300.0, 121.0, "NVIDIA L4 datasheet: GDDR6 300 GB/s, BF16 242 TFLOPS with sparsity"),
-    "a10": DeviceSpec("NVIDIA A10", 600.0, 125.0, "NVIDIA A10 datasheet: GDDR6 600 GB/s, BF16 250 TFLOPS with sparsity"),
-    "v100": DeviceSpec("NVIDIA V100 SXM2", 900.0, 125.0, "NVIDIA V100 datasheet: HBM2 900 GB/s, FP16 tensor 125 TFLOPS"),
+    "mi300x": DeviceSpec("AMD Instinct MI300X", 5300.0, 1307.4, "AMD MI300X datasheet: HBM3 5.3 TB/s, BF16 1307.4 TFLOPS dense", cache_bytes=256 * MIB),
+    "mi325x": DeviceSpec("AMD Instinct MI325X", 6000.0, 1307.4, "AMD MI325X datasheet: HBM3e 6 TB/s, BF16 1307.4 TFLOPS dense", cache_bytes=256 * MIB),
+    "mi250x": DeviceSpec("AMD Instinct MI250X", 3276.8, 383.0, "AMD MI250X datasheet: HBM2e 3.2768 TB/s, BF16 383 TFLOPS dense", cache_bytes=8 * MIB),
+    "mi210": DeviceSpec("AMD Instinct MI210", 1638.4, 181.0, "AMD MI210 datasheet: HBM2e 1.6384 TB/s, BF16 181 TFLOPS dense", cache_bytes=8 * MIB),
+    "l40s": DeviceSpec("NVIDIA L40S", 864.0, 362.05, "NVIDIA L40S datasheet: GDDR6 864 GB/s, BF16 733 TFLOPS with sparsity", cache_bytes=96 * MIB),
+    "l4": DeviceSpec("NVIDIA L4", 300.0, 121.0, "NVIDIA L4 datasheet: GDDR6 300 GB/s, BF16 242 TFLOPS with sparsity", cache_bytes=48 * MIB),
+    "a10": DeviceSpec("NVIDIA A10", 600.0, 125.0, "NVIDIA A10 datasheet: GDDR6 600 GB/s, BF16 250 TFLOPS with sparsity", cache_bytes=6 * MIB),
+    "v100": DeviceSpec("NVIDIA V100 SXM2", 900.0, 125.0, "NVIDIA V100 datasheet: HBM2 900 GB/s, FP16 tensor 125 TFLOPS", cache_bytes=6 * MIB),
     "cpu": DeviceSpec("generic CPU (assumed)", 40.0, 1.0,
                       "an assumed order of magnitude for one server socket's DRAM and FP32 SIMD, not this machine's: "
                       "run `servprof calibrate` on it", kind="cpu", basis=BASIS_ASSUMED),
