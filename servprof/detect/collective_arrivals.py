@@ -37,6 +37,7 @@ def name_last_arrivals(trace: Any, gaps: list[Gap]) -> list[dict[str, str]]:
     if len(trace.ranks) < max(sizes, default=2):
         return [_peers_missing(waits, len(trace.ranks), max(sizes, default=None))]
     calls: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+    first_event: dict[int, float] = {}
     ids = {name: trace.string_id(name) for name in {g.evidence["collective"] for g in waits}}
     for gap in waits:
         text, evidence = gap.description  # type: ignore[misc]
@@ -54,6 +55,15 @@ def name_last_arrivals(trace: Any, gaps: list[Gap]) -> list[dict[str, str]]:
         who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
         text += (f"; {who} arrived last, {arrived['after_us'] / 1000:.2f} ms after this rank (of the "
                  f"{arrived['ranks_compared']} ranks whose call ended with this one's)")
+        # What held the late rank up is in its trace only if its trace had begun by then.
+        for rank in ranks:
+            if rank not in first_event:
+                first_event[rank] = float(trace.ts[trace.rank == rank].min())
+        began = max(first_event[rank] for rank in ranks)
+        if began > end - evidence["duration_us"]:
+            arrived["trace_began_us"] = began
+            text += (f"; its trace begins {(began - (end - evidence['duration_us'])) / 1000:.2f} ms after this "
+                     "rank's call did, so what held it up is before its trace")
         gap.description = (text, evidence)
     return []
 
@@ -103,11 +113,18 @@ def _last_arrival(by_rank: dict[int, tuple[np.ndarray, np.ndarray]], rank: int, 
 def last_arrivals_text(gaps: list[Gap]) -> str:
     """The rank these waits were for most often, for a finding's fix ("" when none was named)."""
     counts: dict[int, int] = {}
+    unseen: dict[int, int] = {}  # of those, the waits that began before that rank's trace did
     for gap in gaps:
-        for rank in gap.evidence.get("arrived_last", {}).get("ranks", []):
+        arrived = gap.evidence.get("arrived_last", {})
+        for rank in arrived.get("ranks", []):
             counts[rank] = counts.get(rank, 0) + 1
+            unseen[rank] = unseen.get(rank, 0) + ("trace_began_us" in arrived)
     if not counts:
         return ""
     rank, times = max(counts.items(), key=lambda kv: (kv[1], -kv[0]))
-    return (f"Rank {rank} arrived last at {times} of these {len(gaps)} collectives: start from its trace, in the "
-            "time before each of them. ")
+    text = f"Rank {rank} arrived last at {times} of these {len(gaps)} collectives: "
+    if 2 * unseen[rank] >= times:
+        return text + ("its trace began after most of these calls had, so what held it up is not in it: record "
+                       "more steps (a longer `active` in the profiler's schedule) so that the time before them is in "
+                       "every rank's trace. ")
+    return text + "start from its trace, in the time before each of them. "
