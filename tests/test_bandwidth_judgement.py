@@ -204,6 +204,24 @@ def test_measured_cpu_peak_judges_for_real_unless_the_step_fits_in_cache(tmp_pat
     assert "move too little" not in finding.fix  # (12 MB a step: not little, but in the cache)
 
 
+@pytest.mark.parametrize(("op", "capped"), [(ADD, True), (BIG_ADD, False)], ids=["12MB", "144MB"])
+def test_a_gpu_decode_step_that_fits_in_the_l2_is_not_bandwidth_bound(tmp_path: Path, op: tuple, capped: bool):
+    """An H100 decode step whose one add runs at a fraction of the peak: 12 MB a step fits in the
+    H100's 50 MiB L2 (its datasheet's), so DRAM bandwidth does not bound it and the finding is at most
+    info; 144 MB does not, and the same slowness is judged."""
+    synth = SynthTrace([H100])
+    for step in range(4):
+        synth.span("servprof:decode_step|r1", step * 4000.0, 3500.0)
+        synth.op(*op[:1], step * 4000.0 + 100, 3100.0, *op[1:], kernel_us=3000.0)
+    (finding,) = [f for f in analyse(load_trace(synth.write(tmp_path / "t.json.gz"))).findings
+                  if f.kind == "bandwidth_bound_decode"]
+    assert finding.evidence["device"]["cache_bytes"] == 50 * 1024**2
+    if capped:
+        assert finding.severity == "info" and "52 MB last-level cache" in finding.evidence["severity_capped"]
+    else:
+        assert finding.severity != "info" and "severity_capped" not in finding.evidence
+
+
 def test_a_step_whose_ops_are_mostly_unmodelled_is_not_said_to_fit_in_cache(tmp_path: Path, no_saved_calibration):
     """The same steps, each with a dynamically quantised linear beside the add, three times as long:
     its int8 weight is packed in an object whose shape the profiler does not record, so the 12 MB
