@@ -431,12 +431,13 @@ def test_one_rank_of_eight_says_the_others_would_name_whom_it_waited_for():
 
 def test_a_training_loop_with_no_data_loader_steps_at_its_optimizer():
     """PARAM's linear-layer training trace (RTX 2080 Ti): no ProfilerStep, no DataLoader, no
-    annotation but torch's own Optimizer.step#SGD.step, 40 times. Each opens a training step (it
-    was "no model step" while the GPU sat idle 630 ms of 2 s); the idle is then judged."""
+    annotation but torch's own Optimizer.step#SGD.step, 40 times: 39 whole iterations between them are
+    training steps (it was "no model step" while the GPU sat idle 630 ms of 2 s); the idle is then judged."""
     trace = load_trace(public_trace("param_linear_train_2080ti.json.gz"))
     analysis = analyse(trace)
     optimizer = np.sort(trace.ts[trace.mask_name(lambda s: s.startswith("Optimizer.step#")) & trace.complete()])
     assert optimizer.size == 40
-    assert [(s.source, s.kind) for s in analysis.steps] == [("optimizer", "train")] * 40
-    assert [s.start_us for s in analysis.steps] == optimizer.tolist()
+    assert [(s.source, s.kind) for s in analysis.steps] == [("optimizer", "train")] * 39
+    assert [(s.start_us, s.end_us) for s in analysis.steps] == list(zip(optimizer[:-1].tolist(), optimizer[1:].tolist(),
+                                                                         strict=True))
     assert any(f.kind == "decode_gap" and "training steps" in f.title for f in analysis.findings)

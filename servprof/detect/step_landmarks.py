@@ -10,7 +10,8 @@ Such a trace still holds one landmark per iteration:
 - a training loop's iteration starts by fetching its batch, ``enumerate(DataLoader)#...``;
 - a training loop that fetches none (tensors already in memory, a synthetic batch) still steps
   its optimizer once an iteration, ``Optimizer.step#SGD.step`` (torch records it for every
-  optimizer): that iteration runs from one optimizer step to the next.
+  optimizer): an iteration runs from one optimizer step to the next, and the last one opens
+  none (what follows it is no whole iteration).
 
 Each step runs on its thread from one landmark to the next. The last one, which no landmark
 closes, ends with the thread's last host op after it, at most ``LAST_STEP_MEDIANS`` median
@@ -53,8 +54,11 @@ def loader_steps(trace: Trace) -> list[Step]:
 def optimizer_steps(trace: Trace) -> list[Step]:
     """One step per training-loop iteration that fetches no batch the trace shows: from one
     optimizer step to the next (find_steps reads these only where no DataLoader fetch opens
-    the iterations)."""
-    return _landmark_steps(trace, outermost(trace, host_rows(trace, OPTIMIZER_STEP)), "optimizer")  # (in time order)
+    the iterations). An optimizer step closes an iteration, so a thread's last one opens none:
+    what follows it is no whole iteration (nor is what precedes its first)."""
+    steps = _landmark_steps(trace, outermost(trace, host_rows(trace, OPTIMIZER_STEP)), "optimizer")  # (in time order)
+    last = {(s.rank, s.tid): i for i, s in enumerate(steps)}  # (sorted by rank and start: a thread's last)
+    return [s for i, s in enumerate(steps) if last[(s.rank, s.tid)] != i]
 
 
 def _landmark_steps(trace: Trace, rows: np.ndarray, source: str) -> list[Step]:
