@@ -96,3 +96,22 @@ def test_a_host_table_beside_device_events_it_could_not_tie_does_not_say_there_a
     assert "no device events" not in caption
     summary["device_events"] = False
     assert "no device events in this trace" in utilisation_caption(summary)
+
+
+def test_a_folder_of_ranks_is_read_in_tables_not_in_a_paragraph_per_rank(capsys: pytest.CaptureFixture):
+    """PARAM's 8-rank DLRM folder, 4 streams a rank: the step forms are said once for the ranks that
+    share one, and the 32 streams' idle split is a table."""
+    from _analyze_helpers import PUBLIC_TRACES
+
+    assert main(["analyze", str(PUBLIC_TRACES / "param_dlrm_8ranks_v100")]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "Steps from ranks 0-7: ProfilerStep#N." in printed and "rank 1: ProfilerStep#N" not in printed
+    assert "Idle split per stream (HTA's rule): time / gaps" in printed
+    assert "rank 0 stream 7: host_wait" not in printed  # (the one-line form, for a few streams)
+
+
+def test_step_sources_group_ranks_by_form():
+    from servprof.report.utilisation import step_sources_text
+
+    assert step_sources_text({"0": "ProfilerStep#N"}) == "rank 0: ProfilerStep#N"
+    assert step_sources_text({"0": "a", "1": "a", "2": "b", "3": "a", "4": "a", "5": "a"}) == "ranks 0, 1, 3-5: a, rank 2: b"

@@ -11,6 +11,8 @@ from rich.table import Table
 from rich.text import Text
 
 UTILISATION_COLUMNS = ("rank", "kind", "steps", "step ms", "busy", "idle inside", "idle between")
+SPLIT_COLUMNS = ("rank", "stream", "host_wait", "kernel_wait", "other")
+SPLIT_INLINE_ROWS = 4  # more streams than this (ranks x streams) are a table
 
 
 def _ms_pct(row: dict[str, Any], key: str) -> str:
@@ -31,7 +33,7 @@ def utilisation_rows(summary: dict[str, Any]) -> list[list[str]]:
 
 def utilisation_caption(summary: dict[str, Any]) -> str:
     util = summary.get("utilisation") or {}
-    sources = ", ".join(f"rank {rank}: {label}" for rank, label in (util.get("sources") or {}).items())
+    sources = step_sources_text(util.get("sources") or {})
     if util.get("mode") == "device":
         where = ("device timeline (busy = any kernel, copy or memset running; the step is its device span, "
                  "idle between = since the previous step's device work ended)")
@@ -45,6 +47,27 @@ def utilisation_caption(summary: dict[str, Any]) -> str:
     note = f" ({util['note']})" if util.get("note") else ""
     return (f"Per-step utilisation on the {where}{note}. Median per step, and share of all steps' time. "
             f"Steps from {sources}.")
+
+
+def step_sources_text(sources: dict[str, str]) -> str:
+    """"rank 0: ProfilerStep#N", or for a folder of ranks one entry per form, its ranks listed
+    ("ranks 0-7: ProfilerStep#N"), not one per rank."""
+    by_label: dict[str, list[int]] = {}
+    for rank, label in sources.items():
+        by_label.setdefault(label, []).append(int(rank))
+    return ", ".join(f"{_ranks_text(sorted(ranks))}: {label}" for label, ranks in by_label.items())
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    return "ranks " + ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)) for run in runs)
 
 
 def utilisation_renderables(summary: dict[str, Any]) -> list[RenderableType]:
@@ -62,7 +85,14 @@ def utilisation_renderables(summary: dict[str, Any]) -> list[RenderableType]:
         out.append(table)
         out.append(Text.assemble((utilisation_caption(summary), "dim")))
     split = idle_split_rows(summary)
-    if split:
+    if len(split) > SPLIT_INLINE_ROWS:  # (a folder of ranks, each with its streams: a table, not a paragraph)
+        table = Table(title="Idle split per stream (HTA's rule): time / gaps", title_justify="left")
+        for column in SPLIT_COLUMNS:
+            table.add_column(column, justify="left" if column in ("rank", "stream") else "right", no_wrap=True)
+        for row in split:
+            table.add_row(*(Text(cell) for cell in row))
+        out.append(table)
+    elif split:
         out.append(Text("Idle split per stream (HTA's rule): " + "; ".join(
             f"rank {r[0]} stream {r[1]}: host_wait {r[2]}, kernel_wait {r[3]}, other {r[4]}" for r in split)))
     overhead = summary.get("servprof_overhead")
@@ -114,7 +144,7 @@ def utilisation_html(summary: dict[str, Any]) -> str:
     if split:
         parts.append("<p>Idle split per stream, HTA's rule (time / gaps): host_wait = the device waited for the "
                      "host to launch; kernel_wait = under 30 µs between queued work; other = the rest.</p>")
-        parts.append(_table(("rank", "stream", "host_wait", "kernel_wait", "other"), split))
+        parts.append(_table(SPLIT_COLUMNS, split))
     overhead = summary.get("servprof_overhead")
     if isinstance(overhead, dict) and overhead.get("message"):
         parts.append(f"<p><b>servprof's own overhead:</b> {_esc(overhead['message'])}</p>")
