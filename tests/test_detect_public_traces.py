@@ -417,6 +417,10 @@ def test_a_folder_of_eight_ranks_names_the_rank_each_collective_waited_for():
         (late,) = gap.evidence["arrived_last"]["ranks"]
         assert ("trace_began_us" in gap.evidence["arrived_last"]) == (first_event[late] > start)
     assert "record more steps" in finding.fix
+    # The title's example is the longest wait, and says whose it is (thread ids are per rank's process).
+    longest = max(waits, key=lambda g: g.idle_us)
+    assert f"of step time): rank {longest.rank}: a collective" in finding.title
+    assert {g["rank"] for g in finding.evidence["worst_gaps"]} == {g.rank for g in waits}
 
 
 def test_one_rank_of_eight_says_the_others_would_name_whom_it_waited_for():

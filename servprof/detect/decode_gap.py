@@ -157,7 +157,8 @@ def detect_decode_gaps(trace: Any, steps: list[Step], found: tuple[list[Gap], di
             start_us=min(g.start_us for g in group),
             end_us=max(g.end_us for g in group),
             title=(f"{count} gap(s) {where_text}, {idle.sum() / 1000:.2f} ms {what} ({share:.0%} of step time): "
-                   f"{worst[0].explanation}"),
+                   # (a folder of ranks: the thread named is that rank's process's)
+                   f"{f'rank {worst[0].rank}: ' if len(trace.ranks) > 1 else ''}{worst[0].explanation}"),
             request_ids=sorted({r for g in group for r in g.request_ids})[:100],
             evidence={
                 "cause": cause,

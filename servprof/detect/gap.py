@@ -49,6 +49,7 @@ class Gap:
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "rank": self.rank,
             "start_us": self.start_us,
             "end_us": self.end_us,
             "idle_us": round(self.idle_us, 1),
