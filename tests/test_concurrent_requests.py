@@ -38,8 +38,12 @@ def test_gaps_between_concurrent_requests_steps_are_theirs_and_within_each_threa
     gaps = [f for f in result["findings"] if f["kind"] == "decode_gap"]
     for finding in gaps:
         assert 0 < finding["evidence"]["share_of_step_time"] <= 1.0, finding["title"]
-    named = [g for f in gaps if f["evidence"]["cause"] == "concurrent_steps" for g in f["evidence"]["worst_gaps"]]
-    assert named, [f["title"] for f in gaps]
+    # Named whether or not they reach a finding's bar (5% of step time): how far the 8 threads' steps
+    # interleave depends on the machine's load, and a share under the bar is listed, not reported.
+    unreported = result["summary"]["detect"]["decode_gap"].get("unreported_gaps", [])
+    named = [g for f in gaps if f["evidence"]["cause"] == "concurrent_steps" for g in f["evidence"]["worst_gaps"]] \
+        + [g for g in unreported if g["cause"] == "concurrent_steps"]
+    assert named, ([f["title"] for f in gaps], result["summary"]["detect"]["decode_gap"].get("below_bar"))
     for gap in named:
         mine = next(rid for rid in steps if rid in gap["request_ids"])
         others = union([s for rid, spans in steps.items() if rid != mine for s in spans])
