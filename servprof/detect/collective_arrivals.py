@@ -47,7 +47,8 @@ def name_last_arrivals(trace: Any, gaps: list[Gap]) -> list[dict[str, str]]:
         if name_id not in calls:
             calls[name_id] = _calls_by_rank(trace, name_id)
         end = gap.end_us
-        arrived = _last_arrival(calls[name_id], gap.rank, end - evidence["duration_us"], end)
+        start = end - evidence["duration_us"]  # (the kernel's own start: the gap begins after its median)
+        arrived = _last_arrival(calls[name_id], gap.rank, start, end)
         if arrived is None:
             continue
         evidence["arrived_last"] = arrived
@@ -60,10 +61,10 @@ def name_last_arrivals(trace: Any, gaps: list[Gap]) -> list[dict[str, str]]:
             if rank not in first_event:
                 first_event[rank] = float(trace.ts[trace.rank == rank].min())
         began = max(first_event[rank] for rank in ranks)
-        if began > end - evidence["duration_us"]:
+        if began > start:
             arrived["trace_began_us"] = began
-            text += (f"; its trace begins {(began - (end - evidence['duration_us'])) / 1000:.2f} ms after this "
-                     "rank's call did, so what held it up is before its trace")
+            text += (f"; its trace begins {(began - start) / 1000:.2f} ms after this rank's call did, so what "
+                     "held it up is before its trace")
         gap.description = (text, evidence)
     return []
 
