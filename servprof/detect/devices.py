@@ -77,6 +77,17 @@ DEVICES: dict[str, DeviceSpec] = {
     "l4": DeviceSpec("NVIDIA L4", 300.0, 121.0, "NVIDIA L4 datasheet: GDDR6 300 GB/s, BF16 242 TFLOPS with sparsity", cache_bytes=48 * MIB),
     "a10": DeviceSpec("NVIDIA A10", 600.0, 125.0, "NVIDIA A10 datasheet: GDDR6 600 GB/s, BF16 250 TFLOPS with sparsity", cache_bytes=6 * MIB),
     "v100": DeviceSpec("NVIDIA V100 SXM2", 900.0, 125.0, "NVIDIA V100 datasheet: HBM2 900 GB/s, FP16 tensor 125 TFLOPS", cache_bytes=6 * MIB),
+    # Intel GPUs (XPU): BF16 peaks are the XMX engines' 4096 ops per Xe core per clock at the top clock
+    # (128 cores at 1.6 GHz; 56 at 1.55 GHz), as Intel's 838.9 TFLOPS for the Max 1550 is.
+    "max1550": DeviceSpec("Intel Data Center GPU Max 1550", 3276.8, 838.9, "Intel Data Center GPU Max 1550 datasheet: "
+                          "HBM2e 3.2768 TB/s, BF16 XMX 838.9 TFLOPS dense, 408 MB L2", cache_bytes=408 * MIB),
+    # Level Zero's default (FLAT) hierarchy makes each of its two stacks a device: half of each figure.
+    "max1550-stack": DeviceSpec("Intel Data Center GPU Max 1550 (one stack)", 1638.4, 419.4, "Intel Data Center GPU "
+                                "Max 1550 datasheet, halved: one of its two stacks (64 Xe cores, 4 of 8 HBM2e stacks, "
+                                "204 MB of L2), which Level Zero's FLAT hierarchy makes a device", cache_bytes=204 * MIB),
+    "max1100": DeviceSpec("Intel Data Center GPU Max 1100", 1228.8, 355.5, "Intel Data Center GPU Max 1100 datasheet: "
+                          "HBM2e 1.2288 TB/s, 56 Xe cores at 1.55 GHz (BF16 XMX 355.5 TFLOPS), 108 MB L2",
+                          cache_bytes=108 * MIB),
     "cpu": DeviceSpec("generic CPU (assumed)", 40.0, 1.0,
                       "an assumed order of magnitude for one server socket's DRAM and FP32 SIMD, not this machine's: "
                       "run `servprof calibrate` on it", kind="cpu", basis=BASIS_ASSUMED),
@@ -94,6 +105,7 @@ _NAME_PATTERNS = [
     (re.compile(r"MI325X", re.I), "mi325x"), (re.compile(r"MI250X?\b", re.I), "mi250x"),
     (re.compile(r"MI210", re.I), "mi210"), (re.compile(r"L40S", re.I), "l40s"), (re.compile(r"\bL4\b", re.I), "l4"),
     (re.compile(r"\bA10G?\b", re.I), "a10"), (re.compile(r"V100", re.I), "v100"),
+    (re.compile(r"GPU Max 1550", re.I), "max1550"), (re.compile(r"GPU Max 1100", re.I), "max1100"),
 ]
 # (computeMajor, computeMinor, numSms) -> table key, for traces that leave the name empty (some ROCm ones).
 _BY_SHAPE = {(9, 4, 304): "mi300x", (9, 0, 114): "h100-pcie", (8, 0, 108): "a100", (8, 9, 58): "l4",
@@ -145,7 +157,10 @@ def match_device_properties(prop: dict[str, Any]) -> str | None:
     (some ROCm traces leave the name empty)."""
     name = device_name(prop)
     if name:
-        return match_device_name(name)
+        key = match_device_name(name)
+        if key == "max1550":  # a whole card (1024 vector engines) or one of its stacks, by the engines it lists
+            return {1024: "max1550", 512: "max1550-stack"}.get(_int_field(prop, "maxComputeUnits"))  # type: ignore[arg-type]
+        return key
     shape = (_int_field(prop, "computeMajor"), _int_field(prop, "computeMinor"), _int_field(prop, "numSms"))
     if shape == (9, 0, 132):
         return "h200" if (_number_field(prop, "totalGlobalMem") or 0) > 100e9 else "h100-sxm"

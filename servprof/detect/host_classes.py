@@ -32,10 +32,13 @@ BUSY_CLASSES = (PYTHON, OP, LAUNCH, RUNTIME, SYNC, TOKENIZE, DETOKENIZE, COLLECT
 SYNC_NAMES = Guarded(re.compile(
     r"(cuda|hip)(Stream|Device|Event|Ctx)Synchronize|^cu(Stream|Ctx|Event)Synchronize|^(cuda|hip)Memcpy$"
     r"|^hipMemcpyWithStream$|^(cuda|hip|cu)Memcpy(DtoH|D2H)|^aten::_local_scalar_dense$|^aten::item$"
-    r"|^aten::nonzero$|torch/cuda/__init__\.py\(\d+\): synchronize|<method '(tolist|item|cpu|numpy)' of"
+    # Intel GPUs (XPU): SYCL's unified runtime and Level Zero waits.
+    r"|^urQueueFinish$|^urEventWait$|^ze(Event|Fence|CommandList)HostSynchronize$|^zeCommandQueueSynchronize$"
+    r"|^aten::nonzero$|torch/(cuda|xpu)/__init__\.py\(\d+\): synchronize|<method '(tolist|item|cpu|numpy)' of"
     r"|<built-in method (tolist|item|cpu|numpy) of"
-), "ynchronize", "Memcpy", "aten::_local_scalar_dense", "aten::item", "aten::nonzero", "method 'tolist'",
-   "method 'item'", "method 'cpu'", "method 'numpy'", "method tolist", "method item", "method cpu", "method numpy")
+), "ynchronize", "Memcpy", "aten::_local_scalar_dense", "aten::item", "urQueueFinish", "urEventWait", "aten::nonzero",
+   "method 'tolist'", "method 'item'", "method 'cpu'", "method 'numpy'", "method tolist", "method item", "method cpu",
+   "method numpy")
 # Tokenizer work recognisable in traces that carry no servprof phase markers.
 # (Not the accessors of the tokenizer's output, a BatchEncoding, which live in the same files:
 # `inputs["input_ids"]` or `.to(device)` in a generate loop is no tokenization.)
@@ -85,7 +88,10 @@ COMPILED_REGION = Guarded(re.compile(r"^Torch-Compiled Region|CompiledFxGraph|to
                           "Torch-Compiled Region", "CompiledFxGraph", "torch/_inductor/", "cuda_graph.py(",
                           "cudagraph_trees", "replay", "GraphLaunch")
 GRAPH_LAUNCH = Guarded(re.compile(r"^(cuda|hip|cu)GraphLaunch"), "GraphLaunch")
-LAUNCH_NAMES = Guarded(re.compile(r"Launch|Memcpy\w*Async|Memset"), "Launch", "Memcpy", "Memset")
+# (An Intel GPU's runtime enqueues all device work: urEnqueueKernelLaunch, urEnqueueUSMMemcpy, and
+# Level Zero's zeCommandListAppend* under it.)
+LAUNCH_NAMES = Guarded(re.compile(r"Launch|Memcpy\w*Async|Memset|^urEnqueue|^zeCommandListAppend"), "Launch", "Memcpy",
+                       "Memset", "urEnqueue", "zeCommandListAppend")
 DEVICE_TO_HOST = re.compile(r"DtoH|D2H|DeviceToHost")
 # (A ``__call__`` is a wrapper in the frameworks' and the standard library's files: a module's, a
 # processor list's, an enum's; in the server's own code, or a library servprof does not know, it is a

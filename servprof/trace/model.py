@@ -16,7 +16,8 @@ import numpy as np
 # Categories whose events ran on a device (GPU/accelerator) rather than on the host.
 DEVICE_CATEGORIES = ("kernel", "Kernel", "gpu_memcpy", "Memcpy", "gpu_memset", "Memset", "mtia_ccp_events")
 # Host-side runtime/driver calls that launch device work and carry a correlation id.
-RUNTIME_CATEGORIES = ("cuda_runtime", "cuda_driver", "Runtime", "hip_runtime", "privateuse1_runtime")
+RUNTIME_CATEGORIES = ("cuda_runtime", "cuda_driver", "Runtime", "hip_runtime", "privateuse1_runtime",
+                      "privateuse1_driver", "xpu_runtime", "xpu_driver")
 # A record_function range recorded with CUDA activity is mirrored on the stream it launched onto
 # (on a stream's pseudo-thread): the host range is the one to read.
 DEVICE_MIRROR_CATEGORY = "gpu_user_annotation"
@@ -108,6 +109,10 @@ class Trace:
         self.thread_names = {} if thread_names is None else thread_names  # (rank, pid, tid) -> name
         self._host_names: np.ndarray | None = None
         self._derived: dict[str, Any] = {}  # what several detectors ask for, worked out once
+        from servprof.trace import xpu
+
+        if xpu.is_xpu_trace(self):  # (an Intel GPU's device events name their queue, not a stream)
+            self.stream = xpu.sycl_queue_streams(self, DEVICE_CATEGORIES)
 
     def __repr__(self) -> str:
         return f"Trace({self.source!r}, {len(self)} events, ranks {self.ranks})"
