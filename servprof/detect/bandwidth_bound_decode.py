@@ -29,6 +29,7 @@ from servprof.detect.bandwidth_points import PointTally, group_key, op_floor_us
 from servprof.detect.byte_models import MODELLED, op_cost
 from servprof.detect.devices import (
     BASIS_ASSUMED,
+    BASIS_UNKNOWN,
     MIB,
     MIN_GPU_RIDGE,
     DeviceSpec,
@@ -43,6 +44,7 @@ from servprof.detect.steps import Step, step_index, time_judged_us
 from servprof.detect.threads import thread_groups
 from servprof.detect.tier import BANDWIDTH_NOTE, is_light
 from servprof.detect.unmodelled_ops import describe, incomplete, missing_entry, unmodelled_ops
+from servprof.detect.unrecorded_device import unrecorded_device
 from servprof.trace.model import Trace, distinct
 
 MIN_SHARE_OF_STEP = 0.05  # memory-bound ops under this share of the time judged are not where it goes
@@ -52,6 +54,12 @@ MAX_TOP_OPS = 10
 
 def detect_bandwidth_bound(trace: Trace, steps: list[Step], device: str | None
                            ) -> tuple[list[Finding], dict[str, Any], list[dict[str, Any]]]:
+    unrecorded = unrecorded_device(trace)
+    if unrecorded is not None:  # (host times are dispatch, not the ops' work: nothing to judge)
+        summary, _ = _summarise(PointTally(), DeviceSpec(unrecorded.device, None, None, unrecorded.message(),
+                                                         basis=BASIS_UNKNOWN), WHOLE_TRACE, trace, [])
+        summary.update(note=f"no op is judged: {unrecorded.message()}", missing=[unrecorded.missing_entry()])
+        return [], summary, []
     properties = trace_device_properties(trace.metadata)
     on_device = trace.has_device_events()
     spec = resolve_device(device, properties, on_device)

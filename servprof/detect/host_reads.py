@@ -22,6 +22,7 @@ from servprof.detect.host_stacks import _device_to_host_launches
 from servprof.detect.name_guard import Guarded
 from servprof.detect.nesting import start_order
 from servprof.detect.step_forms import Step, outermost
+from servprof.detect.unrecorded_device import unrecorded_device
 from servprof.trace.model import Trace, distinct, distinct_first_inverse, median
 
 READ_OPS = Guarded(re.compile(r"^aten::(item|_local_scalar_dense)$|<method '(tolist|item|cpu|numpy)' of"
@@ -110,10 +111,17 @@ def detect_host_reads(trace: Trace, steps: list[Step], span_us: float) -> tuple[
     cost_ms = float(spent.sum()) / 1000
     share = cost_ms * 1000 / span_us if span_us > 0 else 0.0
     calls = ", ".join(f"{name} x{n}" for name, n in sorted(labels.items(), key=lambda kv: -kv[1]))
-    title = (f"the decode loop reads a tensor to the host every step ({calls}: {counts.mean():.1f} per step, "
-             f"{spent.mean():.1f} µs per step here, {share:.2%} of step time on this CPU trace); on a GPU "
-             f"each read of the step just launched is a device sync per step: the GPU idles while the host reads "
-             f"and launches the next step")
+    unrecorded = unrecorded_device(trace)
+    if unrecorded is None:
+        title = (f"the decode loop reads a tensor to the host every step ({calls}: {counts.mean():.1f} per step, "
+                 f"{spent.mean():.1f} µs per step here, {share:.2%} of step time on this CPU trace); on a GPU "
+                 f"each read of the step just launched is a device sync per step: the GPU idles while the host "
+                 f"reads and launches the next step")
+    else:  # (the ops ran on a device the trace did not record: each read waited for it)
+        title = (f"the decode loop reads a tensor from {unrecorded.device} every step ({calls}: "
+                 f"{counts.mean():.1f} per step, {spent.mean():.1f} µs per step of host time, {share:.2%} of step "
+                 f"time): each read is a device sync, the device idle while the host reads and launches the next "
+                 f"step (the trace recorded no device activity, so that idle is not measured)")
     return Finding(
         kind="decode_gap", severity=severity_for_share(share, cost_ms),  # type: ignore[arg-type]
         cost_ms=cost_ms, start_us=decode[0].start_us, end_us=decode[-1].end_us, title=title,
