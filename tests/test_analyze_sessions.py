@@ -151,3 +151,34 @@ def test_distinct_ranks_and_unranked_files_give_no_warning(tmp_path: Path):
     _rank_file(plain / "y.json.gz", None)
     assert main(["analyze", str(plain), "--json", str(out)]) == 0
     assert not [w for w in orjson.loads(out.read_bytes())["summary"]["warnings"] if "claim rank" in w]
+
+
+def test_a_frontends_cpu_trace_beside_the_workers_is_not_a_rank(tmp_path: Path, capsys):
+    """vLLM's profiler folder: the workers' `dp0_pp0_tp{N}_..._rank{N}.<ns>.pt.trace.json.gz` and the
+    API server's CPU-only `<host>_<pid>.async_llm.<ns>.pt.trace.json.gz`. The workers stay one job's
+    ranks, analysed together; the API server's trace, another process, is analysed on its own (before,
+    it was merged as rank 2 of the job). Here the workers are two ranks of a public vLLM trace and the
+    API server's stand-in is a CPU server's trace of servprof's own (no vLLM engine runs here)."""
+    run = tmp_path / "vllm_profile"
+    run.mkdir()
+    for rank in (0, 1):
+        _public_rank(run / f"dp0_pp0_tp{rank}_dcp0_ep0_rank{rank}.17640000000000{rank}0000.pt.trace.json.gz",
+                     "vllm_decode_bs32_fullgraph_mi300x.json.gz", rank, 2)
+    frontend = run / "myhost_4242.async_llm.1764000000100000000.pt.trace.json.gz"
+    shutil.copyfile(fixture("clean"), frontend)
+    (run / "dp0_pp0_tp0_dcp0_ep0_rank0.profiler_out.txt").write_text("a table, not a trace\n")
+    out = tmp_path / "r.json"
+    assert main(["analyze", str(run), "--json", str(out)]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert f"2 runs: the ranks that ran on a device, analysed together, and each trace of another process on its own " \
+           f"({frontend.name} recorded no device work beside ranks that did" in printed
+    report = orjson.loads(out.read_bytes())
+    assert report["summary"]["sessions"] == [str(run), str(frontend)]
+    workers, api = (one["summary"] for one in report["sessions"])
+    assert workers["ranks"] == [0, 1] and workers["device_events"]
+    assert workers["bandwidth"]["device"]["name"] == "AMD Instinct MI300X"
+    assert api["ranks"] == [0] and not api["device_events"]
+    # Without it, every file holds device work: one job, one run, as before.
+    frontend.unlink()
+    assert main(["analyze", str(run), "--json", str(out)]) == 0
+    assert orjson.loads(out.read_bytes())["summary"]["ranks"] == [0, 1]

@@ -23,6 +23,8 @@ from servprof.report.run_plan import (
     Plan,
     Run,
     apart_reason,
+    host_only_files,
+    host_only_reason,
     plan_runs,
     servprof_sessions_dir,
     session_records,
@@ -43,6 +45,8 @@ RUNS_TEXT = {
               "own (oldest first)",
     "run": "{n} runs, each analysed on its own",
     "apart": "{n} traces that are not one job's ranks ({why}), each analysed on its own",
+    "host_only": "{n} runs: the ranks that ran on a device, analysed together, and each trace of another process "
+                 "on its own ({why})",
     "paths": "{n} traces, each analysed on its own (give a directory to analyse the per-rank files of one job "
              "together)",
 }
@@ -87,14 +91,15 @@ def run(args: argparse.Namespace) -> int:
                     progress.update(task, advance=1, description=following)
 
             apart: str | None = None  # why a directory's files were analysed one by one
+            apart_kind = "apart"
             index = 0
             while index < len(runs):
                 item = runs[index]
                 item.trace = load_trace(item.path, progress=advance, files=item.files)
                 before = len(runs)
-                why = _not_one_job(runs, index)
-                if why is not None:  # its files are analysed one by one instead, from runs[index] on
-                    apart, again = why, len(runs) - before + 1
+                replaced = _not_one_job(runs, index)
+                if replaced is not None:  # its files are analysed as runs[index:] say instead
+                    (apart_kind, apart), again = replaced, len(runs) - before + 1
                     total += 3 * again + again - 1  # (each file read again, and one analysis each)
                     if progress is not None and task is not None:
                         progress.update(task, total=total)
@@ -109,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
                 requests = {rid: {"phases": phases} for rid, phases in request_phases(item.trace).items()}
                 item.report = build_report(item.analysis, requests)
         if apart and plan.kind == "run":
-            plan.kind = "apart"
+            plan.kind = apart_kind
         report = runs[0].report if len(runs) == 1 else sessions_report(source, runs)
         if args.json_out:
             document = orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
@@ -154,22 +159,33 @@ def run(args: argparse.Namespace) -> int:
         console.print(Text.assemble((source, "bold"), f": {RUNS_TEXT[plan.kind].format(n=len(runs), why=apart)}"))
     for item in runs:
         # (A trace named on the command line heads its report with its path already.)
-        named = len(runs) > 1 and not (plan.kind in ("paths", "apart") and item.label == item.report["summary"]["source"])
+        named = len(runs) > 1 and not (plan.kind in ("paths", "apart", "host_only")
+                                        and item.label == item.report["summary"]["source"])
         print_analysis(item.analysis, console, session=_heading(plan.kind, item.label) if named else None)
     return 0
 
 
-def _not_one_job(runs: list[Run], index: int) -> str | None:
-    """A directory loaded as one job's ranks whose files are not (run_plan.apart_reason): its run
-    is replaced by one run per file (each read again: the merged columns cannot be told apart
-    cheaply, and such folders are rare), and the reason returned."""
+def _not_one_job(runs: list[Run], index: int) -> tuple[str, str] | None:
+    """A directory loaded as one job's ranks whose files are not: (the plan kind, why) of what
+    replaced its run (each file read again: the merged columns cannot be told apart cheaply, and
+    such folders are rare). Files that are not one job's (run_plan.apart_reason): one run per file.
+    Files that recorded no device work beside ranks that did (run_plan.host_only_files): the ranks
+    stay one run, each of the others is a run of its own."""
     item = runs[index]
     if item.files is not None or item.trace is None or len(item.trace.metadata) < 2 or not item.path.is_dir():
         return None
     why = apart_reason(item.trace)
     if why is not None:
         runs[index:index + 1] = [Run(str(f), f) for f in trace_files(item.path)]
-    return why
+        return "apart", why
+    hosts = host_only_files(item.trace)
+    if not hosts:
+        return None
+    files = trace_files(item.path)
+    ranks = [f for f in files if f.name not in hosts]
+    runs[index:index + 1] = [Run(str(item.path), item.path, ranks),
+                             *(Run(str(f), f) for f in files if f.name in hosts)]
+    return "host_only", host_only_reason(hosts)
 
 
 def _heading(kind: str, label: str) -> str:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import orjson
 
 from servprof.detect.devices import device_name, match_device_properties, trace_device_properties
@@ -107,6 +108,21 @@ def apart_reason(trace: Trace) -> str | None:
         return "they ran on different devices (" + "; ".join(
             f"{', '.join(sorted(kinds))}: {_listed(files)}" for kinds, files in devices.items()) + ")"
     return None
+
+
+def host_only_files(trace: Trace) -> list[str]:
+    """The files of a directory's trace that recorded no device work beside files that did: not ranks
+    of the job but another process's trace (vLLM's API server writes a CPU-only ``<host>_<pid>.async_llm``
+    one beside its workers'), analysed on its own. Empty when every file, or none, ran on a device."""
+    with_device = set(np.unique(trace.rank[trace.device_mask()]).tolist())
+    if not with_device:
+        return []
+    return [file_name(rank, document) for rank, document in sorted(trace.metadata.items()) if rank not in with_device]
+
+
+def host_only_reason(files: list[str]) -> str:
+    return (f"{_listed(files)} recorded no device work beside ranks that did: another process's trace (a server's "
+            "frontend, as vLLM's API server's async_llm one), not a rank")
 
 
 def _listed(files: list[str], shown: int = 3) -> str:
