@@ -46,13 +46,44 @@ def start_order(start: np.ndarray, dur: np.ndarray) -> np.ndarray:
     return order
 
 
-def parents(start: np.ndarray, end: np.ndarray, closed: bool = False) -> np.ndarray:
-    """Per event (sorted by start): the index of the event it is inside, -1 at the top level.
+TABLE_EVENTS = 1 << 16  # up to this many events, parents() searches a table of maxima (8.5 MiB at most)
 
-    The last j < k with end[j] > start[k] (>= when ``closed``: an event still holds what starts
-    at its end), by pointer jumping: when candidate c ended by start[k], so did every event
-    between c's own candidate and c (they ended by start[c] <= start[k]), so the search for k
-    goes on from c's candidate."""
+
+def parents(start: np.ndarray, end: np.ndarray, closed: bool = False) -> np.ndarray:
+    """Per event (sorted by start): the index of the event it is inside, -1 at the top level: the
+    last j < k with end[j] > start[k] (>= when ``closed``: an event still holds what starts at its
+    end). Two searches give the same answer: a table of maxima (log2(n) passes, whatever the
+    nesting) up to TABLE_EVENTS events, pointer jumping (memory linear in events) beyond."""
+    if start.size <= TABLE_EVENTS:
+        return _parents_by_table(start, end, closed)
+    return _parents_by_jumping(start, end, closed)
+
+
+def _parents_by_table(start: np.ndarray, end: np.ndarray, closed: bool) -> np.ndarray:
+    """maxima[l][i] is the latest end among events i-2^l+1 .. i (from 0 near the start). Going
+    back from k-1, the events that ended by start[k] form a run, which a block whose latest end
+    is not after start[k] lies inside: the run is skipped block by block, largest first, each size
+    tried once (its length's binary digits). A NaN end is never ended (as a comparison says)."""
+    n = start.size
+    maxima = [end]
+    width = 1
+    while 2 * width <= n:
+        block = maxima[-1].copy()
+        np.maximum(block[width:], maxima[-1][:-width], out=block[width:])
+        maxima.append(block)
+        width *= 2
+    ended = np.less if closed else np.less_equal
+    at = np.arange(-1, n - 1, dtype=INDEX)  # where each event's search stands
+    for level in range(len(maxima) - 1, -1, -1):
+        skip = ended(maxima[level][np.maximum(at, 0)], start)
+        skip &= at >= 0
+        at[skip] -= 1 << level
+    return np.maximum(at, -1, out=at)
+
+
+def _parents_by_jumping(start: np.ndarray, end: np.ndarray, closed: bool) -> np.ndarray:
+    """When candidate c ended by start[k], so did every event between c's own candidate and c
+    (they ended by start[c] <= start[k]), so the search for k goes on from c's candidate."""
     n = start.size
     candidate = np.arange(-1, n - 1, dtype=INDEX)
     searching = np.arange(1, n, dtype=INDEX)
@@ -112,14 +143,20 @@ def extend_ends(end: np.ndarray, parent: np.ndarray, by_depth: Levels) -> None:
 
 def nearest(parent: np.ndarray, stop: np.ndarray, by_depth: Levels) -> np.ndarray:
     """Per event: the nearest event, itself or an ancestor, where ``stop`` holds (the root of its
-    tree when none does), parents first, one depth level at a time. ``stop`` of shape (m, events):
-    m such questions at once (one pass over the levels: a level's numpy calls are shared)."""
-    order, bounds = by_depth
-    pointer = np.empty(stop.shape, dtype=INDEX)
-    pointer[...] = np.arange(parent.size, dtype=INDEX)
-    for level in range(1, len(bounds) - 1):
-        children = order[bounds[level]:bounds[level + 1]]
-        pointer[..., children] = np.where(stop[..., children], children, pointer[..., parent[children]])
+    tree when none does). ``stop`` of shape (m, events): m such questions at once. Each event
+    points at itself where it stops (or is a root), else at its parent; following the pointers
+    twice as far each round (pointer doubling) reaches the answer in log2(depth) rounds, as
+    gathers over all events (a loop over the depth levels costs numpy calls per level)."""
+    n = parent.size
+    dtype = INDEX if stop.size < 2**31 else np.int64
+    pointer = np.where(stop | (parent < 0), np.arange(n, dtype=dtype), parent).astype(dtype, copy=False)
+    # Rows as one flat array: row r's pointers are offset by r * n (one gather per round for all).
+    offset = (np.arange(stop.shape[0], dtype=dtype) * n)[:, None] if stop.ndim > 1 else 0
+    flat = (pointer + offset).reshape(-1)
+    for _ in range((len(by_depth[1]) - 2).bit_length()):  # (2^rounds > the deepest event's depth)
+        flat = flat[flat]
+    pointer = flat.reshape(stop.shape)
+    pointer -= offset
     return pointer
 
 
