@@ -62,19 +62,21 @@ class ThreadStack:
         # events has about two segments per event.
         none = (np.zeros(0, dtype=np.int32), np.zeros(1))
         self._by_class = [none]  # untraced: what the others leave
-        positions = np.arange(self.cls.size, dtype=np.int32)
-        shown = np.bincount(self.cls, minlength=len(CLASSES)).tolist()
+        # The segments by class, in time order within one (a stable sort): class c's are
+        # by_class[first[c]:first[c + 1]], their lengths summed in that order.
+        by_class = np.argsort(self.cls, kind="stable").astype(np.int32)
+        length = self.end[by_class]
+        length -= self.start[by_class]
+        first = [0, *np.cumsum(np.bincount(self.cls, minlength=len(CLASSES))).tolist()]
         for c in range(1, len(CLASSES)):
-            if not shown[c]:  # (most threads show a few classes: the others cost nothing)
+            lo, hi = first[c], first[c + 1]
+            if lo == hi:  # (most threads show a few classes: the others cost nothing)
                 self._by_class.append(none)
                 continue
-            mine = positions[self.cls == c]
-            length = self.end[mine]
-            length -= self.start[mine]
-            cum = np.empty(mine.size + 1)
+            cum = np.empty(hi - lo + 1)
             cum[0] = 0.0
-            np.cumsum(length, out=cum[1:])
-            self._by_class.append((mine, cum))
+            np.cumsum(length[lo:hi], out=cum[1:])
+            self._by_class.append((by_class[lo:hi], cum))
 
     def _covered_before(self, c: int, t: np.ndarray, segments_started: np.ndarray) -> np.ndarray:
         """Time class c covers before each t; ``segments_started``: how many of all the thread's

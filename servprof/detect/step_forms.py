@@ -144,6 +144,8 @@ def host_rows(trace: Trace, pattern: re.Pattern[str] | Guarded, category: str | 
     """Host duration events whose name matches, in time order."""
     ids = host_ids_matching(trace, pattern) if isinstance(pattern, Guarded) else \
         trace.ids_matching(lambda s: pattern.search(s) is not None, trace.host_names())
+    if not len(ids):  # (most forms' names are in no trace at hand: no pass over its rows)
+        return np.zeros(0, dtype=np.intp)
     mask = trace.has_id(trace.name_id, ids) & trace.complete() & (trace.stream < 0)
     if category is not None:
         mask &= trace.mask_category(category)
