@@ -129,7 +129,7 @@ def analyse(trace_path: Path, session: dict[str, Any]) -> dict[str, Any]:
     from servprof.detect.analysis import analyse as run_all_detectors
     from servprof.trace import load_trace, request_phases
 
-    trace = load_trace(trace_path)
+    trace = load_trace(trace_path, read_args=True)  # (every detector runs: they read args)
     base_ns = trace.base_time_ns()  # None when absent or not a number (never a traceback)
     requests = {rid: {"phases": phases} for rid, phases in request_phases(trace).items()}
     findings: list[Any] = []

@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
             index = 0
             while index < len(runs):
                 item = runs[index]
-                item.trace = load_trace(item.path, progress=advance, files=item.files)
+                item.trace = load_trace(item.path, progress=advance, files=item.files, read_args=True)
                 before = len(runs)
                 replaced = _not_one_job(runs, index)
                 if replaced is not None:  # its files are analysed as runs[index:] say instead

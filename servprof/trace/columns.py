@@ -231,7 +231,9 @@ TRIM_ROWS = 1_000_000  # a file this big gives freed memory back after each colu
 
 _ARG_KEYS = (b'"stream"', b'"correlation"', b'"External id"')
 SAMPLE_BYTES = 64 * 1024
-SPARSE_SHARE = 0.25  # fewer rows than this (in a sample) naming an arg column: only those are decoded
+# Fewer rows than this (in a sample) naming an arg column: only those are decoded. (Measured: a
+# batch of Python frames, none naming one, 0.45-0.5x the full decode's time; 8% naming one, 1.6x.)
+SPARSE_SHARE = 0.03
 
 
 def _arg_columns_of_text(text: bytes, starts: np.ndarray, ends: np.ndarray) -> dict[str, np.ndarray]:

@@ -6,8 +6,10 @@ servprof reads, with ``args`` left as JSON text (columns.py, args.py). Neither t
 of a big trace nor a Python object per event is ever held, so memory stays near the columns'
 size (about 0.9x the inflated trace) and a trace's time is linear in its events. A small trace
 (up to HELD_TEXT_BYTES) keeps its batches' text instead of finding each event's args in it:
-the one pass over the text then reads the args the columns need too. Every way a file can
-be unusable ends in a one-line TraceError.
+the one pass over the text then reads the args the columns need too, and the args' text is
+found only if a row's args are read (never, for an idle split). A caller that reads args all
+through the trace (servprof's analysis) asks for the big trace's way (``read_args``): one pass.
+Every way a file can be unusable ends in a one-line TraceError.
 """
 
 from __future__ import annotations
@@ -52,9 +54,14 @@ def load_trace(
     progress: ProgressCallback | None = None,
     max_bytes: int | None = None,
     files: Sequence[Path] | None = None,
+    read_args: bool = False,
 ) -> Trace:
     """Load a trace file or a directory of per-rank trace files (``files``: those of the
-    directory's files that are one run's ranks, when not all are).
+    directory's files that are one run's ranks, when not all are). ``read_args``: the caller
+    will read the args of rows all through the trace (servprof's detectors do: op shapes, step
+    args), so each event's args text is found as its batch is decoded, in that one pass; by
+    default a small trace keeps its batches' text and finds them only when a row is first
+    read, a second pass over each batch read (a load for an idle split reads none).
 
     Raises TraceError (one line) for anything that is not a usable chrome trace. Pauses
     Python's cyclic garbage collector while it runs: call it in an analysis process or
@@ -63,7 +70,7 @@ def load_trace(
     files = trace_files(path) if files is None else list(files)
     limit = max_trace_bytes() if max_bytes is None else max_bytes
     with paused_gc():
-        return _load(path, files, limit, progress)
+        return _load(path, files, limit, progress, read_args)
 
 
 @contextmanager
@@ -79,13 +86,14 @@ def paused_gc() -> Iterator[None]:
             gc.enable()
 
 
-def _load(path: str | os.PathLike[str], files: list[Path], limit: int, progress: ProgressCallback | None) -> Trace:
+def _load(path: str | os.PathLike[str], files: list[Path], limit: int, progress: ProgressCallback | None,
+          read_args: bool) -> Trace:
     interner = Interner()
     parts: list[dict[str, np.ndarray]] = []
     args = RawArgs()
     metadata: dict[int, dict[str, Any]] = {}
     thread_names: dict[tuple[int, int, int], str] = {}
-    held = _HeldText(args)
+    held = _HeldText(args, keep=not read_args)
     for index, file in enumerate(files):
         columns, document = _read_file(file, limit, progress, held)
         rank = file_rank(document, index, list(metadata))
@@ -117,9 +125,9 @@ def _load(path: str | os.PathLike[str], files: list[Path], limit: int, progress:
 class _HeldText:
     """The batch text a load holds, and the rule that bounds it."""
 
-    def __init__(self, trace_args: RawArgs) -> None:
+    def __init__(self, trace_args: RawArgs, keep: bool = True) -> None:
         self.trace_args = trace_args
-        self.bytes = 0
+        self.bytes = 0 if keep else -(2**62)  # (not kept: every batch is decoded as a big trace's)
 
     def add(self, size: int, columns: FileColumns, batches: EventBatches) -> None:
         self.bytes += size
