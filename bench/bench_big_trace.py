@@ -45,9 +45,9 @@ def _peak(path=sys.argv[1]):
     open(path, 'w').write(f"{hwm} {loading[0]}")
 atexit.register(_peak)
 load = load_trace_orjson if sys.argv[2] == 'reference' else analyze_cli.load_trace
-def timed_load(path, progress=None, files=None):
+def timed_load(path, progress=None, files=None, **options):
     start = time.perf_counter()
-    trace = load(path) if load is load_trace_orjson else load(path, progress=progress, files=files)
+    trace = load(path) if load is load_trace_orjson else load(path, progress=progress, files=files, **options)
     loading[0] = time.perf_counter() - start
     return trace
 analyze_cli.load_trace = timed_load
