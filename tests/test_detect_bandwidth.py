@@ -51,12 +51,21 @@ def decode_like_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # the matrix-vector products stay a large share of the step even on a loaded host.
     square = torch.randn(192, 192)
     path = tmp_path_factory.mktemp("bw") / "decode.json"
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
-        for _ in range(5):
-            with phase("decode_step", request_ids=["r1", "r2"]):
-                for _ in range(3):
-                    torch.mm(token, weight)
-                torch.mm(square, square)
+    # One thread: on a loaded 2-core host a parallel matmul waits for its descheduled threads (the
+    # square one took 8-25 ms instead of ~0.1 in 3 runs of 12 beside three busy loops), and the
+    # matrix-vector products fell under the 5% of step time a finding needs.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.mm(token, weight), torch.mm(square, square)  # (first calls' set-up outside the trace)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+            for _ in range(5):
+                with phase("decode_step", request_ids=["r1", "r2"]):
+                    for _ in range(3):
+                        torch.mm(token, weight)
+                    torch.mm(square, square)
+    finally:
+        torch.set_num_threads(threads)
     prof.export_chrome_trace(str(path))
     return path
 
