@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from weakref import WeakKeyDictionary
 
 import numpy as np
 
 from servprof.detect.devices import device_name, trace_device_properties
 from servprof.detect.name_guard import Guarded
+from servprof.detect.name_scan import host_ids_matching
 from servprof.trace.model import Trace
 
 # Host events that only a device backend runs (aten's CPU attention ops end in "_for_cpu").
@@ -63,16 +65,24 @@ class UnrecordedDevice:
         return {"what": "device activity", "message": self.message()}
 
 
+# Per trace, its answer: the bandwidth and host-read detectors both ask (weakly keyed: it goes with its trace).
+_FOUND: WeakKeyDictionary[Trace, UnrecordedDevice | None] = WeakKeyDictionary()
+
+
 def unrecorded_device(trace: Trace) -> UnrecordedDevice | None:
     """The device a trace's ops ran on, when the trace holds no device events but its ops show
-    they ran on one; None for every other trace (a pass over the distinct host names, not the rows)."""
-    return None if trace.has_device_events() else _find(trace)
+    they ran on one; None for every other trace (the shared scan of the distinct host names,
+    name_scan.py, not a pass over the rows)."""
+    if trace.has_device_events():
+        return None
+    if trace not in _FOUND:
+        _FOUND[trace] = _find(trace)
+    return _FOUND[trace]
 
 
 def _find(trace: Trace) -> UnrecordedDevice | None:
-    names = trace.host_names()
     for family, guarded in FAMILIES:
-        ids = trace.ids_matching(guarded.search, names)
+        ids = host_ids_matching(trace, guarded)
         if ids.size == 0:
             continue
         counts = np.bincount(trace.name_id[trace.has_id(trace.name_id, ids)], minlength=len(trace.names))[ids]

@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import orjson
 
 from servprof.detect.devices import device_name, match_device_properties, trace_device_properties
 from servprof.trace.loader import SIDECAR_SUFFIXES, trace_files
 from servprof.trace.meta import claimed_world_size, file_name, files_by_claimed_rank
+from servprof.trace.model import distinct
 
 if TYPE_CHECKING:
     from servprof.detect.analysis import Analysis
@@ -114,7 +114,7 @@ def host_only_files(trace: Trace) -> list[str]:
     """The files of a directory's trace that recorded no device work beside files that did: not ranks
     of the job but another process's trace (vLLM's API server writes a CPU-only ``<host>_<pid>.async_llm``
     one beside its workers'), analysed on its own. Empty when every file, or none, ran on a device."""
-    with_device = set(np.unique(trace.rank[trace.device_mask()]).tolist())
+    with_device = set(distinct(trace.rank[trace.device_mask()]).tolist())
     if not with_device:
         return []
     return [file_name(rank, document) for rank, document in sorted(trace.metadata.items()) if rank not in with_device]

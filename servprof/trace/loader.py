@@ -125,15 +125,17 @@ def _load(path: str | os.PathLike[str], files: list[Path], limit: int, progress:
 class _HeldText:
     """The batch text a load holds, and the rule that bounds it."""
 
+    LET_GO = -(2**62)  # bytes held once no batch text is kept: every batch is decoded as a big trace's
+
     def __init__(self, trace_args: RawArgs, keep: bool = True) -> None:
         self.trace_args = trace_args
-        self.bytes = 0 if keep else -(2**62)  # (not kept: every batch is decoded as a big trace's)
+        self.bytes = 0 if keep else self.LET_GO
 
     def add(self, size: int, columns: FileColumns, batches: EventBatches) -> None:
         self.bytes += size
         if self.bytes > HELD_TEXT_BYTES:  # a big trace: let go of the text, decode as big traces do
             batches.typed = None
-            self.bytes = -(2**62)
+            self.bytes = self.LET_GO
             for args in (self.trace_args, columns.args):
                 args.let_go_of_batches()
 
