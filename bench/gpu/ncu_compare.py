@@ -7,7 +7,7 @@ The torch.profiler trace and the ncu run are the same decode step in two process
 (bench/gpu/decode_step.py): the same kernels in the same order, so the n-th kernel of the
 trace is the n-th kernel ncu profiled (their names are checked). servprof's side is the
 bandwidth detector's own: the modelled ops it counts (``_outermost_modelled``), each one's
-bytes from its shapes and its time from the kernels it launched (``launched_by``, ``_device_time``). ncu's side,
+bytes from its shapes and its time from the kernels it launched (``launched_by``, ``device_time``). ncu's side,
 for the same kernels: ``dram__bytes_read.sum + dram__bytes_write.sum`` over
 ``gpu__time_duration.sum``. The ops judged are those whose kernels carry the step's time, the
 longest first, until 80% of the step's kernel time is covered.
@@ -26,8 +26,9 @@ from typing import Any
 import numpy as np
 import orjson
 
-from servprof.detect.bandwidth_bound_decode import _device_time, _outermost_modelled, launched_by
+from servprof.detect.bandwidth_bound_decode import _outermost_modelled
 from servprof.detect.byte_models import MODELLED, op_family
+from servprof.detect.op_time import device_time, launched_by
 from servprof.trace.loader import load_trace
 from servprof.trace.model import Trace
 
@@ -84,7 +85,7 @@ def compare(trace: Trace, ncu: list[dict[str, Any]]) -> dict[str, Any]:
     rows = np.flatnonzero(trace.mask_name(MODELLED.__contains__, trace.host_names()) & trace.complete()
                           & (trace.stream < 0))
     taken, costs = _outermost_modelled(trace, rows)
-    times = _device_time(trace, taken)
+    times = device_time(trace, taken)
     step_kernel_us = float(trace.dur[kernels].sum())
     launched, by_op = launched_by(trace, taken)  # the detector's own attribution of device work to ops
     is_kernel = np.isin(launched, kernels)

@@ -26,7 +26,7 @@ import orjson
 
 from servprof.detect.bandwidth_fix import fix_text
 from servprof.detect.bandwidth_points import PointTally, group_key, op_floor_us
-from servprof.detect.byte_models import MODELLED, op_cost
+from servprof.detect.byte_models import LISTS, MODELLED, op_cost, op_family
 from servprof.detect.devices import (
     BASIS_ASSUMED,
     BASIS_UNKNOWN,
@@ -39,9 +39,10 @@ from servprof.detect.devices import (
     with_mismatch,
 )
 from servprof.detect.finding import WHOLE_TRACE, Finding, severity_for_share
+from servprof.detect.list_ops import ListTypes, list_cost, list_output_dims, mark_growing
 from servprof.detect.name_scan import ids_holding
+from servprof.detect.op_time import device_time
 from servprof.detect.steps import Step, step_index, time_judged_us
-from servprof.detect.threads import thread_groups
 from servprof.detect.tier import BANDWIDTH_NOTE, is_light
 from servprof.detect.unmodelled_ops import describe, incomplete, missing_entry, unmodelled_ops
 from servprof.detect.unrecorded_device import unrecorded_device
@@ -78,7 +79,7 @@ def detect_bandwidth_bound(trace: Trace, steps: list[Step], device: str | None
         inside = step_of >= 0
         taken, step_of = taken[inside], step_of[inside]
         costs = [c for c, keep in zip(costs, inside.tolist(), strict=True) if keep]
-    times = _device_time(trace, taken) if on_device else trace.dur[taken].astype(np.float64)
+    times = device_time(trace, taken) if on_device else trace.dur[taken].astype(np.float64)
     points = PointTally()
     step_bytes: dict[int, float] = {}
     # What a point owes to its op and shapes alone, worked out once per OpCost (decode repeats the
@@ -93,12 +94,13 @@ def detect_bandwidth_bound(trace: Trace, steps: list[Step], device: str | None
             step_bytes[step] = step_bytes.get(step, 0.0) + cost.bytes
     time_judged = time_judged_us(trace, decode_steps, on_device)  # no decode steps: the whole trace's span
     summary, grouped = _summarise(points, spec, scope, trace, warnings)
+    mark_growing(grouped, [cost.shapes for cost in {id(c): c for c in costs if c.family == "join"}.values()])
     summary["time_judged_ms"] = round(time_judged / 1000, 3)
     # Every byte the ops of one step move, re-reads included: more than the data it touches.
     working_set = max(step_bytes.values(), default=0.0)
     summary["bytes_per_step_max"] = working_set
     left_out = unmodelled_ops(trace, decode_steps, taken, times,
-                              lambda rows: _device_time(trace, rows) if on_device else trace.dur[rows].astype(np.float64))
+                              lambda rows: device_time(trace, rows) if on_device else trace.dur[rows].astype(np.float64))
     summary["unmodelled"] = left_out
     if incomplete(left_out) and taken.size:  # (none modelled: the summary already says what is missing)
         summary.setdefault("missing", []).append(missing_entry(left_out))
@@ -114,6 +116,7 @@ class OpCost(NamedTuple):
     bytes: float
     shapes: Any
     types: Any
+    family: str  # byte_models.op_family: the remedy's kind
 
 
 class _ShapeArgs(msgspec.Struct, gc=False):
@@ -142,6 +145,10 @@ def _outermost_modelled(trace: Trace, rows: np.ndarray) -> tuple[np.ndarray, lis
     keys = zip(trace.rank[rows].tolist(), trace.pid[rows].tolist(), trace.tid[rows].tolist(), strict=True)
     names = trace.name_id[rows].tolist()
     covered: dict[tuple[int, int, int], float] = {}
+    list_ids = {trace.string_id(name) for name in LISTS} - {-1}
+    list_results: dict[Any, tuple[ShapeValues, list[int]] | None] = {}
+    list_types = ListTypes(trace, rows[trace.has_id(trace.name_id[rows], list(list_ids))] if list_ids
+                           else np.zeros(0, dtype=np.int64))
     # The four shape args of every op, as text: decode repeats a few shapes thousands of times, so
     # each distinct text is decoded once (an op's whole args, decoded, took most of this pass).
     fields_of = trace.arg_fields_each(rows, _SHAPE_ARGS)
@@ -161,6 +168,11 @@ def _outermost_modelled(trace: Trace, rows: np.ndarray) -> tuple[np.ndarray, lis
             if shape_key not in cache:
                 cache[shape_key] = _op_cost(trace.names[name_id], values)
         cost = cache[shape_key]
+        if cost is None and name_id in list_ids:  # cat / stack: their parts' type from the op reading them
+            result = list_results.get(shape_key, False)
+            if result is False:
+                result = list_results[shape_key] = _list_result(trace.names[name_id], fields, shape_key)
+            cost = _list_op_cost(result, row, list_types) if result is not None else None
         if cost is not None:
             taken.append(row)
             costs.append(cost)
@@ -180,49 +192,29 @@ def _shape_values(fields: _ShapeArgs) -> ShapeValues:
 
 def _op_cost(name: str, values: ShapeValues) -> OpCost | None:
     modelled = op_cost(name, *values)
-    return None if modelled is None else OpCost(*modelled, values[0], values[1])
+    return None if modelled is None else OpCost(*modelled, values[0], values[1], op_family(name, values[0], values[2]))
 
 
-def launched_by(trace: Trace, ops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(device rows, the index in ``ops`` of the op that launched each): the device work launched from
-    an op's thread inside its span. Ops of one thread must not overlap (counted ops never do)."""
-    dev = np.flatnonzero(trace.device_mask())
-    launch = trace.launch_row_for(dev)
-    linked = launch >= 0
-    dev, launch = dev[linked], launch[linked]
-    found_dev, found_op = [], []
-    if not ops.size or not dev.size:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    threads, thread_of = thread_groups(trace.rank[ops], trace.pid[ops], trace.tid[ops])
-    launch_threads = np.stack([trace.rank[launch], trace.pid[launch], trace.tid[launch]], axis=1)
-    for number, key in enumerate(threads.tolist()):
-        mine = np.flatnonzero(thread_of.ravel() == number)
-        mine = mine[np.argsort(trace.ts[ops[mine]], kind="stable")]
-        starts, ends = trace.ts[ops[mine]], trace.ts[ops[mine]] + trace.dur[ops[mine]]
-        here = np.flatnonzero((launch_threads == np.array(key)).all(axis=1))
-        if not here.size:
-            continue
-        at = trace.ts[launch[here]]
-        pos = np.searchsorted(starts, at, side="right") - 1
-        ok = (pos >= 0) & (at <= ends[np.maximum(pos, 0)])
-        found_dev.append(dev[here[ok]])
-        found_op.append(mine[pos[ok]])
-    if not found_dev:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    return np.concatenate(found_dev), np.concatenate(found_op)
+def _list_result(name: str, fields: _ShapeArgs | None, shape_key: Any) -> tuple[ShapeValues, list[int]] | None:
+    """A cat / stack's args and result dims, when its parts are a recorded list of tensors."""
+    values = _shape_values(fields) if fields is not None else tuple(orjson.loads(shape_key)[1:])
+    dims, types, concrete, _ = values
+    if not isinstance(types, list) or not types or types[0] != "TensorList":
+        return None
+    result = list_output_dims(name, dims, concrete)
+    return None if result is None else (values, result)  # type: ignore[return-value]
 
 
-def _device_time(trace: Trace, ops: np.ndarray) -> np.ndarray:
-    """Per op: the summed duration of the device work launched from its thread inside its span (NaN: none)."""
-    out = np.full(ops.shape, np.nan)
-    dev, op = launched_by(trace, ops)
-    if dev.size:
-        totals = np.zeros(ops.shape)
-        np.add.at(totals, op, trace.dur[dev])
-        launched = np.zeros(ops.shape, dtype=bool)
-        launched[op] = True
-        out[launched] = totals[launched]
-    return out
+def _list_op_cost(list_result: tuple[ShapeValues, list[int]], row: int, list_types: ListTypes) -> OpCost | None:
+    """A cat / stack of a recorded list of tensors, at the element type of the op that reads its
+    result (list_types.py); None when no op after it says."""
+    (dims, types, _, _), result = list_result
+    type_name = list_types.element_type(row, result)
+    modelled = list_cost(result, type_name) if type_name is not None else None
+    if modelled is None:
+        return None
+    # The type shown says where it came from: the profiler recorded none.
+    return OpCost(*modelled, dims, [f"TensorList[{type_name}]", *types[1:]], "join")  # (mark_growing: growth)
 
 
 class _Shared(NamedTuple):
@@ -247,7 +239,7 @@ def _point(same: _Shared, cost: OpCost, time_us: float, spec: DeviceSpec) -> dic
     share = achieved_gbs / spec.memory_bandwidth_gbs if spec.memory_bandwidth_gbs else None
     above = share is not None and share > 1.0
     return {
-        "op": same.op, "shapes": cost.shapes, "types": cost.types,
+        "op": same.op, "family": cost.family, "shapes": cost.shapes, "types": cost.types,
         "flops": flops, "bytes": nbytes, "time_us": time_us, "intensity": same.intensity,
         "achieved_gbs": achieved_gbs, "achieved_tflops": flops / (time_us * 1e-6) / 1e12, "bandwidth_share": share,
         "bound": same.bound, "roofline_us": same.roofline_us, "above_peak": above,

@@ -18,18 +18,32 @@ _REMEDIES = {
                   "kernels of your server): each one re-reads its input from memory"),
     "elementwise": ("fuse the chain of element-wise ops (torch.compile, or fused add+norm and SiLU-and-mul "
                     "kernels): each one reads and writes its whole tensor"),
-    "gather": ("look up embeddings once per step and keep the indices on the device; each lookup re-reads "
-               "its rows"),
+    "embedding": ("look up embeddings once per step and keep the indices on the device; each lookup re-reads "
+                  "its rows"),
+    "index": ("each call copies every element it selects: select once per step and reuse the result, or take a "
+              "view (slicing, narrow, select) where the elements are contiguous"),
+    "reorder": ("each call copies the whole tensor to put its rows in a new order, as beam search reorders every "
+                "layer's KV cache each step (transformers' Cache.reorder_cache): let the beams share one cache by "
+                "index instead of copying it (a paged KV cache with a block table, as vLLM and SGLang run beam "
+                "search), or search with fewer beams"),
+    "grow": ("each torch.cat copies the whole tensor it extends, so a tensor grown by cat every step is copied "
+             "whole every step, as transformers' DynamicCache grows every layer's keys and values: preallocate it to "
+             "the longest length and write each step's slice in place (generate(..., cache_implementation=\"static\") "
+             "in transformers; index_copy_ or slice assignment by hand)"),
+    "join": ("each torch.cat / torch.stack copies every tensor it joins: have the producers write into slices of "
+             "one preallocated tensor, or let torch.compile fuse the join into them"),
 }
 # On a CPU the GPU kernels named above do not exist: what applies there instead.
 _CPU_REMEDIES = {
     "attention": ("keep the KV cache in bfloat16 (half the bytes of float32 read per token) and preallocated (a "
                   "static cache: a torch.cat per step copies the whole cache every step), and hand it to the fused "
                   "op as it is (a .contiguous() or a transpose per step copies it again)"),
-    "gather": ("look up embeddings once per step; each lookup re-reads its rows"),
+    "embedding": ("look up embeddings once per step; each lookup re-reads its rows"),
 }
 _FAMILY_WORDS = {"gemm": "GEMMs", "attention": "attention ops", "copy": "copies", "reduction": "norms and "
-                 "reductions", "elementwise": "element-wise ops", "gather": "gathers"}
+                 "reductions", "elementwise": "element-wise ops", "embedding": "embedding lookups",
+                 "index": "index selections", "reorder": "row reorders", "grow": "concatenations growing a tensor",
+                 "join": "concatenations"}
 
 
 def _size(nbytes: float) -> str:

@@ -13,8 +13,6 @@ from typing import Any
 import numpy as np
 import orjson
 
-from servprof.detect.byte_models import op_family
-
 KEPT_POINTS = 10_000  # the points kept for Analysis.kernels: the first ones...
 ROOFLINE_POINTS = 2_000  # ... and the first this many that can be plotted (FLOPs and time above 0)
 WORST_ABOVE_PEAK = 5
@@ -62,7 +60,7 @@ class PointTally:
             key = group_key(point["op"], point["shapes"], point["types"])
         group = self.groups.get(key)
         if group is None:
-            group = self.groups[key] = {"op": point["op"], "family": op_family(point["op"]), "shapes": point["shapes"],
+            group = self.groups[key] = {"op": point["op"], "family": point["family"], "shapes": point["shapes"],
                                         "types": point["types"], "calls": 0, "time_us": 0.0, "bytes": 0.0,
                                         "flops": 0.0, "roofline_us": 0.0}
         group["calls"] += 1

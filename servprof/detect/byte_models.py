@@ -54,7 +54,12 @@ SAME_SHAPE = frozenset({"aten::softmax", "aten::_softmax", "aten::log_softmax", 
 NORMS = frozenset({"aten::layer_norm", "aten::native_layer_norm", "aten::rms_norm", "aten::_fused_rms_norm"})
 COPIES = frozenset({"aten::copy_", "aten::to", "aten::_to_copy"})
 FILLS = frozenset({"aten::fill_", "aten::zero_"})
-GATHERS = frozenset({"aten::embedding", "aten::index_select"})
+EMBEDDINGS = frozenset({"aten::embedding"})
+INDEXING = frozenset({"aten::index_select", "aten::gather", "aten::take_along_dim"})
+GATHERS = EMBEDDINGS | INDEXING
+# Ops over a list of tensors: the profiler records no element type for a list ("TensorList"), so
+# their bytes need the type from elsewhere (list_ops.py finds it on the op that reads the result).
+LISTS = frozenset({"aten::cat", "aten::stack"})
 ELEMENTWISE = frozenset({
     "aten::add", "aten::sub", "aten::mul", "aten::div", "aten::pow", "aten::maximum", "aten::minimum",
     "aten::where", "aten::masked_fill", "aten::addcmul", "aten::addcdiv", "aten::lerp", "aten::clamp",
@@ -65,24 +70,42 @@ ELEMENTWISE = frozenset({
     "aten::sqrt_", "aten::rsqrt_", "aten::clamp_", "aten::clamp_min_", "aten::masked_fill_", "aten::silu_",
     "aten::gelu_", "aten::relu_", "aten::sigmoid_", "aten::tanh_", "aten::addcmul_", "aten::lerp_",
 })
-MODELLED = GEMMS | ATTENTION | set(REDUCTIONS) | SAME_SHAPE | NORMS | COPIES | FILLS | GATHERS | ELEMENTWISE
+MODELLED = (GEMMS | ATTENTION | set(REDUCTIONS) | SAME_SHAPE | NORMS | COPIES | FILLS | GATHERS | ELEMENTWISE
+            | LISTS)
+# A join is "growing" a tensor when one part holds this share of the result: a cache extended by cat.
+GROWN_SHARE = 0.9
 
 Cost = tuple[float, float]  # (FLOPs, bytes)
 
 
-def op_family(name: str) -> str:
-    """What kind of work an op is, for the remedy a finding suggests."""
+def op_family(name: str, dims: Any = None, concrete: Any = None) -> str:
+    """What kind of work an op is, for the remedy a finding suggests; ``dims`` and ``concrete`` (its
+    Input Dims and Concrete Inputs) tell a reorder from other indexing and a growing cat from a join."""
     if name in GEMMS:
         return "gemm"
     if name in ATTENTION:
         return "attention"
     if name in COPIES:
         return "copy"
-    if name in GATHERS:
-        return "gather"
+    if name in EMBEDDINGS:
+        return "embedding"
+    if name in INDEXING:
+        return "reorder" if _reorders_rows(name, dims, concrete) else "index"
+    if name in LISTS:
+        return "join"  # (mark_growing tells the cats that grow a tensor step after step)
     if name in REDUCTIONS or name in SAME_SHAPE or name in NORMS:
         return "reduction"
     return "elementwise"
+
+
+def _reorders_rows(name: str, dims: Any, concrete: Any) -> bool:
+    """index_select(x, 0, idx) with as many indices as x has rows, x of 2+ dims: every row copied to a
+    new order (beam search's per-step reorder of a KV cache or of its sequences)."""
+    if name != "aten::index_select" or not isinstance(dims, list) or len(dims) < 3:
+        return False
+    table, index = dims[0], dims[2]
+    return (isinstance(table, list) and len(table) >= 2 and isinstance(index, list) and len(index) == 1
+            and index[0] == table[0] and int_of(arg_at(concrete, 1)) == 0)
 
 
 class _Tensor:
@@ -113,11 +136,11 @@ def _tensor(dims: Any, type_name: Any, strides: Any = None) -> _Tensor | None:
     return _Tensor(dims, type_name, strides)
 
 
-def _arg(values: Any, index: int) -> Any:
+def arg_at(values: Any, index: int) -> Any:
     return values[index] if isinstance(values, list) and 0 <= index < len(values) else None
 
 
-def _int(text: Any) -> int | None:
+def int_of(text: Any) -> int | None:
     try:
         return int(text) if isinstance(text, str) and text.strip() else None
     except ValueError:
@@ -135,7 +158,7 @@ def _int_list(text: Any) -> list[int] | None:
 
 
 def _dtype_bytes(concrete: Any, index: int) -> int | None:
-    code = _int(_arg(concrete, index))
+    code = int_of(arg_at(concrete, index))
     return SCALAR_TYPE_BYTES.get(code) if code is not None else None
 
 
@@ -156,7 +179,7 @@ def op_cost(name: str, dims: Any, types: Any, concrete: Any = None, strides: Any
     be modelled (unknown op, missing shapes, an element type or argument it does not know)."""
     if not isinstance(dims, list) or not isinstance(types, list):
         return None
-    tensors = [_tensor(d, t, _arg(strides, i)) for i, (d, t) in enumerate(zip(dims, types, strict=False))]
+    tensors = [_tensor(d, t, arg_at(strides, i)) for i, (d, t) in enumerate(zip(dims, types, strict=False))]
     model = _MODELS.get(name) or (_elementwise if name in ELEMENTWISE else None)
     if model is None or not tensors or tensors[0] is None:
         return None
@@ -172,18 +195,18 @@ def op_cost(name: str, dims: Any, types: Any, concrete: Any = None, strides: Any
 def _gemm(name: str, tensors: list[_Tensor | None], concrete: Any, types: list[Any]) -> Cost | None:
     bias: _Tensor | None = None
     if name == "aten::linear":  # linear(input [..., K], weight [N, K], bias [N]?)
-        a, weight, bias = tensors[0], _arg(tensors, 1), _arg(tensors, 2)
+        a, weight, bias = tensors[0], arg_at(tensors, 1), arg_at(tensors, 2)
         if a is None or weight is None or len(weight.dims) != 2 or not a.dims or a.dims[-1] != weight.dims[1]:
             return None
         m, k, n = math.prod(a.dims[:-1]), weight.dims[1], weight.dims[0]
         flops = 2.0 * m * n * k + (m * n if bias is not None else 0)
         return flops, a.nbytes + weight.nbytes + (bias.nbytes if bias else 0) + m * n * a.elem
     if name in ("aten::addmm", "aten::baddbmm", "aten::addmv"):  # bias (broadcast), then the product
-        bias, a, b = tensors[0], _arg(tensors, 1), _arg(tensors, 2)
+        bias, a, b = tensors[0], arg_at(tensors, 1), arg_at(tensors, 2)
     elif name == "aten::_scaled_mm":  # (a, b, scale_a, scale_b, bias?, scale_result?, out_dtype?, ...)
-        a, b, bias = tensors[0], _arg(tensors, 1), _arg(tensors, 4)
+        a, b, bias = tensors[0], arg_at(tensors, 1), arg_at(tensors, 4)
     else:
-        a, b = tensors[0], _arg(tensors, 1)
+        a, b = tensors[0], arg_at(tensors, 1)
     if a is None or b is None or not a.dims or not b.dims:
         return None
     m = a.dims[-2] if len(a.dims) > 1 else 1
@@ -207,13 +230,13 @@ def _gemm(name: str, tensors: list[_Tensor | None], concrete: Any, types: list[A
 
 
 def _attention(name: str, tensors: list[_Tensor | None], concrete: Any, types: list[Any]) -> Cost | None:
-    q, k, v = tensors[0], _arg(tensors, 1), _arg(tensors, 2)
+    q, k, v = tensors[0], arg_at(tensors, 1), arg_at(tensors, 2)
     if q is None or k is None or v is None or len(q.dims) != 4 or len(k.dims) != 4 or len(v.dims) != 4:
         return None
     b, h, sq, dqk = q.dims
     sk, dv = k.dims[-2], v.dims[-1]
     flops = 2.0 * b * h * sq * sk * (dqk + dv)
-    mask = _arg(tensors, 3)  # SDPA's attn_mask, when given as a tensor
+    mask = arg_at(tensors, 3)  # SDPA's attn_mask, when given as a tensor
     reads = q.nbytes + k.nbytes + v.nbytes + (mask.nbytes if mask is not None else 0)
     return flops, reads + b * h * sq * dv * q.elem
 
@@ -222,10 +245,10 @@ def _reduced_numel(name: str, x: _Tensor, concrete: Any, types: list[Any]) -> in
     position = REDUCTIONS[name]
     if name in _INT_DIM_REDUCTIONS:
         # dim is one int, and present only in the dim overloads (max(self) reduces everything).
-        dim = _int(_arg(concrete, position)) if len(types) > 2 else None
+        dim = int_of(arg_at(concrete, position)) if len(types) > 2 else None
         reduced = [dim] if dim is not None else None
     else:  # a dim list; sum(self, dtype) has a dtype (a Scalar) where the list would be
-        reduced = _int_list(_arg(concrete, position)) if _arg(types, position) == "ScalarList" else None
+        reduced = _int_list(arg_at(concrete, position)) if arg_at(types, position) == "ScalarList" else None
     if not reduced or not x.dims:  # no dims (or []) = reduce over all of them
         return 1
     rank = len(x.dims)
@@ -236,7 +259,7 @@ def _reduced_numel(name: str, x: _Tensor, concrete: Any, types: list[Any]) -> in
 def _reduction(name: str, tensors: list[_Tensor | None], concrete: Any, types: list[Any]) -> Cost | None:
     x = tensors[0]
     assert x is not None
-    if name in _VALUES_AND_INDICES and _arg(tensors, 1) is not None:  # max(a, b): element-wise
+    if name in _VALUES_AND_INDICES and arg_at(tensors, 1) is not None:  # max(a, b): element-wise
         return _elementwise(name, tensors, concrete, types)
     out = _reduced_numel(name, x, concrete, types)
     if name in _INDEX_OUTPUT:
@@ -259,7 +282,7 @@ def _same_shape(name: str, tensors: list[_Tensor | None], concrete: Any, types: 
     out_elem = x.elem
     if name in ("aten::softmax", "aten::log_softmax"):
         out_elem = _dtype_bytes(concrete, 2) or x.elem
-    elif name in ("aten::_softmax", "aten::_log_softmax") and _arg(concrete, 2) == "True":
+    elif name in ("aten::_softmax", "aten::_log_softmax") and arg_at(concrete, 2) == "True":
         out_elem = 4  # half_to_float
     return 5.0 * x.numel, x.nbytes + x.numel * out_elem
 
@@ -273,14 +296,14 @@ def _norm(name: str, tensors: list[_Tensor | None], concrete: Any, types: list[A
 
 def _copy(name: str, tensors: list[_Tensor | None], concrete: Any, types: list[Any]) -> Cost | None:
     if name == "aten::copy_":
-        dst, src = tensors[0], _arg(tensors, 1)
+        dst, src = tensors[0], arg_at(tensors, 1)
         if dst is None or src is None:
             return None
         return 0.0, dst.numel * dst.elem + src.nbytes
     src = tensors[0]
     assert src is not None
     # to(self, dtype, ...), to(self, device, dtype, ...) (6 args), _to_copy(self, dtype, ...)
-    other = _arg(tensors, 1)
+    other = arg_at(tensors, 1)
     dst_elem = other.elem if other is not None else _dtype_bytes(concrete, 2 if len(tensors) == 6 else 1)
     if dst_elem is None or dst_elem == src.elem:
         return None  # same dtype: often no copy at all (to() returns self); the copy_ inside says
@@ -297,16 +320,37 @@ def _gather(name: str, tensors: list[_Tensor | None], concrete: Any, types: list
     table = tensors[0]
     assert table is not None
     if name == "aten::embedding":
-        index = _arg(tensors, 1)
+        index = arg_at(tensors, 1)
         if index is None or len(table.dims) != 2:
             return None
         rows = index.numel * table.dims[1]
-    else:  # index_select(self, dim, index)
-        index, dim = _arg(tensors, 2), _int(_arg(concrete, 1))
+    elif name == "aten::index_select":  # index_select(self, dim, index)
+        index, dim = arg_at(tensors, 2), int_of(arg_at(concrete, 1))
         if index is None or dim is None or not table.dims or not -len(table.dims) <= dim < len(table.dims):
             return None
         rows = table.numel // max(table.dims[dim], 1) * index.numel
-    return 0.0, 2 * rows * table.elem + index.nbytes  # rows read, the same rows written, the indices
+    else:  # gather(self, dim, index), take_along_dim(self, indices, dim?): one element per index
+        index = arg_at(tensors, 2 if name == "aten::gather" else 1)
+        if index is None:
+            return None
+        rows = index.numel if name == "aten::gather" else _along_numel(table, index, concrete)
+        if rows is None:
+            return None
+    return 0.0, 2 * rows * table.elem + index.nbytes  # elements read, the same written, the indices
+
+
+def _along_numel(table: _Tensor, index: _Tensor, concrete: Any) -> int | None:
+    """take_along_dim's result size: the indices' dims along `dim`, the others broadcast with self's
+    (no dim: self flattened, one element per index)."""
+    dim = int_of(arg_at(concrete, 2))
+    if dim is None:
+        return index.numel
+    rank = len(table.dims)
+    if len(index.dims) != rank or not -rank <= dim < rank:
+        return None
+    at = dim % rank
+    shape = _broadcast([table.dims[:at] + table.dims[at + 1:], index.dims[:at] + index.dims[at + 1:]])
+    return None if shape is None else math.prod(shape) * index.dims[at]
 
 
 def _elementwise(name: str, tensors: list[_Tensor | None], concrete: Any, types: list[Any]) -> Cost | None:

@@ -96,7 +96,8 @@ def missing_entry(entry: dict[str, Any]) -> dict[str, str]:
     return {"what": "op bytes", "message": (
         f"{100 * entry['share_of_op_time']:.0f}% of the decode steps' op time is in ops whose bytes servprof cannot "
         f"model from their recorded args ({describe(entry)}): the profiler records no shape for a quantised layer's "
-        "packed weight nor an element type for a list of tensors (torch.cat's), and custom kernel ops are not in "
+        "packed weight nor an element type for a list of tensors (torch.cat's, when no op after it reads its "
+        "result), and custom kernel ops are not in "
         "servprof's op models; the bandwidth figures count the other ops only, so whether those ops are bound by "
         "memory bandwidth is not judged (record_shapes=True gives the shapes of the others).")}
 
