@@ -16,7 +16,7 @@ import msgspec
 import numpy as np
 
 from servprof.detect.byte_models import ELEMENT_BYTES, Cost, arg_at, int_of
-from servprof.trace.model import Trace
+from servprof.trace.model import Trace, distinct
 
 LOOK_AHEAD = 16
 FIRST_LOOK = 3
@@ -138,7 +138,12 @@ class ListTypes:
         trace = self.trace
         keys = np.stack([trace.rank, trace.pid, trace.tid], axis=1)
         host = np.flatnonzero(trace.complete() & (trace.stream < 0))
-        host = host[np.isin(trace.tid[host], trace.tid[lists])]  # (the lists' threads, and any sharing a tid)
+        # The lists' threads, and any sharing a tid (a few: np.isin would import numpy.ma, which
+        # the analysis path keeps out)
+        on = np.zeros(host.size, dtype=bool)
+        for tid in set(trace.tid[lists].tolist()):
+            on |= trace.tid[host] == tid
+        host = host[on]
         host = host[np.lexsort((trace.ts[host], trace.tid[host], trace.pid[host], trace.rank[host]))]
         self._rows = host
         starts = np.flatnonzero(np.r_[True, (keys[host][1:] != keys[host][:-1]).any(axis=1)])
@@ -150,7 +155,7 @@ class ListTypes:
             self._first_after[row] = begin + int(np.searchsorted(trace.ts[host[begin:stop]], end, side="left"))
             self._stop[row] = stop
         firsts = [self._rows[f:min(f + FIRST_LOOK, self._stop[r])] for r, f in self._first_after.items()]
-        self._decode(np.unique(np.concatenate(firsts)) if firsts else np.zeros(0, dtype=np.int64))
+        self._decode(distinct(np.concatenate(firsts)) if firsts else np.zeros(0, dtype=np.int64))
 
     def _decode(self, rows: np.ndarray) -> None:
         rows = np.array([r for r in rows.tolist() if r not in self._inputs], dtype=np.int64)
