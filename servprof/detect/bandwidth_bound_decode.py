@@ -207,7 +207,7 @@ def _list_result(name: str, fields: _ShapeArgs | None, shape_key: Any) -> tuple[
 
 def _list_op_cost(list_result: tuple[ShapeValues, list[int]], row: int, list_types: ListTypes) -> OpCost | None:
     """A cat / stack of a recorded list of tensors, at the element type of the op that reads its
-    result (list_types.py); None when no op after it says."""
+    result (list_ops.py); None when no op after it says."""
     (dims, types, _, _), result = list_result
     type_name = list_types.element_type(row, result)
     modelled = list_cost(result, type_name) if type_name is not None else None
