@@ -467,7 +467,9 @@ def test_a_folder_of_ranks_names_the_rank_a_collective_waited_for(tmp_path: Path
     assert sorted(g.rank for g in gaps) == [0, 1]  # (rank 2 waited for no one)
     for gap in gaps:
         arrived = gap.evidence["arrived_last"]
-        assert arrived == {"ranks": [2], "after_us": 4000.0, "at_us": arrived["at_us"], "ranks_compared": 3}
+        assert {k: v for k, v in arrived.items() if k != "before_arrival"} == \
+            {"ranks": [2], "after_us": 4000.0, "at_us": arrived["at_us"], "ranks_compared": 3}
+        assert arrived["before_arrival"]["held_by"] == "launched"  # (its launch was at the step's start)
         assert arrived["at_us"] == gap.end_us - gap.evidence["duration_us"] + 4000.0  # (rank 2's start, on the shared clock)
         assert "rank 2 arrived last, 4.00 ms after this rank" in gap.explanation
     (finding,) = [f for f in analysis.findings if f.evidence.get("cause") == "collective_straggler"]

@@ -9,7 +9,9 @@ agrees (one host's ranks, or hosts in sync). Matching by end, not by the k-th ca
 keeps ranks whose profilers started or stopped a few calls apart (each vLLM worker starts its own
 on an RPC). The last of them to start it arrived last: the rank everyone waited for. A rank with
 no call ending then (another process group's calls of the same kernel, a host whose clock is
-off) is left out, and with none left no rank is named.
+off) is left out, and with none left no rank is named. What the named rank did in the meantime,
+where its trace had begun by then, is read by late_rank.py: its device still busy, or idle while
+its host had not launched the call (and what that host thread ran instead).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from servprof.detect.gap import Gap
+from servprof.detect.late_rank import LateRanks, held_fix, held_text
 from servprof.trace.meta import claimed_world_size
 
 END_TOLERANCE_US = 10.0
@@ -36,8 +39,9 @@ def name_last_arrivals(trace: Any, gaps: list[Gap]) -> list[dict[str, str]]:
     sizes = [size for document in trace.metadata.values() if (size := claimed_world_size(document)) is not None]
     if len(trace.ranks) < max(sizes, default=2):
         return [_peers_missing(waits, len(trace.ranks), max(sizes, default=None))]
-    calls: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+    calls: dict[int, dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
     first_event: dict[int, float] = {}
+    late = LateRanks(trace)
     ids = {name: trace.string_id(name) for name in {g.evidence["collective"] for g in waits}}
     for gap in waits:
         text, evidence = gap.description  # type: ignore[misc]
@@ -51,6 +55,7 @@ def name_last_arrivals(trace: Any, gaps: list[Gap]) -> list[dict[str, str]]:
         arrived = _last_arrival(calls[name_id], gap.rank, start, end)
         if arrived is None:
             continue
+        call_rows = arrived.pop("call_rows")
         evidence["arrived_last"] = arrived
         ranks = arrived["ranks"]
         who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
@@ -65,6 +70,11 @@ def name_last_arrivals(trace: Any, gaps: list[Gap]) -> list[dict[str, str]]:
             arrived["trace_began_us"] = began
             text += (f"; its trace begins {(began - start) / 1000:.2f} ms after this rank's call did, so what "
                      "held it up is before its trace")
+        else:
+            before = late.before_arrival(ranks[0], call_rows[ranks[0]], start, arrived["at_us"])
+            if before is not None:
+                arrived["before_arrival"] = {"rank": ranks[0], **before}
+                text += held_text(before)
         gap.description = (text, evidence)
     return []
 
@@ -77,38 +87,40 @@ def _peers_missing(waits: list[Gap], ranks: int, world_size: int | None) -> dict
         "servprof names the rank each call waited for (the last to start it).")}
 
 
-def _calls_by_rank(trace: Any, name_id: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """Per rank, the (starts, ends) of its device calls of this kernel, in order of their ends."""
+def _calls_by_rank(trace: Any, name_id: int) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per rank, the (starts, ends, rows) of its device calls of this kernel, in order of their ends."""
     rows = np.flatnonzero(trace.device_mask() & (trace.name_id == name_id))
     out = {}
     for rank in np.unique(trace.rank[rows]).tolist():
         mine = rows[trace.rank[rows] == rank]
         ends = trace.ts[mine] + trace.dur[mine]
         order = np.argsort(ends, kind="stable")
-        out[int(rank)] = (trace.ts[mine][order], ends[order])
+        out[int(rank)] = (trace.ts[mine][order], ends[order], mine[order])
     return out
 
 
-def _last_arrival(by_rank: dict[int, tuple[np.ndarray, np.ndarray]], rank: int, start: float,
+def _last_arrival(by_rank: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]], rank: int, start: float,
                   end: float) -> dict[str, Any] | None:
     """The ranks that started this call last (within the tolerance of the latest), among those
-    with a call of it that ended with this rank's; None when no other rank's did."""
+    with a call of it that ended with this rank's, and (``call_rows``) each rank's call; None when
+    no other rank's did."""
     tolerance = max(END_TOLERANCE_US, END_TOLERANCE_SHARE * (end - start))
-    together: dict[int, float] = {}
-    for other, (starts, ends) in by_rank.items():
+    together: dict[int, tuple[float, int]] = {}
+    for other, (starts, ends, rows) in by_rank.items():
         if other == rank or not ends.size:
             continue
         at = int(np.searchsorted(ends, end))
         nearest = min((i for i in (at - 1, at) if 0 <= i < ends.size), key=lambda i: abs(float(ends[i]) - end))
         if abs(float(ends[nearest]) - end) <= tolerance:
-            together[other] = float(starts[nearest])
+            together[other] = (float(starts[nearest]), int(rows[nearest]))
     if not together:
         return None
-    latest = max(together.values())
+    latest = max(s for s, _ in together.values())
     if latest - start <= tolerance:  # (no one arrived measurably later than this rank)
         return None
-    return {"ranks": sorted(r for r, s in together.items() if latest - s <= tolerance),
-            "after_us": round(latest - start, 1), "at_us": latest, "ranks_compared": len(together) + 1}
+    return {"ranks": sorted(r for r, (s, _) in together.items() if latest - s <= tolerance),
+            "after_us": round(latest - start, 1), "at_us": latest, "ranks_compared": len(together) + 1,
+            "call_rows": {r: row for r, (_, row) in together.items()}}
 
 
 def last_arrivals_text(gaps: list[Gap]) -> str:
@@ -128,4 +140,6 @@ def last_arrivals_text(gaps: list[Gap]) -> str:
         return text + ("its trace began after most of these calls had, so what held it up is not in it: record "
                        "more steps (a longer `active` in the profiler's schedule) so that the time before them is in "
                        "every rank's trace. ")
-    return text + "start from its trace, in the time before each of them. "
+    befores = [g.evidence["arrived_last"]["before_arrival"] for g in gaps
+               if g.evidence.get("arrived_last", {}).get("before_arrival", {}).get("rank") == rank]
+    return text + (held_fix(rank, befores) or "start from its trace, in the time before each of them. ")
