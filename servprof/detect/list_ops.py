@@ -20,6 +20,7 @@ from servprof.trace.model import Trace, distinct
 
 LOOK_AHEAD = 16
 FIRST_LOOK = 3
+CHUNK = 4096
 # A join is "growing" a tensor when one part holds this share of the result: a cache extended by cat.
 GROWN_SHARE = 0.9
 
@@ -109,23 +110,29 @@ _INPUTS = msgspec.json.Decoder(list[_Inputs])
 
 class ListTypes:
     """Element types of list ops' results, looked up on their threads. ``lists``: the rows of the
-    list ops to be asked about; the first FIRST_LOOK ops after each are decoded in one pass (one
-    call per op costs more than the decoding), the rest of LOOK_AHEAD only when those do not say."""
+    list ops to be asked about, in the order they will be asked; the first FIRST_LOOK ops after
+    each are decoded in one pass for CHUNK of them at a time (one call per op costs more than the
+    decoding; a chunk at a time keeps what is decoded small on a trace of millions of cats), the
+    rest of LOOK_AHEAD only when those do not say."""
 
     def __init__(self, trace: Trace, lists: np.ndarray) -> None:
         self.trace = trace
-        self._rows = np.zeros(0, dtype=np.int64)
-        self._first_after: dict[int, int] = {}  # list op row -> index in _rows of the op after it
-        self._stop: dict[int, int] = {}  # list op row -> end of its thread's rows in _rows
+        self._rows = np.zeros(0, dtype=np.int64)  # the host rows of the lists' threads, by thread and time
+        self._position: dict[int, int] = {}  # list op row -> its index in ``lists``
+        self._first = np.zeros(0, dtype=np.int64)  # per list op: the index in _rows of the op after it
+        self._stop = np.zeros(0, dtype=np.int64)  # ... and the end of its thread's rows there
+        self._prepared = (0, 0)  # the list ops whose first ops after are decoded
         self._inputs: dict[int, tuple[Any, Any]] = {}  # row -> its (Input Dims, Input type), decoded
         if lists.size:
             self._index(lists)
 
     def element_type(self, row: int, result_dims: list[int]) -> str | None:
-        first = self._first_after.get(row)
-        if first is None:
+        i = self._position.get(row)
+        if i is None:
             return None
-        after = self._rows[first:min(first + LOOK_AHEAD, self._stop[row])]
+        if not self._prepared[0] <= i < self._prepared[1]:
+            self._prepare(i)
+        after = self._rows[int(self._first[i]):min(int(self._first[i]) + LOOK_AHEAD, int(self._stop[i]))]
         for number, at in enumerate(after.tolist()):
             if number == FIRST_LOOK:  # the first ones did not say: decode the rest
                 self._decode(after[FIRST_LOOK:])
@@ -136,7 +143,6 @@ class ListTypes:
 
     def _index(self, lists: np.ndarray) -> None:
         trace = self.trace
-        keys = np.stack([trace.rank, trace.pid, trace.tid], axis=1)
         host = np.flatnonzero(trace.complete() & (trace.stream < 0))
         # The lists' threads, and any sharing a tid (a few: np.isin would import numpy.ma, which
         # the analysis path keeps out)
@@ -145,17 +151,29 @@ class ListTypes:
             on |= trace.tid[host] == tid
         host = host[on]
         host = host[np.lexsort((trace.ts[host], trace.tid[host], trace.pid[host], trace.rank[host]))]
-        self._rows = host
-        starts = np.flatnonzero(np.r_[True, (keys[host][1:] != keys[host][:-1]).any(axis=1)])
+        self._rows, host_ts = host, trace.ts[host]
+        keys = np.stack([trace.rank[host], trace.pid[host], trace.tid[host]], axis=1)
+        starts = np.flatnonzero(np.r_[True, (keys[1:] != keys[:-1]).any(axis=1)])
         stops = np.r_[starts[1:], host.size]
-        slices = {tuple(keys[host[b]].tolist()): (b, e) for b, e in zip(starts.tolist(), stops.tolist(), strict=True)}
-        for row, key in zip(lists.tolist(), keys[lists].tolist(), strict=True):
+        slices = {tuple(keys[b].tolist()): (b, e) for b, e in zip(starts.tolist(), stops.tolist(), strict=True)}
+        list_keys = np.stack([trace.rank[lists], trace.pid[lists], trace.tid[lists]], axis=1).tolist()
+        ends = (trace.ts[lists] + trace.dur[lists]).tolist()
+        self._first = np.zeros(lists.size, dtype=np.int64)
+        self._stop = np.zeros(lists.size, dtype=np.int64)
+        for i, (row, key, end) in enumerate(zip(lists.tolist(), list_keys, ends, strict=True)):
             begin, stop = slices[tuple(key)]
-            end = trace.ts[row] + trace.dur[row]
-            self._first_after[row] = begin + int(np.searchsorted(trace.ts[host[begin:stop]], end, side="left"))
-            self._stop[row] = stop
-        firsts = [self._rows[f:min(f + FIRST_LOOK, self._stop[r])] for r, f in self._first_after.items()]
+            self._position[row] = i
+            self._first[i] = begin + int(np.searchsorted(host_ts[begin:stop], end, side="left"))
+            self._stop[i] = stop
+
+    def _prepare(self, i: int) -> None:
+        """Decode the first ops after list ops i .. i + CHUNK (what was decoded before is let go)."""
+        j = min(i + CHUNK, self._first.size)
+        self._inputs.clear()
+        firsts = [self._rows[f:min(f + FIRST_LOOK, stop)]
+                  for f, stop in zip(self._first[i:j].tolist(), self._stop[i:j].tolist(), strict=True)]
         self._decode(distinct(np.concatenate(firsts)) if firsts else np.zeros(0, dtype=np.int64))
+        self._prepared = (i, j)
 
     def _decode(self, rows: np.ndarray) -> None:
         rows = np.array([r for r in rows.tolist() if r not in self._inputs], dtype=np.int64)
