@@ -45,6 +45,8 @@ def test_a_reorder_is_told_from_other_indexing():
     assert op_family("aten::index_select", cache, ["", "2", ""]) == "index"  # 8 positions of 789
     assert op_family("aten::index_select", [[8, 4, 789, 32], [], [3]], ["", "0", ""]) == "index"  # some rows
     assert op_family("aten::index_select", [[8], [], [8]], ["", "0", ""]) == "index"  # a vector, not rows
+    # every row of a [tokens, hidden] matrix (a server's rows for the logits, all tokens decoding): no cache
+    assert op_family("aten::index_select", [[32, 4096], [], [32]], ["", "0", ""]) == "index"
     assert op_family("aten::embedding", [[32000, 512], [4, 7]]) == "embedding"
 
 

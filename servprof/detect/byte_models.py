@@ -99,12 +99,14 @@ def op_family(name: str, dims: Any = None, concrete: Any = None) -> str:
 
 
 def _reorders_rows(name: str, dims: Any, concrete: Any) -> bool:
-    """index_select(x, 0, idx) with as many indices as x has rows, x of 2+ dims: every row copied to a
-    new order (beam search's per-step reorder of a KV cache or of its sequences)."""
+    """index_select(x, 0, idx) with as many indices as x has rows, x of 3+ dims: every row copied to a
+    new order (beam search's per-step reorder of a KV cache, [beams, heads, positions, head dim]).
+    A 2-D one is not told apart from a server selecting its tokens' rows ([tokens, hidden]) for
+    the logits: "index"."""
     if name != "aten::index_select" or not isinstance(dims, list) or len(dims) < 3:
         return False
     table, index = dims[0], dims[2]
-    return (isinstance(table, list) and len(table) >= 2 and isinstance(index, list) and len(index) == 1
+    return (isinstance(table, list) and len(table) >= 3 and isinstance(index, list) and len(index) == 1
             and index[0] == table[0] and int_of(arg_at(concrete, 1)) == 0)
 
 
