@@ -1,5 +1,6 @@
-"""Indexing and joining ops in the bandwidth model: what they move, which kind of remedy each is,
-and the element type of a torch.cat, which the profiler does not record for a list of tensors.
+"""Indexing, joining and repeating ops in the bandwidth model: what they move, which kind of remedy
+each is, and the element type of a torch.cat, which the profiler does not record for a list of
+tensors.
 
 Hand-computed bytes first (written out from each op's semantics, not from the code under test),
 then the real profiler on hand-written ops and on transformers' own generate(): beam search
@@ -78,9 +79,18 @@ def test_a_cat_grows_a_tensor_when_its_result_is_grown_again():
     assert [g["family"] for g in groups] == ["grow", "grow", "grow", "join", "join"]
 
 
+def test_repeat_interleave_writes_its_input_that_many_times():
+    # repeat_interleave(kv [1, 2, 78, 16] f32, 2, dim=1): the KV heads read once, written twice over
+    assert op_cost("aten::repeat_interleave", [[1, 2, 78, 16], [], [], []], [F32, "Scalar", "Scalar", ""],
+                   ["", "2", "1", ""]) == (0.0, (1 + 2) * 2 * 78 * 16 * 4)
+    # a tensor of repeats (one count per element): its result's size is in the tensor's values
+    assert op_cost("aten::repeat_interleave", [[6], [6], [], []], [F32, I64, "Scalar", ""], ["", "", "0", ""]) is None
+    assert op_family("aten::repeat_interleave") == "repeat"
+
+
 @pytest.mark.parametrize(("family", "says"), [
     ("reorder", "Cache.reorder_cache"), ("grow", 'cache_implementation="static"'), ("index", "view"),
-    ("embedding", "embeddings once per step"), ("join", "preallocated tensor"),
+    ("embedding", "embeddings once per step"), ("join", "preallocated tensor"), ("repeat", "enable_gqa=True"),
 ])
 def test_each_kind_gets_its_own_remedy(family: str, says: str):
     group = {"op": "aten::x", "family": family, "shapes": [[8, 4, 789, 32]], "calls": 10, "time_us": 900.0,
@@ -114,6 +124,20 @@ def test_a_cat_takes_the_type_of_the_op_that_reads_it(tmp_path: Path):
     assert cats[0]["bytes"] == 2 * 2 * 4 * 301 * 16 * 2  # the parts read, the result written, 2 bytes each
     summary = analyse(load_trace(path), device="cpu").summary["bandwidth"]
     assert "aten::cat" in [o["name"] for o in summary["unmodelled"]["top_ops"]]  # the ids' cat, left out
+
+
+def test_a_repeat_is_counted_once_not_also_its_index_select(tmp_path: Path):
+    """repeat_interleave(int) runs an index_select inside it: the repeat is the op counted."""
+    kv = torch.randn(1, 2, 78, 16)
+    path = tmp_path / "repeat.json"
+    with (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof,
+          phase("decode_step", request_ids=["r1"])):
+        kv.repeat_interleave(2, dim=1)
+    prof.export_chrome_trace(str(path))
+    ops = {p["op"]: p for p in _kernels(path)}
+    assert set(ops) == {"aten::repeat_interleave"}
+    assert ops["aten::repeat_interleave"]["bytes"] == (1 + 2) * kv.numel() * 4
+    assert ops["aten::repeat_interleave"]["family"] == "repeat"
 
 
 transformers = pytest.importorskip("transformers")

@@ -30,6 +30,10 @@ _REMEDIES = {
              "whole every step, as transformers' DynamicCache grows every layer's keys and values: preallocate it to "
              "the longest length and write each step's slice in place (generate(..., cache_implementation=\"static\") "
              "in transformers; index_copy_ or slice assignment by hand)"),
+    "repeat": ("each call writes its input out `repeats` times: where it repeats a KV cache's heads for grouped-query "
+               "attention, hand attention the grouped heads as they are (scaled_dot_product_attention(..., "
+               "enable_gqa=True) from torch 2.5, or a kernel that shares each KV head across its query heads) instead "
+               "of copying the cache every step"),
     "join": ("each torch.cat / torch.stack copies every tensor it joins: have the producers write into slices of "
              "one preallocated tensor, or let torch.compile fuse the join into them"),
 }
@@ -42,7 +46,7 @@ _CPU_REMEDIES = {
 }
 _FAMILY_WORDS = {"gemm": "GEMMs", "attention": "attention ops", "copy": "copies", "reduction": "norms and "
                  "reductions", "elementwise": "element-wise ops", "embedding": "embedding lookups",
-                 "index": "index selections", "reorder": "row reorders", "grow": "concatenations growing a tensor",
+                 "index": "index selections", "reorder": "row reorders", "repeat": "repeats", "grow": "concatenations growing a tensor",
                  "join": "concatenations"}
 
 

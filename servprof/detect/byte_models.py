@@ -54,6 +54,7 @@ SAME_SHAPE = frozenset({"aten::softmax", "aten::_softmax", "aten::log_softmax", 
 NORMS = frozenset({"aten::layer_norm", "aten::native_layer_norm", "aten::rms_norm", "aten::_fused_rms_norm"})
 COPIES = frozenset({"aten::copy_", "aten::to", "aten::_to_copy"})
 FILLS = frozenset({"aten::fill_", "aten::zero_"})
+REPEATS = frozenset({"aten::repeat_interleave"})  # (its index_select inside is part of it)
 EMBEDDINGS = frozenset({"aten::embedding"})
 INDEXING = frozenset({"aten::index_select", "aten::gather", "aten::take_along_dim"})
 GATHERS = EMBEDDINGS | INDEXING
@@ -71,7 +72,7 @@ ELEMENTWISE = frozenset({
     "aten::gelu_", "aten::relu_", "aten::sigmoid_", "aten::tanh_", "aten::addcmul_", "aten::lerp_",
 })
 MODELLED = (GEMMS | ATTENTION | set(REDUCTIONS) | SAME_SHAPE | NORMS | COPIES | FILLS | GATHERS | ELEMENTWISE
-            | LISTS)
+            | LISTS | REPEATS)
 # A join is "growing" a tensor when one part holds this share of the result: a cache extended by cat.
 GROWN_SHARE = 0.9
 
@@ -91,6 +92,8 @@ def op_family(name: str, dims: Any = None, concrete: Any = None) -> str:
         return "embedding"
     if name in INDEXING:
         return "reorder" if _reorders_rows(name, dims, concrete) else "index"
+    if name in REPEATS:
+        return "repeat"
     if name in LISTS:
         return "join"  # (mark_growing tells the cats that grow a tensor step after step)
     if name in REDUCTIONS or name in SAME_SHAPE or name in NORMS:
@@ -341,6 +344,17 @@ def _gather(name: str, tensors: list[_Tensor | None], concrete: Any, types: list
     return 0.0, 2 * rows * table.elem + index.nbytes  # elements read, the same written, the indices
 
 
+def _repeat(name: str, tensors: list[_Tensor | None], concrete: Any, types: list[Any]) -> Cost | None:
+    """repeat_interleave(self, repeats: int, dim?): self read, ``repeats`` copies of it written (a
+    tensor of repeats, each element its own count, is not modelled)."""
+    x = tensors[0]
+    assert x is not None
+    repeats = int_of(arg_at(concrete, 1)) if arg_at(types, 1) == "Scalar" else None
+    if repeats is None or repeats < 1:
+        return None
+    return 0.0, x.nbytes + x.numel * repeats * x.elem
+
+
 def _along_numel(table: _Tensor, index: _Tensor, concrete: Any) -> int | None:
     """take_along_dim's result size: the indices' dims along `dim`, the others broadcast with self's
     (no dim: self flattened, one element per index)."""
@@ -419,5 +433,5 @@ _DEFAULT_ELEM = {1: 8, 2: 4, 3: 8}  # int64, float32 (torch's default dtype), co
 _MODELS = {
     **dict.fromkeys(GEMMS, _gemm), **dict.fromkeys(ATTENTION, _attention), **dict.fromkeys(REDUCTIONS, _reduction),
     **dict.fromkeys(SAME_SHAPE, _same_shape), **dict.fromkeys(NORMS, _norm), **dict.fromkeys(COPIES, _copy),
-    **dict.fromkeys(FILLS, _fill), **dict.fromkeys(GATHERS, _gather),
+    **dict.fromkeys(FILLS, _fill), **dict.fromkeys(GATHERS, _gather), **dict.fromkeys(REPEATS, _repeat),
 }
