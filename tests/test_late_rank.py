@@ -54,17 +54,17 @@ def _folder(tmp_path: Path, held_by: str) -> Path:
 
 
 def _waits(folder: Path):
+    """The two ranks' waits (rank 2 waited for no one), what each says rank 2 did, and the finding."""
     analysis = analyse(load_trace(folder))
     gaps = [g for g in analysis.gaps if g.cause == "collective_straggler"]
+    assert sorted(g.rank for g in gaps) == [0, 1]
     (finding,) = [f for f in analysis.findings if f.evidence.get("cause") == "collective_straggler"]
-    return gaps, finding
+    return [(g, g.evidence["arrived_last"]["before_arrival"]) for g in gaps], finding
 
 
 def test_a_late_host_is_named_with_what_it_ran_before_the_launch(tmp_path: Path):
-    gaps, finding = _waits(_folder(tmp_path, "host"))
-    assert sorted(g.rank for g in gaps) == [0, 1]
-    for gap in gaps:
-        before = gap.evidence["arrived_last"]["before_arrival"]
+    waits, finding = _waits(_folder(tmp_path, "host"))
+    for gap, before in waits:
         assert before["rank"] == LATE_RANK and before["held_by"] == "host" and before["device_busy_ms"] == 0.0
         assert before["window_ms"] == LATE_BY / 1e3
         assert before["launched_after_ms"] == (LATE_BY - 50) / 1e3
@@ -77,10 +77,8 @@ def test_a_late_host_is_named_with_what_it_ran_before_the_launch(tmp_path: Path)
 
 
 def test_a_late_device_is_named_with_the_kernels_it_still_ran(tmp_path: Path):
-    gaps, finding = _waits(_folder(tmp_path, "device"))
-    assert sorted(g.rank for g in gaps) == [0, 1]
-    for gap in gaps:
-        before = gap.evidence["arrived_last"]["before_arrival"]
+    waits, finding = _waits(_folder(tmp_path, "device"))
+    for gap, before in waits:
         assert before["held_by"] == "device" and before["device_busy_ms"] == LATE_BY / 1e3
         assert before["device_top"] == [{"name": "big_gemm_kernel", "ms": LATE_BY / 1e3}]
         ms = f"{LATE_BY / 1e3:.2f}"
@@ -89,10 +87,8 @@ def test_a_late_device_is_named_with_the_kernels_it_still_ran(tmp_path: Path):
 
 
 def test_a_call_launched_in_time_and_started_late_is_the_devices(tmp_path: Path):
-    gaps, finding = _waits(_folder(tmp_path, "launched"))
-    assert sorted(g.rank for g in gaps) == [0, 1]
-    for gap in gaps:
-        before = gap.evidence["arrived_last"]["before_arrival"]
+    waits, finding = _waits(_folder(tmp_path, "launched"))
+    for gap, before in waits:
         assert before["held_by"] == "launched" and before["device_busy_ms"] == 0.0
         assert before["launched_before_ms"] > 0
         assert "its stream waited" in gap.explanation
