@@ -28,8 +28,9 @@ PUBLIC = Path(__file__).parent / "fixtures" / "public"
 def _folder(tmp_path: Path, held_by: str) -> Path:
     """Three ranks of eight steps, each ending in one all-reduce that ends at the same instant on
     all; at step LATE_STEP rank LATE_RANK starts it LATE_BY µs after the others, because (``held_by``)
-    its host spent that time in a data-loading range before launching it ("host"), its device ran a
-    long kernel first ("device"), or its stream started the call late with nothing running ("launched")."""
+    its host spent that time in a data-loading range before launching it ("host"; "skewed": the same,
+    the launch stamped after its kernel began), its device ran a long kernel first ("device"), or its
+    stream started the call late with nothing running ("launched")."""
     folder = tmp_path / held_by
     folder.mkdir()
     for rank in range(3):
@@ -39,10 +40,11 @@ def _folder(tmp_path: Path, held_by: str) -> Path:
             trace.host(DECODE, t, 60)
             ready = eager_step(trace, t, kernels=5)  # the step's kernels end here
             late = LATE_BY if k == LATE_STEP and rank == LATE_RANK else 0.0
-            if late and held_by == "host":
+            if late and held_by in ("host", "skewed"):
                 trace.annotation("## load_batch ##", ready, late - 100)  # the host busy, then the launch
                 trace.host("aten::copy_", ready + 100, 1000)
-                trace.launch(ready + late - 50, ready + late, 100, name=ALL_REDUCE)
+                # ("skewed": the host's clock 30 µs behind the device's, the launch stamped after its kernel began)
+                trace.launch(ready + late + (30 if held_by == "skewed" else -50), ready + late, 100, name=ALL_REDUCE)
             elif late and held_by == "device":
                 trace.launch(t + 40, ready, late, name="big_gemm_kernel")  # queued behind the step's kernels
                 trace.launch(t + 45, ready + late, 100, name=ALL_REDUCE)
@@ -74,6 +76,13 @@ def test_a_late_host_is_named_with_what_it_ran_before_the_launch(tmp_path: Path)
         assert f"thread 1 launched the call {(LATE_BY - 50) / 1e3:.2f} ms into them" in gap.explanation
     assert "Rank 2 arrived last at 2 of these 2 collectives" in finding.fix
     assert "its host had not launched the call yet (most of its own time in ## load_batch ##" in finding.fix
+
+
+def test_a_launch_stamped_after_its_kernel_began_is_cut_at_the_kernel(tmp_path: Path):
+    waits, _finding = _waits(_folder(tmp_path, "skewed"))
+    for _gap, before in waits:
+        assert before["held_by"] == "host" and before["launched_after_ms"] == before["window_ms"] == LATE_BY / 1e3
+        assert "## load_batch ##" in [f["name"] for f in before["host_top"]]
 
 
 def test_a_late_device_is_named_with_the_kernels_it_still_ran(tmp_path: Path):

@@ -53,7 +53,8 @@ class LateRanks:
         launch = int(trace.launch_row_for(np.array([call_row]))[0])
         if launch < 0:  # (no launch recorded for it: which thread would have launched it is unknown)
             return out
-        tid, launched = int(trace.tid[launch]), float(trace.ts[launch])
+        # (a launch stamped after its kernel began is a host and device clock apart: cut at the kernel)
+        tid, launched = int(trace.tid[launch]), min(float(trace.ts[launch]), at_us)
         out["host_thread"] = tid
         if launched <= start_us:  # launched before the wait began: the device, not the host, held it
             out["held_by"], out["launched_before_ms"] = QUEUED, round((start_us - launched) / 1e3, 3)
