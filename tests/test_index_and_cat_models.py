@@ -101,6 +101,22 @@ def test_each_kind_gets_its_own_remedy(family: str, says: str):
     assert not [word for kind, word in others.items() if kind != family and word in text]
 
 
+def test_a_second_kind_leaving_half_as_much_gets_its_remedy_too():
+    def group(family: str, left_us: float, overhead: bool = False) -> dict:
+        return {"op": f"aten::{family}", "family": family, "shapes": [[6, 4, 1500, 32]], "calls": 10,
+                "time_us": left_us + 100.0, "bytes": 80e6, "roofline_us": 100.0, "left_on_table_us": left_us,
+                "overhead_bound": overhead}
+
+    h100 = resolve_device("h100", [], True)
+    both = fix_text([group("grow", 2000.0), group("reorder", 1200.0)], h100, 0.2)
+    assert "cache_implementation" in both and "Next, the row reorders (1.2 ms left on the table" in both
+    assert "reorder_cache" in both
+    assert "Next" not in fix_text([group("grow", 2000.0), group("reorder", 900.0)], h100, 0.2)  # under half
+    # a whole trace of other work (no decode steps): the decode remedies are not stacked up
+    assert "Next" not in fix_text([group("grow", 2000.0), group("reorder", 1200.0)], h100, 0.2, decode=False)
+    assert "Next" not in fix_text([group("grow", 2000.0), group("reorder", 1200.0, overhead=True)], h100, 0.2)
+
+
 # --- the real profiler ----------------------------------------------------------------------------
 
 def _kernels(path: Path) -> list[dict]:

@@ -457,7 +457,9 @@ def _findings(grouped: list[dict[str, Any]], spec: DeviceSpec, scope: str, steps
     return [Finding(
         kind="bandwidth_bound_decode", severity=severity, cost_ms=(left if slow else overhead_left) / 1000.0,
         start_us=start, end_us=end, title=title, request_ids=sorted({r for s in steps for r in s.request_ids}),
-        evidence=evidence, fix=fix_text(shown, spec, share, capped, in_cache=_fits_in_cache(spec, working_set, left_out))
+        evidence=evidence,
+        fix=fix_text(shown, spec, share, capped, in_cache=_fits_in_cache(spec, working_set, left_out),
+                     decode=scope != WHOLE_TRACE)
         + (f" These figures leave out {100 * left_out['share_of_op_time']:.0f}% of the steps' op time, in ops whose bytes "
            f"are not modelled ({describe(left_out)}): judge those from their kernels' own profile (Nsight Compute on "
            "a GPU)." if incomplete(left_out) else ""),

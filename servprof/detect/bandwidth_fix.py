@@ -44,6 +44,7 @@ _CPU_REMEDIES = {
                   "op as it is (a .contiguous() or a transpose per step copies it again)"),
     "embedding": ("look up embeddings once per step; each lookup re-reads its rows"),
 }
+NEXT_SHARE = 0.5  # a second kind of op leaving at least this share of the first's time gets its remedy too
 _FAMILY_WORDS = {"gemm": "GEMMs", "attention": "attention ops", "copy": "copies", "reduction": "norms and "
                  "reductions", "elementwise": "element-wise ops", "embedding": "embedding lookups",
                  "index": "index selections", "reorder": "row reorders", "repeat": "repeats", "grow": "concatenations growing a tensor",
@@ -57,10 +58,28 @@ def _size(nbytes: float) -> str:
     return f"{nbytes:.0f} B"
 
 
+def _next_kind(groups: list[dict[str, Any]], weight: dict[str, float], first: str, remedies: dict[str, str]) -> str:
+    """The remedy of the kind of op leaving the second most time, when that is at least NEXT_SHARE of
+    the first's and its worst op is bounded by bandwidth, not overhead (a beam search's cache
+    reorders beside the cat that grows the cache: two remedies, both needed)."""
+    ranked = sorted((f for f in weight if f != first), key=lambda f: -weight[f])
+    if not ranked or weight[ranked[0]] < NEXT_SHARE * weight[first]:
+        return ""
+    family = ranked[0]
+    top = max((g for g in groups if (g.get("family") or "elementwise") == family),
+              key=lambda g: g.get("left_on_table_us") or g["time_us"])
+    if top.get("overhead_bound"):
+        return ""
+    return (f" Next, the {_FAMILY_WORDS[family]} ({weight[family] / 1e3:.1f} ms left on the table; the worst, "
+            f"{top['op']} {top['shapes']}): {remedies.get(family) or _REMEDIES[family]}.")
+
+
 def fix_text(groups: list[dict[str, Any]], spec: DeviceSpec, share: float, capped: str | None = None,
-             in_cache: bool = False) -> str:
+             in_cache: bool = False, decode: bool = True) -> str:
     """One or two sentences: the op kind that leaves the most time on the table, its figures, what to do.
-    ``in_cache``: a step's bytes fit in the device's last-level cache (``capped`` says so)."""
+    ``in_cache``: a step's bytes fit in the device's last-level cache (``capped`` says so). ``decode``:
+    the ops are decode steps' (the second kind's remedy is given only for them: the remedies are
+    written for decoding, and a whole trace of other work, a vision model's, is not)."""
     if not groups:
         return ""
     weight: dict[str, float] = {}
@@ -86,6 +105,7 @@ def fix_text(groups: list[dict[str, Any]], spec: DeviceSpec, share: float, cappe
     else:
         remedies = _CPU_REMEDIES if spec.kind == "cpu" else {}
         text += f": {remedies.get(family) or _REMEDIES[family]}."
+        text += _next_kind(groups, weight, family, remedies) if decode else ""
     if not spec.identified:
         text += (f" The peak is {spec.basis}, not measured here: run `servprof calibrate` on this machine "
                  "(or pass --device) before acting on the percentage.")
