@@ -91,6 +91,7 @@ def test_repeat_interleave_writes_its_input_that_many_times():
 @pytest.mark.parametrize(("family", "says"), [
     ("reorder", "Cache.reorder_cache"), ("grow", 'cache_implementation="static"'), ("index", "view"),
     ("embedding", "embeddings once per step"), ("join", "preallocated tensor"), ("repeat", "enable_gqa=True"),
+    ("attention_matmul", "scaled_dot_product_attention"),
 ])
 def test_each_kind_gets_its_own_remedy(family: str, says: str):
     group = {"op": "aten::x", "family": family, "shapes": [[8, 4, 789, 32]], "calls": 10, "time_us": 900.0,
@@ -140,6 +141,24 @@ def test_a_cat_takes_the_type_of_the_op_that_reads_it(tmp_path: Path):
     assert cats[0]["bytes"] == 2 * 2 * 4 * 301 * 16 * 2  # the parts read, the result written, 2 bytes each
     summary = analyse(load_trace(path), device="cpu").summary["bandwidth"]
     assert "aten::cat" in [o["name"] for o in summary["unmodelled"]["top_ops"]]  # the ids' cat, left out
+
+
+def test_hand_written_attention_is_told_from_weight_gemms(tmp_path: Path):
+    """q @ k.transpose(-2, -1) and the probabilities @ v: matmuls of two 4-D activations (no weight is
+    4-D); the projections before them are GEMMs over weights."""
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 1, 64), torch.randn(64, 64)
+    k, v = torch.randn(2, 4, 300, 16), torch.randn(2, 4, 300, 16)
+    path = tmp_path / "attention.json"
+    with (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof,
+          phase("decode_step", request_ids=["r1"])):
+        q = torch.nn.functional.linear(x, w).view(2, 1, 4, 16).transpose(1, 2)
+        scores = (q @ k.transpose(-2, -1)).softmax(-1)
+        scores @ v
+    prof.export_chrome_trace(str(path))
+    families = {(p["op"], p["family"]) for p in _kernels(path) if p["op"] in ("aten::matmul", "aten::linear")}
+    assert families == {("aten::matmul", "attention_matmul"), ("aten::linear", "gemm")}
+    assert op_family("aten::bmm", [[16, 5185, 64], [16, 64, 5185]]) == "gemm"  # 3-D: an MoE's expert weights are too
 
 
 def test_a_repeat_is_counted_once_not_also_its_index_select(tmp_path: Path):

@@ -10,6 +10,10 @@ from servprof.detect.devices import DeviceSpec
 _REMEDIES = {
     "gemm": ("batch more requests into each decode step (every weight read then serves more tokens), or "
              "quantise the weights (8-bit halves the bytes each step reads, 4-bit quarters them)"),
+    "attention_matmul": ("matmuls between two [batch, heads, ...] activations are how attention written out by "
+                         "hand runs (q @ k.transpose(-2, -1), softmax, then @ v): each writes its whole result to "
+                         "memory for the next op to read back; use torch.nn.functional.scaled_dot_product_attention, "
+                         "whose fused kernels keep the scores on chip"),
     "attention": ("use a fused decode-attention kernel (FlashAttention / FlashInfer, or the server's paged "
                   "attention) and consider an fp8 KV cache, which halves the bytes read per token"),
     "copy": ("keep tensors in one dtype and layout across the step (cast weights once at load time, not per "
@@ -45,7 +49,7 @@ _CPU_REMEDIES = {
     "embedding": ("look up embeddings once per step; each lookup re-reads its rows"),
 }
 NEXT_SHARE = 0.5  # a second kind of op leaving at least this share of the first's time gets its remedy too
-_FAMILY_WORDS = {"gemm": "GEMMs", "attention": "attention ops", "copy": "copies", "reduction": "norms and "
+_FAMILY_WORDS = {"gemm": "GEMMs", "attention_matmul": "hand-written attention matmuls", "attention": "attention ops", "copy": "copies", "reduction": "norms and "
                  "reductions", "elementwise": "element-wise ops", "embedding": "embedding lookups",
                  "index": "index selections", "reorder": "row reorders", "repeat": "repeats", "grow": "concatenations growing a tensor",
                  "join": "concatenations"}

@@ -83,7 +83,7 @@ def op_family(name: str, dims: Any = None, concrete: Any = None) -> str:
     """What kind of work an op is, for the remedy a finding suggests; ``dims`` and ``concrete`` (its
     Input Dims and Concrete Inputs) tell a reorder from other indexing and a growing cat from a join."""
     if name in GEMMS:
-        return "gemm"
+        return "attention_matmul" if _two_4d_operands(name, dims) else "gemm"
     if name in ATTENTION:
         return "attention"
     if name in COPIES:
@@ -99,6 +99,13 @@ def op_family(name: str, dims: Any = None, concrete: Any = None) -> str:
     if name in REDUCTIONS or name in SAME_SHAPE or name in NORMS:
         return "reduction"
     return "elementwise"
+
+
+def _two_4d_operands(name: str, dims: Any) -> bool:
+    """matmul of two [batch, heads, rows, cols] tensors: no weight is 4-D, so both are activations, as
+    in attention written out by hand (q @ k.transpose(-2, -1), then the probabilities @ v)."""
+    a, b = arg_at(dims, 0), arg_at(dims, 1)
+    return name == "aten::matmul" and isinstance(a, list) and isinstance(b, list) and len(a) == len(b) == 4
 
 
 def _reorders_rows(name: str, dims: Any, concrete: Any) -> bool:
