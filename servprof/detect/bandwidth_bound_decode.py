@@ -94,7 +94,7 @@ def detect_bandwidth_bound(trace: Trace, steps: list[Step], device: str | None
             step_bytes[step] = step_bytes.get(step, 0.0) + cost.bytes
     time_judged = time_judged_us(trace, decode_steps, on_device)  # no decode steps: the whole trace's span
     summary, grouped = _summarise(points, spec, scope, trace, warnings)
-    mark_growing(grouped, [cost.shapes for cost in {id(c): c for c in costs if c.family == "join"}.values()])
+    mark_growing(grouped, [cost.shapes for cost in costs if cost.family == "join"])
     summary["time_judged_ms"] = round(time_judged / 1000, 3)
     # Every byte the ops of one step move, re-reads included: more than the data it touches.
     working_set = max(step_bytes.values(), default=0.0)

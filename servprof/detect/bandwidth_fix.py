@@ -62,6 +62,12 @@ def _size(nbytes: float) -> str:
     return f"{nbytes:.0f} B"
 
 
+def _worst(groups: list[dict[str, Any]], family: str) -> dict[str, Any]:
+    """The group of ``family`` leaving the most time on the table."""
+    return max((g for g in groups if (g.get("family") or "elementwise") == family),
+               key=lambda g: g.get("left_on_table_us") or g["time_us"])
+
+
 def _next_kind(groups: list[dict[str, Any]], weight: dict[str, float], first: str, remedies: dict[str, str]) -> str:
     """The remedy of the kind of op leaving the second most time, when that is at least NEXT_SHARE of
     the first's and its worst op is bounded by bandwidth, not overhead (a beam search's cache
@@ -70,8 +76,7 @@ def _next_kind(groups: list[dict[str, Any]], weight: dict[str, float], first: st
     if not ranked or weight[ranked[0]] < NEXT_SHARE * weight[first]:
         return ""
     family = ranked[0]
-    top = max((g for g in groups if (g.get("family") or "elementwise") == family),
-              key=lambda g: g.get("left_on_table_us") or g["time_us"])
+    top = _worst(groups, family)
     if top.get("overhead_bound"):
         return ""
     return (f" Next, the {_FAMILY_WORDS[family]} ({weight[family] / 1e3:.1f} ms left on the table; the worst, "
@@ -91,8 +96,7 @@ def fix_text(groups: list[dict[str, Any]], spec: DeviceSpec, share: float, cappe
         family = g.get("family") or "elementwise"
         weight[family] = weight.get(family, 0.0) + (g.get("left_on_table_us") or g["time_us"])
     family = max(weight, key=lambda f: weight[f])
-    top = max((g for g in groups if (g.get("family") or "elementwise") == family),
-              key=lambda g: g.get("left_on_table_us") or g["time_us"])
+    top = _worst(groups, family)
     per_call_bytes = top["bytes"] / max(top["calls"], 1)
     per_call_us = top["time_us"] / max(top["calls"], 1)
     roof_us = (top.get("roofline_us") or 0.0) / max(top["calls"], 1)

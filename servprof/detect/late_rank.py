@@ -17,6 +17,7 @@ import numpy as np
 from servprof.detect.host_classes import CLASSES
 from servprof.detect.host_stacks import HostStacks
 from servprof.detect.intervals import merge
+from servprof.detect.thread_work import named_frames
 from servprof.trace.model import Trace
 
 # What held the late rank: its device's own work, its host (the call not yet launched), or its
@@ -65,8 +66,8 @@ class LateRanks:
         # The host's time until it launched the call
         _window, keys, spent = stacks.thread(tid).top_keys(np.array([start_us]), np.array([launched]), limit=TOP)
         out["launched_after_ms"] = round((launched - start_us) / 1e3, 3)
-        out["host_top"] = [{"name": trace.names[key // len(CLASSES)], "class": CLASSES[key % len(CLASSES)],
-                            "self_ms": round(us / 1e3, 3)} for key, us in zip(keys.tolist(), spent.tolist(), strict=True)]
+        out["host_top"] = named_frames(trace, dict(zip(keys.tolist(), spent.tolist(), strict=True)),
+                                       tuple(range(len(CLASSES))))[:TOP]
         return out
 
 
@@ -111,23 +112,23 @@ def held_fix(rank: int, befores: list[dict[str, Any]]) -> str:
                 "running nothing meanwhile: the collective's stream waited on an event or another stream (a "
                 "dependency on a copy or on another process group's call). ")
     if 2 * len(host) >= len(befores):
-        spent: dict[str, float] = {}
-        for before in host:
-            for frame in before.get("host_top", []):
-                spent[frame["name"]] = spent.get(frame["name"], 0.0) + frame["self_ms"]
-        top = sorted(spent.items(), key=lambda kv: -kv[1])[:TOP]
-        names = f" (most of its own time in {', '.join(f'{n[:60]} {ms:.2f} ms' for n, ms in top)})" if top else ""
+        top = _summed([frame for before in host for frame in before.get("host_top", [])], "self_ms")
+        names = f" (most of its own time in {top})" if top else ""
         return (f"Before {len(host)} of them its device sat idle: its host had not launched the call yet{names}. "
                 f"Rank {rank}'s host work before the collective held everyone up: move it off that path (prefetch "
                 "the next batch, overlap data movement, cut per-step Python and syncs there). ")
     device = [b for b in befores if b["held_by"] == DEVICE]
     if not device:
         return ""
-    spent = {}
-    for before in device:
-        for kernel in before["device_top"]:
-            spent[kernel["name"]] = spent.get(kernel["name"], 0.0) + kernel["ms"]
-    top = sorted(spent.items(), key=lambda kv: -kv[1])[:TOP]
+    top = _summed([kernel for before in device for kernel in before["device_top"]], "ms")
     return (f"Before {len(device)} of them its device was still running kernels "
-            f"({', '.join(f'{n[:60]} {ms:.2f} ms' for n, ms in top)}): rank {rank} had more device work before the "
+            f"({top}): rank {rank} had more device work before the "
             "collective than the others; split the work evenly across ranks (batch, sequence lengths, experts). ")
+
+
+def _summed(entries: list[dict[str, Any]], field: str) -> str:
+    """"name 1.20 ms, ..." of the TOP names with the most ``field`` summed over ``entries``."""
+    spent: dict[str, float] = {}
+    for entry in entries:
+        spent[entry["name"]] = spent.get(entry["name"], 0.0) + entry[field]
+    return ", ".join(f"{name[:60]} {ms:.2f} ms" for name, ms in sorted(spent.items(), key=lambda kv: -kv[1])[:TOP])

@@ -139,7 +139,7 @@ def thread_work(trace: Trace, windows: list[tuple[int, int, float, float]], step
         seen = COMPUTING if busy_us >= 0.5 * window_us else WAITED if framed else NOT_RECORDED
         work = ThreadWork(seen, round(busy_us / 1e3, 3), round(window_us / 1e3, 3),
                           {CLASSES[c]: round(float(v) / 1e3, 3) for c, v in enumerate(by_class) if v >= 50.0},
-                          _top(trace, frames, HANDLER_BUSY), _top(trace, frames, (WAIT,)), len(late))
+                          named_frames(trace, frames, HANDLER_BUSY), named_frames(trace, frames, (WAIT,)), len(late))
     if work.seen != COMPUTING:
         work.elsewhere = _computing_elsewhere(trace, stacks, cuts, {(r, t) for r, t, _a, _b in windows})
     return work
@@ -171,7 +171,7 @@ def _computing_elsewhere(trace: Trace, stacks: dict[int, HostStacks],
                 frames[key] = frames.get(key, 0.0) + us
             out.append({"rank": rank, "thread": tid, "thread_name": _thread_name(trace, rank, tid),
                         "busy_ms": round(busy_us / 1e3, 3), "window_ms": round(window_us / 1e3, 3),
-                        "top_frames": _top(trace, frames, HANDLER_BUSY)})
+                        "top_frames": named_frames(trace, frames, HANDLER_BUSY)})
     return sorted(out, key=lambda x: -x["busy_ms"])
 
 
@@ -185,7 +185,8 @@ def _label(other: dict[str, Any]) -> str:
     return name if name and str(other["thread"]) in name else f"thread {other['thread']}" + (f" ({name})" if name else "")
 
 
-def _top(trace: Trace, frames: dict[int, float], classes: tuple[int, ...]) -> list[dict[str, Any]]:
+def named_frames(trace: Trace, frames: dict[int, float], classes: tuple[int, ...]) -> list[dict[str, Any]]:
+    """The five frames of ``classes`` with the most own time (``frames``: HostStacks key -> µs), named."""
     ranked = sorted((kv for kv in frames.items() if kv[0] % len(CLASSES) in classes), key=lambda kv: -kv[1])
     return [{"name": trace.names[key // len(CLASSES)], "class": CLASSES[key % len(CLASSES)], "self_ms": round(us / 1e3, 3)}
             for key, us in ranked[:5]]
