@@ -204,3 +204,37 @@ def test_the_wait_between_requests_is_no_gap_without_stacks(tmp_path: Path, whic
     held = [(f.severity, f.title[:100]) for f in analyse(trace).findings if f.kind == "decode_gap"
             and any(g["idle_us"] >= 0.9 * WAIT_S * 1e6 for g in f.evidence.get("worst_gaps", []))]
     assert held == []
+
+
+class OneSlowStep(transformers.LogitsProcessor):
+    """Holds one step of each request longer than the wait between requests (as a loaded machine's
+    preemption does): earlier steps then run as long as the wait, yet hold no more events."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls % NEW_TOKENS == 3:
+            time.sleep(2 * WAIT_S)
+        return scores
+
+
+@pytest.mark.parametrize("which", ["t5", "llama"])
+def test_a_step_slower_than_the_wait_does_not_stretch_the_step_before_a_request(tmp_path: Path, which: str) -> None:
+    generator = t5() if which == "t5" else model
+    processors = transformers.LogitsProcessorList([OneSlowStep()])
+
+    def requests() -> None:
+        for _ in range(REQUESTS + 1):
+            time.sleep(WAIT_S)  # waiting for the next request
+            generator.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                               logits_processor=processors, pad_token_id=tokenizer.pad_token_id)
+
+    steps = find_steps(traced(tmp_path, requests, with_stack=False))
+    assert max(s.dur_us for s in steps) >= 2 * WAIT_S * 1e6  # (the slow steps are there)
+    opens = [i for i, s in enumerate(steps) if s.kind == "prefill" and i > 0]
+    assert len(opens) == REQUESTS
+    # The wait lies between the step that ends a request and the next request's prefill.
+    assert all(steps[i].start_us - steps[i - 1].end_us >= 0.9 * WAIT_S * 1e6 for i in opens), \
+        [(steps[i - 1].end_us - steps[i].start_us) / 1e3 for i in opens]

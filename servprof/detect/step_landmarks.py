@@ -16,7 +16,9 @@ Such a trace still holds one landmark per iteration:
 Each step runs on its thread from one landmark to the next. The last one, which no landmark
 closes, ends with the thread's last host op after it, at most ``LAST_STEP_MEDIANS`` median
 steps long (a thread can go on to other work); so does one followed by a prefill, once the
-kinds are known (``end_before_prefills``: the wait for the next request lies between).
+kinds are known (``end_before_prefills``: the wait for the next request lies between). Both
+also stop at the longest pause where a whole step's events end: on a loaded machine earlier
+steps can run as long as the wait, but they hold no more events.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from servprof.trace.model import Trace, median
 SAME_ITERATION_SHARE = 0.25
 SAME_ITERATION_EVENTS = 64
 LAST_STEP_MEDIANS = 2.0
+END_EVENTS_SHARE = 0.9
+LONG_PAUSE_SHARE = 0.5
 LANDMARK_SOURCES = ("embedding", "data_loader", "optimizer")
 OPTIMIZER_STEP = Guarded(re.compile(r"^Optimizer\.step#"), "Optimizer.step#")
 
@@ -85,9 +89,11 @@ def _landmark_steps(trace: Trace, rows: np.ndarray, source: str) -> list[Step]:
 
 def end_before_prefills(trace: Trace, steps: list[Step]) -> None:
     """A landmark step followed on its thread by a prefill (kinds read from the shapes after the
-    steps were found) ends, as the thread's last step does, with its last host op before that
-    prefill, at most LAST_STEP_MEDIANS median steps long: what lies between is the wait for the
-    next request (no part of the step before it, nor a stall inside it)."""
+    steps were found), and the thread's last, end with their last host op before that prefill, at
+    most LAST_STEP_MEDIANS median steps long and no more host events than a whole step of their kind
+    holds: what lies between is the wait for the next request, then its set-up (no part of the step
+    before it, nor a stall inside it). The event count holds where time cannot: on a loaded machine
+    earlier steps run as long as the wait, but not longer in events."""
     by_thread: dict[tuple[int, int], list[Step]] = {}
     for step in steps:
         if step.source in LANDMARK_SOURCES:
@@ -96,19 +102,59 @@ def end_before_prefills(trace: Trace, steps: list[Step]) -> None:
     for (rank, tid), mine in by_thread.items():
         mine.sort(key=lambda s: s.start_us)
         before = [i for i in range(len(mine) - 1) if mine[i + 1].kind == "prefill"]
-        if not before:
+        if not before and len(mine) < 2:
             continue
         if host is None:
             host = trace.complete() & (trace.stream < 0)
         thread = np.flatnonzero(host & (trace.rank == rank) & (trace.tid == tid))
         order = np.argsort(trace.ts[thread], kind="stable")
         thread_ts, thread_end = trace.ts[thread][order], trace.end[thread][order]
+        first = np.searchsorted(thread_ts, [s.start_us for s in mine], side="left")
+        whole = {i: int(first[i + 1] - first[i]) for i in range(len(mine) - 1) if i not in before}
         for i in before:
-            upto = int(np.searchsorted(thread_ts, mine[i + 1].start_us, side="left"))
+            upto = int(first[i + 1])
             # (Against the steps before it as they now are: one that held an earlier wait no longer does.)
             end = _last_end(thread_ts[:upto], np.minimum(thread_end[:upto], mine[i + 1].start_us), mine[i].start_us,
                             np.array([s.dur_us for s in mine[:i]]))
             mine[i].end_us = max(mine[i].start_us, min(mine[i].end_us, end))
+        # (An optimizer step's last iteration is closed by the landmark it drops: a whole one.)
+        for i in before if mine[-1].source == "optimizer" else [*before, len(mine) - 1]:
+            window = _end_window(mine, whole, i)
+            if window is None:
+                continue
+            begin, upto = int(first[i]), int(first[i + 1]) if i + 1 < len(mine) else thread_ts.size
+            end = _end_before_long_pause(thread_ts[begin:upto], thread_end[begin:upto], *window)
+            if end is not None:
+                mine[i].end_us = max(mine[i].start_us, min(mine[i].end_us, end))
+
+
+def _end_window(mine: list[Step], whole: dict[int, int], i: int) -> tuple[int, int, float] | None:
+    """Where in its events a step of step i's kind ends on its thread, from END_EVENTS_SHARE of the
+    median a whole step (one a landmark closes, no prefill after it) holds to the most one holds,
+    and the shortest pause there that ends it (LONG_PAUSE_SHARE of a median whole step: not the
+    loop's next op); None where the thread has no whole step of that kind."""
+    kind = [j for j in whole if mine[j].kind == mine[i].kind]
+    if not kind:
+        return None
+    counts = [whole[j] for j in kind]
+    return (int(END_EVENTS_SHARE * float(np.median(counts))), max(counts),
+            LONG_PAUSE_SHARE * median([mine[j].dur_us for j in kind]))
+
+
+def _end_before_long_pause(ts: np.ndarray, end: np.ndarray, low: int, high: int, long_pause: float) -> float | None:
+    """The end of a step's own events (ts, end: its thread's host events from its landmark on),
+    which stop at the longest pause after one of its events low..high, where a whole step's end
+    lies, if at least long_pause (the end of the events, where they stop before high, is the
+    longest: nothing follows); a step ending a request ends there (what follows is the wait for
+    the next one and its set-up). None where the step holds fewer events than low, or no pause
+    there is long."""
+    high = min(high, ts.size)
+    if high < max(low, 1):
+        return None
+    busy_until = np.maximum.accumulate(end[:high])
+    pauses = np.append(ts[1:high] - busy_until[:-1], np.inf if high == ts.size else ts[high] - busy_until[-1])
+    k = max(low, 1) - 1 + int(np.argmax(pauses[max(low, 1) - 1:]))
+    return float(busy_until[k]) if pauses[k] >= long_pause else None
 
 
 def _iteration_starts(thread_ts: np.ndarray, landmark_ts: np.ndarray) -> np.ndarray:
