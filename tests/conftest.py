@@ -20,6 +20,11 @@ SETTLE_TIMEOUT_S = 60.0
 # calibration saved in ~/.cache would change what the analyses in every later test judge against.
 os.environ["SERVPROF_CACHE_DIR"] = tempfile.mkdtemp(prefix="servprof-test-cache-")
 atexit.register(shutil.rmtree, os.environ["SERVPROF_CACHE_DIR"], True)
+# torch on one intra-op thread, here and in the servers the tests start: on a shared 2-core
+# machine another process's load turns each OpenMP barrier of a two-thread op into a stall of a
+# scheduler slice (decode steps of 1 ms ran 16-30 ms with one busy process beside them, against
+# 1-10 ms on one thread), which drowns the stalls the tests plant in the traces they analyse.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -84,11 +84,16 @@ def traced(tmp_path: Path, request: Callable[[], None], with_stack: bool = False
 
 def stall_finding(trace: Trace, stalls: list[tuple[float, float]], inside: bool = False) -> Finding:
     """The decode_gap finding that holds a gap for each stall: the gap is the stall (between two
-    steps), or lies within it (``inside``: the stall is the step that holds the sleep)."""
-    for finding in analyse(trace).findings:
-        if finding.kind != "decode_gap":
+    steps), or lies within it (``inside``: the stall is the step that holds the sleep). Its gaps
+    are all those of its cause and place in its span, not only the worst it lists (a loaded
+    machine adds longer ones)."""
+    analysis = analyse(trace)
+    for finding in analysis.findings:
+        if finding.kind != "decode_gap" or "where" not in finding.evidence:
             continue
-        gaps = [(g["start_us"], g["end_us"]) for g in finding.evidence["worst_gaps"]]
+        gaps = [(g.start_us, g.end_us) for g in analysis.gaps
+                if (g.cause, g.where) == (finding.evidence["cause"], finding.evidence["where"])
+                and finding.start_us <= g.start_us and g.end_us <= finding.end_us]
         if inside:
             found = [any(a <= g0 and g1 <= b for g0, g1 in gaps) for a, b in stalls]
         else:

@@ -78,6 +78,22 @@ def reference_tokenize_ms(name: str, server: Any, prompt: str, repeats: int = 7)
     return times
 
 
+class SessionResults:
+    """An observer keeping each session's analysis result by session id."""
+
+    def __init__(self) -> None:
+        self.by_session: dict[str, dict[str, Any]] = {}
+
+    def on_request_start(self, record: Any, scope: Any) -> None:
+        return None
+
+    def on_request_end(self, record: Any, state: Any) -> None:
+        pass
+
+    def on_analysis(self, result: dict[str, Any], records: list[Any]) -> None:
+        self.by_session[result["session_id"]] = result
+
+
 @pytest.fixture(scope="module", params=sorted(SERVERS))
 def observed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One session on an unmarked server under concurrent streaming load and /health probes."""
@@ -92,6 +108,8 @@ def observed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     prompt = PROMPTS[name]
     with serve(app) as (url, _server):
         middleware = servprof_middleware(app)
+        results = SessionResults()
+        middleware.runtime.observers.append(results)
         while not middleware.runtime.controller.warm:
             time.sleep(0.05)
         health = {"count": 0, "stop": False}
@@ -143,8 +161,13 @@ def observed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         wait_idle()
         with httpx.Client(timeout=30) as client:
             status = client.get(url + "/servprof/status", headers=AUTH).json()
-        result = middleware.runtime.last_result
         sessions = list(middleware.runtime.history)
+    # (The first session's: on a loaded machine the last two requests can arrive after it ended and
+    # start a second session.)
+    deadline = time.monotonic() + 30  # (observers hear of a session just after it joins the history)
+    while session["session_id"] not in results.by_session and time.monotonic() < deadline:
+        time.sleep(0.02)
+    result = results.by_session[session["session_id"]]
     reference += reference_tokenize_ms(name, server, prompt)
     blocker_ms = blocker_times_ms(name, server, prompt)
     sampled = [r["request_id"] for r in session["requests"]]
