@@ -122,7 +122,7 @@ def _compile_run(tmp_path: Path, *flags: str) -> tuple[dict[str, Any], dict[str,
         before = httpx.get(f"{url}/demo/stats", timeout=30).json()["compile"]
 
         def three_at_once() -> None:
-            threads = [threading.Thread(target=_generate, args=(url, i, 48)) for i in range(3)]
+            threads = [threading.Thread(target=_generate, args=(url, i, 128)) for i in range(3)]
             for thread in threads:
                 thread.start()
             for thread in threads:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -158,6 +159,18 @@ def test_args_columns_where_few_rows_name_them(tmp_path: Path) -> None:
 
 
 def test_deep_nesting_loads_to_orjsons_limit(tmp_path: Path, small_batches: None) -> None:
+    """Nesting past msgspec's depth (the interpreter's recursion limit) is left to orjson, which
+    refuses it past 1024. At Python's default limit, as here: torch.compile's inductor raises it to
+    2000 for the rest of the process, and msgspec then reads the deeper file too."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)
+    try:
+        _deep_nesting(tmp_path)
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+def _deep_nesting(tmp_path: Path) -> None:
     events = [kernel(i) for i in range(50)]
     text = orjson.dumps({"traceEvents": events}).replace(b'"correlation":20', b'"correlation":20,"x":'
                                                           + b"[" * 1000 + b"]" * 1000, 1)

@@ -201,6 +201,8 @@ def cause_label(cause: str, on_device: bool = True) -> str:
 
 # Host time with nothing recorded, where the trace already holds Python frames (with_stack was on)
 # or came from servprof's own session (its setting turns the frames on).
+# A collection on the model's own thread this share of a gap's, or more, is named beside the other's.
+SHARED_COLLECTION_SHARE = 0.1
 UNTRACED_WITH_FRAMES = (
     "The thread recorded nothing there, not even a Python frame: it was off the CPU or blocked outside Python "
     "(a sleep or a lock taken in C code, a wait on another process or on I/O, too few CPU cores for the server's "
@@ -244,3 +246,19 @@ def cause_fix(cause: str, training: bool = False, on_device: bool = True) -> str
     if not on_device and cause in HOST_CAUSES:
         return HOST_CAUSES[cause][1]
     return CAUSES.get(cause, CAUSES["untraced_host_time"])[1]
+
+
+def collected_text(evidence: dict[str, Any], thread: str, other: str) -> str:
+    """Where a gap's collections ran: on the thread driving the model, on the one it waited for,
+    or both back to back (each thread can trigger one; the GIL runs them in turn). Sets the
+    evidence's ``collected_us``."""
+    own = float(evidence["self_us"].get("gc", 0.0))
+    elsewhere = float(evidence["ran_instead"]["self_us"].get("gc", 0.0)) if "ran_instead" in evidence else 0.0
+    evidence["collected_us"] = round(own + elsewhere, 1)
+    if elsewhere and own >= SHARED_COLLECTION_SHARE * (own + elsewhere):
+        return (f"{(own + elsewhere) / 1000:.2f} ms collecting, {own / 1000:.2f} ms on thread {thread} (the one "
+                f"driving the model) and {elsewhere / 1000:.2f} ms on thread {other}, which it waited for")
+    if elsewhere:
+        return (f"{elsewhere / 1000:.2f} ms collecting on thread {other} while thread {thread} (the one "
+                "driving the model) waited")
+    return f"{own / 1000:.2f} ms collecting on thread {thread}"

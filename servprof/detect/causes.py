@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from servprof.detect.cause_texts import CAUSES, cause_fix, cause_label
+from servprof.detect.cause_texts import CAUSES, cause_fix, cause_label, collected_text
 from servprof.detect.data_loading import loader_rows, loading_range, loading_us
 from servprof.detect.host_classes import (
     BUSY_CLASSES,
@@ -312,9 +312,7 @@ class GapExplainer:
         names = ", ".join(_frame_text(f, cause) for f in named[:3]) or "nothing recorded"
         label = cause_label(cause, self.on_device)
         if cause == "python_gc":
-            collected = (evidence["ran_instead"] if elsewhere else evidence)["self_us"].get("gc", 0.0)
-            text = (f"{label}: {float(collected) / 1000:.2f} ms collecting on thread {label_of(other if elsewhere else tid)}"
-                    + (f" while thread {label_of(tid)} (the one driving the model) waited" if elsewhere else ""))
+            text = f"{label}: {collected_text(evidence, label_of(tid), label_of(other) if other >= 0 else '')}"
         elif elsewhere:
             text = f"{label}: thread {label_of(other)} ran {names} while thread {label_of(tid)} (the one driving the model) "
             text += _waited_text(explained, i, evidence)
@@ -393,3 +391,4 @@ def _light_text(explained: Explained, i: int, a: float, b: float, evidence: dict
 def _phase_ids(name: str) -> list[str]:
     parsed = parse_phase_event_name(name)
     return parsed[1] if parsed else []
+
