@@ -21,6 +21,15 @@ CAUSES: dict[str, tuple[str, str]] = {
         "(non_blocking copy into pinned memory + an event), instead of .item() / .tolist() / .cpu() right after "
         "each step: on a GPU each such read is a device sync per step.",
     ),
+    "host_read_in_forward": (
+        "reads of device values on the host inside the model's forward, every step",
+        "Keep the forward free of reads of device values: each is a device sync on a GPU, mid-step, with "
+        "the kernels after it not yet launched. They come from data-dependent control flow: an MoE layer "
+        "looping over the experts its tokens were routed to (`nonzero()`, `.item()` per expert: use a grouped "
+        "or fused MoE, transformers' `experts_implementation=\"grouped_mm\"` or vLLM's / SGLang's fused_moe), "
+        "boolean-mask indexing or `torch.where(mask)` with one argument (use masks or `torch.where(mask, a, b)` "
+        "with fixed shapes), `if tensor:` / `int(tensor)` in the model's code.",
+    ),
     "tokenization": (
         "tokenization",
         "Move tokenization off the thread and process that drive the model: a thread or process pool "

@@ -29,6 +29,10 @@ READ_OPS = Guarded(re.compile(r"^aten::(item|_local_scalar_dense)$|<method '(tol
                               r"|<built-in method (tolist|item|cpu|numpy) of"), "aten::", "method ")
 TOLIST_SIGNATURE = "aten::resolve_neg"  # what .tolist() / .numpy() leave when not nested in another op
 MIN_STEPS = 3
+# Ops whose weights make a model's forward: a read with one of them after it in its step is a read
+# inside the forward (data-dependent control flow), not the sampled token read after the step.
+FORWARD_OPS = ("aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "aten::bmm")
+IN_FORWARD_SHARE = 0.5  # of a step's reads, for the fix to be the forward's
 MIN_SHARE_OF_STEPS = 0.8  # "every step": at least this share of the decode steps read something
 
 
@@ -60,6 +64,14 @@ def read_rows(trace: Trace) -> np.ndarray:
     return outermost(trace, rows)
 
 
+def _forward_rows(trace: Trace) -> np.ndarray:
+    """Host rows of the ops a forward's layers run (FORWARD_OPS)."""
+    named = np.zeros(trace.name_id.shape, dtype=bool)
+    for name in FORWARD_OPS:
+        named |= trace.name_id == trace.string_id(name)  # (-1, no such op: no row)
+    return np.flatnonzero(named & trace.complete() & (trace.stream < 0))
+
+
 def _top_level(trace: Trace, rows: np.ndarray) -> np.ndarray:
     """The rows that no other op (an ATen op, not an annotation) on their thread contains."""
     if rows.size == 0:
@@ -87,8 +99,10 @@ def detect_host_reads(trace: Trace, steps: list[Step], span_us: float) -> tuple[
         return None, {}
     rows = read_rows(trace)
     counts = np.zeros(len(decode), dtype=np.int64)
+    in_forward = np.zeros(len(decode), dtype=np.int64)
     spent = np.zeros(len(decode))
     labels: dict[str, int] = {}
+    forward = _forward_rows(trace)
     for tid in {s.tid for s in decode}:
         mine = sorted((i for i, s in enumerate(decode) if s.tid == tid), key=lambda i: decode[i].start_us)
         starts = np.array([decode[i].start_us for i in mine])
@@ -99,20 +113,37 @@ def detect_host_reads(trace: Trace, steps: list[Step], span_us: float) -> tuple[
         ok = (pos >= 0) & (trace.ts[sel] < ends[np.maximum(pos, 0)])
         step_of = np.array(mine, dtype=np.int64)[pos[ok]]
         np.add.at(counts, step_of, 1)
+        # (Forward ops of the step's thread before and after the read, inside the step: a read at
+        # the top of a loop's iteration, the last token's, has none before it.)
+        gemm_ts = np.sort(trace.ts[forward[(trace.tid[forward] == tid)
+                                           & (trace.rank[forward] == decode[mine[0]].rank)]])
+        after = np.searchsorted(gemm_ts, trace.ts[sel[ok]], side="right")
+        next_gemm, last_gemm = np.append(gemm_ts, np.inf)[after], np.append(-np.inf, gemm_ts)[after]
+        step_end = np.array([decode[i].end_us for i in mine])[pos[ok]]
+        inside = (next_gemm < step_end) & (last_gemm >= starts[pos[ok]])
+        np.add.at(in_forward, step_of, inside.astype(np.int64))
         np.add.at(spent, step_of, trace.dur[sel[ok]])  # (in time order, as the reads happened)
         for label, calls in _labels(trace, sel[ok]):
             labels[label] = labels.get(label, 0) + calls
     reading = int((counts > 0).sum())
     summary = {"steps": len(decode), "steps_with_reads": reading, "reads": int(counts.sum()),
                "reads_per_step": round(float(counts.mean()), 3), "calls": labels,
-               "host_ms_per_step": round(float(spent.mean()) / 1000, 4)}
+               "host_ms_per_step": round(float(spent.mean()) / 1000, 4),
+               "in_forward_per_step": round(float(in_forward.mean()), 3)}
     if reading < MIN_SHARE_OF_STEPS * len(decode) or trace.has_device_events():
         return None, summary
     cost_ms = float(spent.sum()) / 1000
     share = cost_ms * 1000 / span_us if span_us > 0 else 0.0
     calls = ", ".join(f"{name} x{n}" for name, n in sorted(labels.items(), key=lambda kv: -kv[1]))
     unrecorded = unrecorded_device(trace)
-    if unrecorded is None:
+    inside = in_forward.sum() >= IN_FORWARD_SHARE * counts.sum()
+    if inside:
+        title = (f"the model's forward reads device values on the host every step ({calls}: {counts.mean():.1f} "
+                 f"per step, {in_forward.mean():.1f} of them with the step's layers still to run, "
+                 f"{spent.mean():.1f} µs per step here, {share:.2%} of step time"
+                 + (" on this CPU trace" if unrecorded is None else f"; the trace recorded no {unrecorded.device} activity")
+                 + "): on a GPU each is a device sync mid-step, the kernels after it not yet launched")
+    elif unrecorded is None:
         title = (f"the decode loop reads a tensor to the host every step ({calls}: {counts.mean():.1f} per step, "
                  f"{spent.mean():.1f} µs per step here, {share:.2%} of step time on this CPU trace); on a GPU "
                  f"each read of the step just launched is a device sync per step: the GPU idles while the host "
@@ -126,8 +157,9 @@ def detect_host_reads(trace: Trace, steps: list[Step], span_us: float) -> tuple[
         kind="decode_gap", severity=severity_for_share(share, cost_ms),  # type: ignore[arg-type]
         cost_ms=cost_ms, start_us=decode[0].start_us, end_us=decode[-1].end_us, title=title,
         request_ids=sorted({r for s in decode for r in s.request_ids})[:100],
-        evidence={"cause": "host_read_per_step", "where": "per_step", "what": CAUSES["host_read_per_step"][0],
+        evidence={"cause": "host_read_per_step", "where": "in_forward" if inside else "per_step",
+                  "what": CAUSES["host_read_in_forward" if inside else "host_read_per_step"][0],
                   **summary, "share_of_step_time": round(share, 5),
                   "on_gpu": "a device synchronisation per step (the read waits for every kernel queued before it)"},
-        fix=cause_fix("host_read_per_step"),
+        fix=cause_fix("host_read_in_forward" if inside else "host_read_per_step"),
     ), summary
