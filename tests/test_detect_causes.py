@@ -704,3 +704,36 @@ def test_a_gil_held_by_another_requests_model_step_is_concurrent_model_calls(tmp
     assert gap.evidence["cause"] == "concurrent_steps"
     assert "other requests' model steps ran on other threads meanwhile" in gap.title
     assert "batch" in gap.fix
+
+
+def _layers(trace: KinetoTrace, host: float, device: float, count: int) -> tuple[float, float]:
+    """``count`` layers: an aten::linear on the host launching each one's kernel; returns the
+    (host, device) times after them."""
+    for i in range(count):
+        trace.host("aten::linear", host + 5 * i, 4.0)
+        trace.launch(host + 5 * i + 1, device + 40 * i, 40.0)
+    return host + 5 * count, device + 40 * count
+
+
+def test_a_read_between_a_steps_layers_is_the_forwards_own_sync(tmp_path: Path):
+    """Each step's forward reads a device value halfway through its layers (an eager MoE's expert
+    loop, a boolean mask's nonzero): the device drains, the host reads, then launches the rest of
+    the layers. The sync is the forward's, not the sampled token's read: the fix says so."""
+    trace = KinetoTrace()
+    t = 0.0
+    for _ in range(6):
+        host, device = _layers(trace, t, t + 20, 5)
+        trace.host("aten::item", host, device + 10 - host)
+        trace.host("aten::_local_scalar_dense", host + 1, device + 8 - host)
+        trace.launch(host + 2, device, 4.0, name="Memcpy DtoH (Device -> Pageable)", runtime="cudaMemcpyAsync",
+                     cat="gpu_memcpy")
+        trace.host("cudaStreamSynchronize", host + 6, device + 4 - host, cat="cuda_runtime")
+        resume = device + 10 + 100  # (100 µs of Python nothing recorded, then the later layers)
+        host, device = _layers(trace, resume, resume + 20, 5)
+        trace.host(DECODE, t, host + 5 - t)
+        t = device + 10
+    analysis = analyse(load_trace(trace.write(tmp_path / "t.json")))
+    (gap,) = [f for f in _gaps(analysis, "synchronize") if f.evidence["where"] == "inside_step"]
+    assert gap.evidence["host_reads_per_step"] == 1.0 and gap.evidence["host_reads_in_forward_per_step"] == 1.0
+    assert "model's forward reads the device" in gap.title
+    assert "fused_moe" in gap.fix and "one step behind" not in gap.fix
