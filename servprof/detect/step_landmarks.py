@@ -16,7 +16,9 @@ Such a trace still holds one landmark per iteration:
 Each step runs on its thread from one landmark to the next. The last one, which no landmark
 closes, ends with the thread's last host op after it, at most ``LAST_STEP_MEDIANS`` median
 steps long (a thread can go on to other work); so does one followed by a prefill, once the
-kinds are known (``end_before_prefills``: the wait for the next request lies between). Both
+kinds are known (``end_before_prefills``: the wait for the next request lies between), and a
+decode step followed by one of another kind (Whisper's encoder looks its positions up: a step of
+no kind, which then opens a request). Both
 also stop at the longest pause where a whole step's events end: on a loaded machine earlier
 steps can run as long as the wait, but they hold no more events.
 """
@@ -101,7 +103,11 @@ def end_before_prefills(trace: Trace, steps: list[Step]) -> None:
     host: np.ndarray | None = None
     for (rank, tid), mine in by_thread.items():
         mine.sort(key=lambda s: s.start_us)
-        before = [i for i in range(len(mine) - 1) if mine[i + 1].kind == "prefill"]
+        before = [i for i in range(len(mine) - 1) if _opens_other_work(mine[i], mine[i + 1])]
+        for i in before:
+            # A step of no kind between two runs of decode steps (an encoder's pass) opens a request.
+            if mine[i + 1].kind == "step" and i + 2 < len(mine) and mine[i + 2].kind == "decode":
+                mine[i + 1].opens_request = True
         if not before and len(mine) < 2:
             continue
         if host is None:
@@ -113,9 +119,10 @@ def end_before_prefills(trace: Trace, steps: list[Step]) -> None:
         whole = {i: int(first[i + 1] - first[i]) for i in range(len(mine) - 1) if i not in before}
         for i in before:
             upto = int(first[i + 1])
-            # (Against the steps before it as they now are: one that held an earlier wait no longer does.)
+            # (Against the steps of its kind before it as they now are: one that held an earlier wait no
+            # longer does; an encoder's pass is no measure of a decode step.)
             end = _last_end(thread_ts[:upto], np.minimum(thread_end[:upto], mine[i + 1].start_us), mine[i].start_us,
-                            np.array([s.dur_us for s in mine[:i]]))
+                            np.array([s.dur_us for s in mine[:i] if s.kind == mine[i].kind]))
             mine[i].end_us = max(mine[i].start_us, min(mine[i].end_us, end))
         # (An optimizer step's last iteration is closed by the landmark it drops: a whole one.)
         for i in before if mine[-1].source == "optimizer" else [*before, len(mine) - 1]:
@@ -126,6 +133,13 @@ def end_before_prefills(trace: Trace, steps: list[Step]) -> None:
             end = _end_before_long_pause(thread_ts[begin:upto], thread_end[begin:upto], *window)
             if end is not None:
                 mine[i].end_us = max(mine[i].start_us, min(mine[i].end_us, end))
+
+
+def _opens_other_work(step: Step, after: Step) -> bool:
+    """The step after ``step`` is a prefill, or ends a run of decode steps with work of another
+    kind (an encoder-decoder's encoder pass: Whisper's looks its positions up, a step of no kind):
+    what lies between is no part of the step."""
+    return after.kind == "prefill" or (step.kind == "decode" and after.kind != "decode")
 
 
 def _end_window(mine: list[Step], whole: dict[int, int], i: int) -> tuple[int, int, float] | None:
