@@ -210,8 +210,6 @@ def cause_label(cause: str, on_device: bool = True) -> str:
 
 # Host time with nothing recorded, where the trace already holds Python frames (with_stack was on)
 # or came from servprof's own session (its setting turns the frames on).
-# A collection on the model's own thread this share of a gap's, or more, is named beside the other's.
-SHARED_COLLECTION_SHARE = 0.1
 UNTRACED_WITH_FRAMES = (
     "The thread recorded nothing there, not even a Python frame: it was off the CPU or blocked outside Python "
     "(a sleep or a lock taken in C code, a wait on another process or on I/O, too few CPU cores for the server's "
@@ -255,6 +253,10 @@ def cause_fix(cause: str, training: bool = False, on_device: bool = True) -> str
     if not on_device and cause in HOST_CAUSES:
         return HOST_CAUSES[cause][1]
     return CAUSES.get(cause, CAUSES["untraced_host_time"])[1]
+
+
+# A collection on the model's own thread this share of a gap's, or more, is named beside the other's.
+SHARED_COLLECTION_SHARE = 0.1
 
 
 def collected_text(evidence: dict[str, Any], thread: str, other: str) -> str:

@@ -391,4 +391,3 @@ def _light_text(explained: Explained, i: int, a: float, b: float, evidence: dict
 def _phase_ids(name: str) -> list[str]:
     parsed = parse_phase_event_name(name)
     return parsed[1] if parsed else []
-

@@ -186,7 +186,7 @@ def _add_host_reads(trace: Any, steps: list[Step], span: float, findings: list[F
     """A read of a device value every step: its own finding on CPU traces; on device traces its
     count per step goes with the sync gaps it causes (their idle is the measured cost). A light
     CPU trace records no op, so no read: nothing is said from that (tier.light_missing says it)."""
-    from servprof.detect.host_reads import IN_FORWARD_SHARE, detect_host_reads
+    from servprof.detect.host_reads import detect_host_reads, reads_in_forward
 
     if is_light(trace) and not trace.has_device_events():
         return
@@ -203,8 +203,7 @@ def _add_host_reads(trace: Any, steps: list[Step], span: float, findings: list[F
                 f.evidence["host_reads_per_step"] = reads["reads_per_step"]
                 f.evidence["host_read_calls"] = reads["calls"]
                 f.evidence["host_reads_in_forward_per_step"] = reads["in_forward_per_step"]
-                if reads["in_forward_per_step"] >= IN_FORWARD_SHARE * reads["reads_per_step"] \
-                        and f.evidence.get("where") == "inside_step":
+                if reads_in_forward(reads) and f.evidence.get("where") == "inside_step":
                     # (Mid-forward, with layers still to launch: not the sampled token's read.)
                     f.title += (f" (the model's forward reads the device {reads['in_forward_per_step']:.1f}x per step, "
                                 "its later layers not yet launched)")

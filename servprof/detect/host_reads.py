@@ -64,6 +64,11 @@ def read_rows(trace: Trace) -> np.ndarray:
     return outermost(trace, rows)
 
 
+def reads_in_forward(summary: dict[str, Any]) -> bool:
+    """Whether detect_host_reads' summary holds mostly reads inside the forward (the fix is the forward's)."""
+    return summary["in_forward_per_step"] >= IN_FORWARD_SHARE * summary["reads_per_step"]
+
+
 def _forward_rows(trace: Trace) -> np.ndarray:
     """Host rows of the ops a forward's layers run (FORWARD_OPS)."""
     named = np.zeros(trace.name_id.shape, dtype=bool)
@@ -136,7 +141,7 @@ def detect_host_reads(trace: Trace, steps: list[Step], span_us: float) -> tuple[
     share = cost_ms * 1000 / span_us if span_us > 0 else 0.0
     calls = ", ".join(f"{name} x{n}" for name, n in sorted(labels.items(), key=lambda kv: -kv[1]))
     unrecorded = unrecorded_device(trace)
-    inside = in_forward.sum() >= IN_FORWARD_SHARE * counts.sum()
+    inside = reads_in_forward(summary)
     if inside:
         title = (f"the model's forward reads device values on the host every step ({calls}: {counts.mean():.1f} "
                  f"per step, {in_forward.mean():.1f} of them with the step's layers still to run, "

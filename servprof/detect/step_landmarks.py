@@ -90,12 +90,13 @@ def _landmark_steps(trace: Trace, rows: np.ndarray, source: str) -> list[Step]:
 
 
 def end_before_prefills(trace: Trace, steps: list[Step]) -> None:
-    """A landmark step followed on its thread by a prefill (kinds read from the shapes after the
-    steps were found), and the thread's last, end with their last host op before that prefill, at
-    most LAST_STEP_MEDIANS median steps long and no more host events than a whole step of their kind
-    holds: what lies between is the wait for the next request, then its set-up (no part of the step
-    before it, nor a stall inside it). The event count holds where time cannot: on a loaded machine
-    earlier steps run as long as the wait, but not longer in events."""
+    """A landmark step followed on its thread by a prefill, or a decode step by a step of another
+    kind (kinds read from the shapes after the steps were found), ends with its last host op
+    before the next step, at most LAST_STEP_MEDIANS median steps of its kind long: what lies
+    between is the wait for the next request, then its set-up (no part of the step before it, nor
+    a stall inside it). It, and the thread's last step, also stop at a long pause where a whole
+    step's events end (_end_window): on a loaded machine earlier steps run as long as the wait,
+    but they hold no more events."""
     by_thread: dict[tuple[int, int], list[Step]] = {}
     for step in steps:
         if step.source in LANDMARK_SOURCES:
