@@ -13,6 +13,13 @@ session stopped before it passes the budget:
   run, module calls are counted live and the estimate is calls x that prior.
   Steps scale with load (more threads or more requests step more), so a load that jumps
   mid-session moves the estimate with it; events per step do not depend on batch size.
+* **module calls**, counted while the first steps of every session are watched (the
+  discovery window), times the events per module call a session measured (or events per step
+  over calls per step, or the prior). A step's events are counted when it starts, but a small
+  budget holds only a step or two (a tiny model's ~450 ops a step against a budget a loaded
+  machine shrank to ~900), and steps that began before the session (one per stream in flight:
+  no hook saw them start) are recorded from their middle on: only module calls count those,
+  and let the hooks cut collection inside a step.
 * **streamed chunks** of the sampled requests (the old decode-step estimate) times the
   events per chunk a reliable session measured.
 * **busy time** x an event rate, only where no step signal exists (automatic phases off,
@@ -25,6 +32,7 @@ A rate per second or per chunk is learned only from a session that captured
 ``MIN_LEARN_EVENTS`` (or a quarter of a smaller budget); events per step from any session
 with ``MIN_LEARN_STEPS`` steps (a step running at its end counted for what it got through, at
 most half: StepHooks.running_done), unless those running steps are more than its whole ones;
+events per module call from one that counted ``MIN_LEARN_CALLS`` calls while it recorded;
 and a figure learned is never lowered by more than ``PER_STEP_FADE`` per session. Events per
 step are the model's, they do not change with load: a figure too low lets the next session pass
 its budget by as much (the step hooks' cut at ``CUT_AT`` counts steps at that figure too).
@@ -57,6 +65,7 @@ RELIABLE_SHARE = 0.25  # of the budget: a session with fewer events than this an
 MIN_LEARN_STEPS = 1.5  # events per step are a property of the model: a step or two tell them
 PER_STEP_FADE = 0.8  # the most a session lowers the events-per-step figure: 1.2 x 1/0.8 = 1.5x the budget at worst
 STEPLESS_GRACE_S = 0.25
+MIN_LEARN_CALLS = 20
 STOP_AT = 0.9  # the share of the budget at which the step hooks ask for the stop
 # ... and at which they switch the profiler's collection off themselves, when the capture thread
 # has not stopped it yet (on a busy machine it may wait tens of ms for a CPU): a hard bound.
@@ -132,6 +141,7 @@ class EventBudget:
             self.prior_per_call = LIGHT_CUDA_EVENTS_PER_MODULE_CALL if cuda else 0.0
             self.prior_per_step = None if cuda else LIGHT_EVENTS_PER_STEP
         self.per_step: float | None = None  # events per model step (step hooks)
+        self.per_call: float | None = None  # events per module call counted (steps begun before the session too)
         self.per_chunk: float | None = None  # events per streamed chunk of the busiest sampled request
         self.per_second: float | None = None  # events per busy second
         self.stop_us: dict[tuple[bool, bool], float] = {}  # stop() µs per event, per (shapes, stack)
@@ -172,12 +182,24 @@ class EventBudget:
             return None
         return max(1, int(self.budget(settings) * share / per_step))
 
-    def call_limit(self, settings: Any, share: float = STOP_AT) -> int | None:
-        """Module calls (counted while the step hooks discover the model) after which the
-        hooks ask for the stop (or cut collection), when no events-per-step figure is known yet."""
-        if self.per_step or not self.prior_per_call:
+    def _per_call(self, live: LiveSignals) -> float | None:
+        """Events per module call: measured, else a measured step's over its calls, else the prior
+        (none for a light session on the CPU: its module calls record nothing)."""
+        if not self.prior_per_call:
             return None
-        return max(1, int(self.budget(settings) * share / self.prior_per_call))
+        if self.per_call:
+            return self.per_call
+        if self.per_step and live.calls_per_step:
+            return self.per_step / live.calls_per_step
+        return self.prior_per_call
+
+    def call_limit(self, settings: Any, live: LiveSignals, share: float = STOP_AT) -> int | None:
+        """Module calls (counted while the step hooks discover the model) after which the
+        hooks ask for the stop (or cut collection)."""
+        per_call = self._per_call(live)
+        if not per_call:
+            return None
+        return max(1, int(self.budget(settings) * share / per_call))
 
     @staticmethod
     def steps_ahead(live: LiveSignals) -> float:
@@ -191,11 +213,11 @@ class EventBudget:
         if live.hooks_active:
             if per_step:
                 terms.append(per_step * self.steps_ahead(live))
-            else:  # the first steps of the first session: module calls counted live, and the
-                # steps running now counted as whole ones (at the calls per step seen so far)
+            per_call = self._per_call(live)
+            if per_call:  # module calls counted live, and the steps running now counted as whole
+                # ones (at the calls per step seen so far)
                 per_step_calls = live.module_calls / max(1, live.steps)
-                terms.append((live.module_calls + live.open_steps * live.next_step_share * per_step_calls)
-                             * self.prior_per_call)
+                terms.append((live.module_calls + live.open_steps * live.next_step_share * per_step_calls) * per_call)
         if self.per_chunk:
             terms.append(self.per_chunk * chunks)
         stepless = not live.hooks_active or (live.steps == 0 and live.module_calls == 0 and busy_s >= STEPLESS_GRACE_S)
@@ -214,6 +236,7 @@ class EventBudget:
         # a cut (collection switched off by the step hooks) steps went on uncounted in the trace.
         running = auto.get("running_at_stop") or 0
         model_steps = (auto.get("steps") or 0) - running / 2
+        calls = summary.get("module_calls_recorded")
         if summary.get("steps_at_cut") is not None:
             model_steps, running = summary["steps_at_cut"], summary.get("running_at_cut") or 0
         else:
@@ -233,12 +256,13 @@ class EventBudget:
         stop_s = (session.perf_end_ns - session.capture_end_ns) / 1e9 \
             if session.perf_end_ns and session.capture_end_ns else None
         self.learn(count, session.settings, session.busy_ns / 1e9, model_steps, session.steps_captured, stop_s,
-                   running)
+                   running, calls if isinstance(calls, (int, float)) else None)
 
     def learn(self, events: float, settings: Any, busy_s: float, steps: float, chunks: int,
-              stop_s: float | None = None, running_steps: float = 0.0) -> None:
+              stop_s: float | None = None, running_steps: float = 0.0, calls: float | None = None) -> None:
         """``steps``: whole steps, plus what the ``running_steps`` still running at the end had done
-        (at most half of each)."""
+        (at most half of each). ``calls``: the module calls counted while the events were recorded
+        (None when the count ended before them: the discovery window closed)."""
         budget = self.budget(settings)
         self.history = [*self.history[-9:], {"events": round(events), "budget": round(budget),
                                               "ratio": round(events / budget, 3) if budget else None}]
@@ -256,13 +280,16 @@ class EventBudget:
         # Each running step counted at most half: at least as many whole steps as running ones.
         if steps >= MIN_LEARN_STEPS and events >= 100 and steps >= 1.5 * running_steps:
             self.per_step = max(events / steps, (self.per_step or 0.0) * PER_STEP_FADE)
+        if calls is not None and calls >= MIN_LEARN_CALLS and events >= 100 and self.prior_per_call:
+            self.per_call = max(events / calls, (self.per_call or 0.0) * PER_STEP_FADE)
         if not reliable:
             return
         if chunks >= 2:
             self.per_chunk = max(events / chunks, (self.per_chunk or 0.0) / 2)
 
     def status(self) -> dict[str, Any]:
-        return {"events_per_step": self.per_step, "events_per_chunk": self.per_chunk,
+        return {"events_per_step": self.per_step, "events_per_module_call": self.per_call,
+                "events_per_chunk": self.per_chunk,
                 "events_per_second": self.per_second,
                 "stop_us_per_event": {("shapes" if s else "plain") + ("+stack" if k else ""): round(v, 2)
                                       for (s, k), v in self.stop_us.items()},

@@ -31,7 +31,7 @@ def test_the_first_session_counts_module_calls_and_running_steps() -> None:
     # not end the session (unless no module call at all comes within the step-less grace).
     assert budget.estimate(5.0, 0, live, 100_000.0) == 60 * PRIOR_EVENTS_PER_MODULE_CALL
     assert budget.estimate(STEPLESS_GRACE_S * 0.9, 0, LiveSignals(hooks_active=True), 100_000.0) == 0.0
-    assert budget.call_limit(SETTINGS) == int(2000 * STOP_AT / PRIOR_EVENTS_PER_MODULE_CALL)
+    assert budget.call_limit(SETTINGS, live) == int(2000 * STOP_AT / PRIOR_EVENTS_PER_MODULE_CALL)
 
 
 def test_the_first_deep_session_on_cuda_counts_the_device_timeline_too(monkeypatch) -> None:
@@ -46,8 +46,8 @@ def test_the_first_deep_session_on_cuda_counts_the_device_timeline_too(monkeypat
     on_cpu = EventBudget()
     assert on_cpu.prior_per_call == PRIOR_EVENTS_PER_MODULE_CALL
     # The same budget stops a CUDA session after fewer module calls.
-    assert deep.call_limit(SETTINGS) == int(deep.budget(SETTINGS) * STOP_AT / deep.prior_per_call)
-    assert deep.call_limit(SETTINGS) < on_cpu.call_limit(SETTINGS)
+    assert deep.call_limit(SETTINGS, LiveSignals()) == int(deep.budget(SETTINGS) * STOP_AT / deep.prior_per_call)
+    assert deep.call_limit(SETTINGS, LiveSignals()) < on_cpu.call_limit(SETTINGS, LiveSignals())
 
 
 def test_a_server_without_modules_falls_back_to_time_after_a_grace() -> None:
@@ -71,6 +71,36 @@ def test_events_per_step_bound_the_next_session_with_running_steps_counted() -> 
     assert budget.estimate(0.1, 0, long_steps, 100_000.0) == 300.0 * 3.5
     # A load ten times higher: ten times the steps, ten times the estimate (time is not used).
     assert budget.estimate(0.1, 0, LiveSignals(hooks_active=True, steps=30, open_steps=20), 100_000.0) == 300.0 * 50
+
+
+def test_module_calls_bound_a_budget_of_a_step_or_two_and_count_steps_begun_before_the_session() -> None:
+    """The transformers test server on a loaded machine: ~455 ops a decode step, a budget its stop
+    time shrank to 936, and three streams each in a step when the session began (no hook saw
+    those start; their ops were recorded from there on). Counted in steps, a session held 1682
+    events: the calls made, at the events per call a session measured, bound it inside a step."""
+    budget = EventBudget()
+    budget.learn(1519.0, SETTINGS, busy_s=0.1, steps=2.2, chunks=0, running_steps=1, calls=98)
+    assert budget.per_call == pytest.approx(1519.0 / 98)
+    assert budget.per_step == pytest.approx(1519.0 / 2.2)
+    # Three streams' steps running when the session began: calls counted, no step yet.
+    begun_before = LiveSignals(hooks_active=True, steps=0, module_calls=60, discovering=True, calls_per_step=32)
+    assert budget.estimate(0.0, 0, begun_before, 0.0) == pytest.approx(60 * 1519.0 / 98)
+    # One step started on top: the step counted whole, or the calls, whichever is more.
+    one_step = LiveSignals(hooks_active=True, steps=1, open_steps=1, module_calls=70, calls_per_step=32)
+    assert budget.estimate(0.0, 0, one_step, 0.0) == pytest.approx(max(1519.0 / 2.2 * 2, (70 + 70) * 1519.0 / 98))
+    assert budget.call_limit(SETTINGS, one_step) == int(2000 * STOP_AT / (1519.0 / 98))
+    # Without a measured figure per call: a step's events over its calls.
+    derived = EventBudget()
+    derived.learn(3000.0, SETTINGS, busy_s=0.1, steps=6, chunks=0)
+    assert derived.per_call is None
+    assert derived.call_limit(SETTINGS, one_step) == int(2000 * STOP_AT / (500.0 / 32))
+    # Calls counted while nothing is recorded (a count that ended) teach nothing; few calls neither.
+    budget.learn(5000.0, SETTINGS, busy_s=0.1, steps=5, chunks=0, calls=None)
+    budget.learn(5000.0, SETTINGS, busy_s=0.1, steps=5, chunks=0, calls=5)
+    assert budget.per_call == pytest.approx(1519.0 / 98)
+    # And a session measuring fewer lowers the figure by PER_STEP_FADE at most.
+    budget.learn(500.0, SETTINGS, busy_s=0.1, steps=5, chunks=0, calls=100)
+    assert budget.per_call == pytest.approx(1519.0 / 98 * PER_STEP_FADE)
 
 
 def test_a_session_too_small_to_tell_teaches_no_rate() -> None:
@@ -170,13 +200,15 @@ def test_steps_running_at_a_cut_count_for_what_they_got_through_and_at_most_half
         hooks.remove()
 
 
-def _ended(events: int, started: int, running: int, whole_in_trace: int | None) -> tuple[object, dict]:
+def _ended(events: int, started: int, running: int, whole_in_trace: int | None,
+           calls: int | None = None) -> tuple[object, dict]:
     """A finished session as learn_session reads it: the step hooks' counts at the stop, and the
     analysis' count of steps that ended before stop() was called."""
     from types import SimpleNamespace
 
     session = SimpleNamespace(
-        instruments=SimpleNamespace(summary={"auto": {"steps": started, "running_at_stop": running}}),
+        instruments=SimpleNamespace(summary={"auto": {"steps": started, "running_at_stop": running},
+                                             "module_calls_recorded": calls}),
         trace_raw_bytes=0, perf_end_ns=0, capture_end_ns=0, settings=SETTINGS, busy_ns=100_000_000,
         steps_captured=0)
     steps = {"count": whole_in_trace or 0, "whole_before_stop": whole_in_trace}
@@ -202,3 +234,12 @@ def test_steps_running_at_the_stop_that_ended_before_it_teach_events_per_step() 
     partly = EventBudget()
     partly.learn_session(*_ended(1200, started=4, running=3, whole_in_trace=2))
     assert partly.per_step == pytest.approx(1200 / 3)
+
+
+def test_a_session_teaches_events_per_module_call_from_the_calls_counted_while_it_recorded() -> None:
+    counted = EventBudget()
+    counted.learn_session(*_ended(1200, started=4, running=1, whole_in_trace=3, calls=96))
+    assert counted.per_call == pytest.approx(1200 / 96)
+    ended_first = EventBudget()  # the discovery window closed before the session did: no lesson
+    ended_first.learn_session(*_ended(1200, started=4, running=1, whole_in_trace=3, calls=None))
+    assert ended_first.per_call is None and ended_first.per_step is not None

@@ -215,7 +215,7 @@ def test_the_light_budget_counts_steps_not_module_calls() -> None:
     live = LiveSignals(hooks_active=True, steps=10, module_calls=400, calls_per_step=40)
     if torch.cuda.is_available():  # pragma: no cover - the device timeline is counted per call
         pytest.skip("on CUDA a light session records kernels per module call")
-    assert light.call_limit(settings) is None  # module calls record nothing in a light session
+    assert light.call_limit(settings, live) is None  # module calls record nothing in a light session
     assert light.estimate(0.0, 0, live, 0.0) == pytest.approx(10 * LIGHT_EVENTS_PER_STEP)
     assert deep.estimate(0.0, 0, live, 0.0) > 50 * light.estimate(0.0, 0, live, 0.0)
     assert light.step_limit(settings, live) > 30 * deep.step_limit(settings, live)

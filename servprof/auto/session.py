@@ -67,6 +67,7 @@ class SessionInstruments:
         self.collection_cut = False  # collection switched off: budget (hooks at CUT_AT, or the stop) or drain
         self.steps_at_cut: float | None = None  # steps recorded before the cut (later ones are not)
         self.running_at_cut = 0  # of which still running then (counted for what they had done)
+        self.calls_at_cut: int | None = None  # module calls counted then (None: the count had ended)
         self.cut_wall_ns: int | None = None  # when collection went off (the trace shows nothing of the app after)
         self.cut_perf_ns: int | None = None
         self.watchdog = LoopWatchdog(settings.loop_stall_ms, in_flight, open_request_ids)
@@ -80,9 +81,10 @@ class SessionInstruments:
             return
         self.gc.start()
         try:
-            self._calls_cut = self.budget.call_limit(self.settings, CUT_AT)
+            live = self.auto.live()  # (calls per step: from an earlier session's discovery)
+            self._calls_cut = self.budget.call_limit(self.settings, live, CUT_AT)
             self.auto.start(self._open_request_ids, self._on_step, self._on_calls,
-                            self.budget.call_limit(self.settings))
+                            self.budget.call_limit(self.settings, live))
         except Exception as exc:  # noqa: BLE001 - a hook that cannot go in must not fail the session
             self.auto.remove()
             self.auto.problem = f"automatic phases could not be installed: {type(exc).__name__}: {exc}"
@@ -111,6 +113,9 @@ class SessionInstruments:
                      self.budget.estimate(0.0, 0, self.auto.live(), 0.0) >= self.budget.budget(self.settings)):
             self._cut(device=not drain)
         stalls = self.watchdog.stop()
+        # The module calls the recorded events came from: those counted until the cut, or until now.
+        calls = self.calls_at_cut if self.collection_cut else \
+            self.auto.steps.counted_calls() if self.auto is not None else None
         if self.auto is not None:
             self.auto.stop()
         missing = []
@@ -129,6 +134,7 @@ class SessionInstruments:
             "collection_cut": self.collection_cut,
             "steps_at_cut": self.steps_at_cut,
             "running_at_cut": self.running_at_cut,
+            "module_calls_recorded": calls,
             "cut_wall_ns": self.cut_wall_ns,
             "auto": self.auto.summary() if self.auto is not None else {"enabled": False},
             "watchdog": self.watchdog.summary(),
@@ -147,8 +153,8 @@ class SessionInstruments:
     # --- the step hooks (serving threads) ---------------------------------------------------------
 
     def _on_calls(self, calls: int) -> bool:
-        """Module calls (first steps of a first session), running steps counted whole, passed the
-        stop share of the budget; False once there is nothing more to do."""
+        """Module calls (counted in the session's discovery window), running steps counted whole,
+        passed the stop share of the budget; False once there is nothing more to do."""
         if not self._asked_stop:
             self._asked_stop = True
             self._wake()
@@ -188,4 +194,5 @@ class SessionInstruments:
                 hooks = self.auto.steps
                 self.running_at_cut = hooks.open_steps
                 self.steps_at_cut = max(0.0, hooks.steps - hooks.open_steps + hooks.running_done(self.cut_perf_ns))
+                self.calls_at_cut = hooks.counted_calls()
             self._wake()

@@ -194,6 +194,10 @@ class StepHooks:
         for handle in handles:
             handle.remove()
 
+    def counted_calls(self) -> int | None:
+        """The module calls counted this session, while they still are (None once the count ended)."""
+        return self.module_calls if self._counting and self.active else None
+
     def running_done(self, now_ns: int) -> float:
         """How many steps' worth the steps running now have got through, at the typical step time,
         never more than half of each: a step that just started (the one whose start made a stop
