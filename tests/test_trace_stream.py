@@ -20,6 +20,7 @@ from _fuzz_helpers import run_analyze, trace_inputs
 from hypothesis import HealthCheck, given, settings
 
 import servprof.trace.loader as loader
+import servprof.trace.source as source
 import servprof.trace.split as split
 from servprof.analysis import analyse as analyse_session
 from servprof.trace import TraceError, load_trace
@@ -269,22 +270,47 @@ def test_args_stay_text_until_read() -> None:
     assert len(trace.raw_args._decoded) == 1  # nothing else was decoded
 
 
-@pytest.mark.parametrize("held", [loader.HELD_TEXT_BYTES, 40_000, 0], ids=["held", "let_go_midway", "never_held"])
+@pytest.mark.parametrize(("held", "size_told"), [(loader.HELD_TEXT_BYTES, True), (40_000, False), (40_000, True),
+                                               (0, True)], ids=["held", "let_go_midway", "told_too_big", "never_held"])
 @pytest.mark.parametrize("name", ["hf_qwen1.5_0.5b_prefill_h100.json.gz", "vllm_decode_bs32_fullgraph_mi300x.json.gz"])
-def test_batch_text_held_or_let_go_gives_the_same_trace(name: str, held: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_batch_text_held_or_let_go_gives_the_same_trace(name: str, held: int, size_told: bool,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """A small trace keeps its batches' text and finds args in it when first read; past the
-    budget (here: midway, or from the start) the batches held so far give their args' text up
-    and later ones are decoded as a big trace's. Every column, thread name and args the same.
-    (The HF trace's thread names are in its last batches, which find their args at once.)"""
+    budget the batches held so far give their args' text up and later ones are decoded as a big
+    trace's: midway (a size not told before reading, here claimed small), or from the start when
+    the file's size tells it. Every column, thread name and args the same. (The HF trace's thread
+    names are in its last batches, which find their args at once.)"""
     monkeypatch.setattr(loader, "BATCH_BYTES", 8 * 1024)
     monkeypatch.setattr("servprof.trace.source.CHUNK_BYTES", 4096)
     monkeypatch.setattr(loader, "HELD_TEXT_BYTES", held)
+    if not size_told:
+        monkeypatch.setattr(loader, "text_size", lambda path: 0)
     path = public_trace(name)
     segments = load_trace(path).raw_args._segments
     assert len(segments) > 4
     holding = [isinstance(s, BatchText) and s.text is not None for s in segments[:-8]]
     assert all(holding) if held > path.stat().st_size * 20 else not any(holding)
+    if not size_told and held:  # the first batches were held, then let go of
+        assert any(isinstance(s, BatchText) for s in segments)
     assert_same(path)
+
+
+def test_the_text_size_is_told_before_reading(tmp_path: Path) -> None:
+    """A plain file's size; a gzip file's from its trailer (what the loader's rule for holding
+    batch text reads first); None where it cannot be told."""
+    path = public_trace("vllm_decode_bs32_fullgraph_mi300x.json.gz")
+    with gzip.open(path, "rb") as file:
+        text = file.read()
+    assert source.text_size(path) == len(text)
+    plain = tmp_path / "t.json"
+    plain.write_bytes(text)
+    assert source.text_size(plain) == len(text)
+    # A trailer smaller than the file (cut short, or a member's size past 4 GiB wrapped): not told.
+    cut = tmp_path / "cut.json.gz"
+    cut.write_bytes(path.read_bytes()[:-4] + (1).to_bytes(4, "little"))
+    assert source.text_size(cut) is None
+    assert source.text_size(tmp_path / "missing.json") is None
+    assert source.text_size(Path("/dev/null")) is None  # not a regular file: a stream
 
 
 def test_raw_args_segments() -> None:

@@ -194,6 +194,26 @@ class _Counted:
         return self._read
 
 
+def text_size(path: Path) -> int | None:
+    """The bytes of JSON text a file will give, known before reading it: a plain file's size, or
+    the size a gzip file's trailer records (modulo 4 GiB, and only its last member's; a trailer
+    smaller than the file cannot be the whole text). None for a stream or what cannot be told."""
+    try:
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):
+            return None
+        with open(path, "rb") as raw:
+            if raw.read(2) != b"\x1f\x8b":
+                return info.st_size
+            if info.st_size < 18:  # (a header and a trailer at least)
+                return None
+            raw.seek(-4, os.SEEK_END)
+            inflated = int.from_bytes(raw.read(4), "little")
+    except OSError:
+        return None
+    return inflated if inflated >= info.st_size else None
+
+
 def read_whole(path: Path, limit: int) -> bytearray:
     """The file's whole JSON text (inflated), refusing more than ``limit`` bytes or blank text."""
     data = bytearray()
