@@ -206,11 +206,24 @@ def test_beam_search_cache_reorders_and_growth_are_modelled(beam_search: Path):
         assert p["bytes"] == 2 * math.prod(p["shapes"][0]) * 4 + BEAMS * index_bytes  # the float cache, the indices
     cats = [p for p in points if p["op"] == "aten::cat" and len(p["shapes"][0][0]) == 4]  # the cache's
     assert cats and all(p["types"][0] == "TensorList[float]" for p in cats)
+    # Each step's cache cat grows the one before it's result (its groups are "grow"); rotate_half's
+    # cat of two equal halves stays a join.
+    groups = {str(p["shapes"]): {"op": p["op"], "family": p["family"], "shapes": p["shapes"]} for p in cats}
+    mark_growing(list(groups.values()), [p["shapes"] for p in points if p["op"] == "aten::cat"])
+    growing = [g for g in groups.values() if g["shapes"][0][0][2] != g["shapes"][0][1][2]]
+    assert growing and all(g["family"] == "grow" for g in growing), growing
+    assert all(g["family"] == "join" for g in groups.values() if g not in growing)
     for p in cats:
         parts = p["shapes"][0]
         assert p["bytes"] == 2 * sum(math.prod(part) for part in parts) * 4
     finding = next(f for f in analyse(load_trace(beam_search), device="cpu").findings
                    if f.kind == "bandwidth_bound_decode")
-    families = {g["family"] for g in finding.evidence["top_ops"] if g["op"] == "aten::cat"}
-    assert families <= {"grow"}  # a cache grown step after step, whichever cats made the top ten
+    # The cache's cats (the cache so far and this step's position, [beams, heads, positions, head
+    # dim]): grown step after step, whichever of them made the top ten. Other cats may make it too,
+    # on a busy machine (their time stretched by descheduling), and are joins: rotate_half's cat of
+    # two equal halves, [4, 4, 1, 4] each.
+    cache_cats = [g for g in finding.evidence["top_ops"] if g["op"] == "aten::cat" and len(g["shapes"][0]) == 2
+                  and len(g["shapes"][0][0]) == 4 and g["shapes"][0][0][2] != g["shapes"][0][1][2]]
+    assert {g["family"] for g in cache_cats} <= {"grow"}, cache_cats
+    assert {g["family"] for g in finding.evidence["top_ops"] if g["op"] == "aten::cat"} <= {"grow", "join"}
     assert not [p for p in points if p["family"] == "embedding" and p["op"] != "aten::embedding"]
