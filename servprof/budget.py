@@ -32,7 +32,7 @@ A rate per second or per chunk is learned only from a session that captured
 ``MIN_LEARN_EVENTS`` (or a quarter of a smaller budget); events per step from any session
 with ``MIN_LEARN_STEPS`` steps (a step running at its end counted for what it got through, at
 most half: StepHooks.running_done), unless those running steps are more than its whole ones;
-events per module call from one that counted ``MIN_LEARN_CALLS`` calls while it recorded;
+events per module call from such a session that counted ``MIN_LEARN_CALLS`` calls while it recorded;
 and a figure learned is never lowered by more than ``PER_STEP_FADE`` per session. Events per
 step are the model's, they do not change with load: a figure too low lets the next session pass
 its budget by as much (the step hooks' cut at ``CUT_AT`` counts steps at that figure too).
@@ -280,7 +280,9 @@ class EventBudget:
         # Each running step counted at most half: at least as many whole steps as running ones.
         if steps >= MIN_LEARN_STEPS and events >= 100 and steps >= 1.5 * running_steps:
             self.per_step = max(events / steps, (self.per_step or 0.0) * PER_STEP_FADE)
-        if calls is not None and calls >= MIN_LEARN_CALLS and events >= 100 and self.prior_per_call:
+        # (From sessions that ran steps: a quiet one's calls may be a tokenizer's handful beside other work.)
+        if calls is not None and calls >= MIN_LEARN_CALLS and steps >= MIN_LEARN_STEPS and events >= 100 \
+                and self.prior_per_call:
             self.per_call = max(events / calls, (self.per_call or 0.0) * PER_STEP_FADE)
         if not reliable:
             return

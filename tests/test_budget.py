@@ -97,6 +97,7 @@ def test_module_calls_bound_a_budget_of_a_step_or_two_and_count_steps_begun_befo
     # Calls counted while nothing is recorded (a count that ended) teach nothing; few calls neither.
     budget.learn(5000.0, SETTINGS, busy_s=0.1, steps=5, chunks=0, calls=None)
     budget.learn(5000.0, SETTINGS, busy_s=0.1, steps=5, chunks=0, calls=5)
+    budget.learn(5000.0, SETTINGS, busy_s=0.1, steps=1, chunks=0, calls=40)  # a tokenizer's session: no step
     assert budget.per_call == pytest.approx(1519.0 / 98)
     # And a session measuring fewer lowers the figure by PER_STEP_FADE at most.
     budget.learn(500.0, SETTINGS, busy_s=0.1, steps=5, chunks=0, calls=100)
