@@ -133,8 +133,10 @@ def test_a_next_turn_over_the_cache_is_a_prefill(tmp_path: Path) -> None:
     steps = find_steps(trace)
     assert sum(1 for s in steps if s.kind == "prefill") == turns
     assert multi_token(steps, "decode") == []
-    analysis = analyse(trace)
-    assert not [f for f in analysis.findings if f.kind == "decode_gap" and f.severity != "info"]
+    # (Where the think time falls, not whether any decode gap was found: generate()'s own Python
+    # between steps, prepare_inputs_for_generation's signature lookups, passes 5% of step time on a
+    # busy machine, a true finding of its own.)
+    assert_waits_outside(trace, steps, [i for i, s in enumerate(steps) if s.kind == "prefill" and i > 0])
     assert not any(s.recomputes_prefix for s in steps)
 
 
@@ -164,7 +166,7 @@ def test_the_wait_between_an_encoder_decoders_requests_is_not_a_decode_gap(tmp_p
     steps = find_steps(trace)
     assert {s.kind for s in steps} == {"decode"} and len(steps) >= (REQUESTS + 1) * (NEW_TOKENS - 1)
     assert sum(1 for s in steps if s.opens_request) == REQUESTS + 1
-    assert decode_gaps(trace) == []
+    assert_waits_outside(trace, steps, [i for i, s in enumerate(steps) if s.opens_request and i > 0])
 
 
 def test_a_generate_call_per_token_is_the_loop(tmp_path: Path) -> None:
