@@ -10,7 +10,7 @@ session stopped before it passes the budget:
   ``PRIOR_EVENTS_PER_MODULE_CALL`` per nested module call (transformers' Llama makes ~18-21
   events per module call, a hand-written model ~11), ``CUDA_DEEP_EVENTS_FACTOR`` times that
   where CUDA is there (the device timeline comes on top of the ops). While those first steps
-  run, module calls are counted live and the estimate is calls x that prior.
+  run, the module-call estimate below counts them at that prior.
   Steps scale with load (more threads or more requests step more), so a load that jumps
   mid-session moves the estimate with it; events per step do not depend on batch size.
 * **module calls**, counted while the first steps of every session are watched (the

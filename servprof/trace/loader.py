@@ -97,9 +97,7 @@ def _load(path: str | os.PathLike[str], files: list[Path], limit: int, progress:
     args = RawArgs()
     metadata: dict[int, dict[str, Any]] = {}
     thread_names: dict[tuple[int, int, int], str] = {}
-    sizes = [text_size(file) for file in files]
-    small = None not in sizes and sum(sizes) <= HELD_TEXT_BYTES  # type: ignore[arg-type]
-    held = _HeldText(args, keep=not read_args and small)
+    held = _HeldText(args, keep=not read_args and _small(files))
     for index, file in enumerate(files):
         columns, document = _read_file(file, limit, progress, held)
         rank = file_rank(document, index, list(metadata))
@@ -126,6 +124,12 @@ def _load(path: str | os.PathLike[str], files: list[Path], limit: int, progress:
         _name_lookup=interner.lookup,
         **merged,
     )
+
+
+def _small(files: list[Path]) -> bool:
+    """Whether the files' text, told before reading them, fits HELD_TEXT_BYTES (not when untold)."""
+    sizes = [text_size(file) for file in files]
+    return None not in sizes and sum(sizes) <= HELD_TEXT_BYTES  # type: ignore[arg-type]
 
 
 class _HeldText:
